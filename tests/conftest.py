@@ -1,0 +1,114 @@
+"""Shared fixtures: one real local stack (SeaweedFS S3 + MLflow) per test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tide_lib.config import LakeConfig, TideConfig, load_config
+from tide_lib.lake import CapturedRecord, ObjectStore
+from tide_lib.stack import StackManager
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+_GRPC_OFFSET = 10000
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int, start: int) -> list[int]:
+    """``count`` ports p, free along with p + 10000 (SeaweedFS's gRPC twins)."""
+    ports: list[int] = []
+    port = start
+    while len(ports) < count:
+        if _free(port) and _free(port + _GRPC_OFFSET):
+            ports.append(port)
+        port += 1
+    return ports
+
+
+def stack_config(state_dir: Path, port_base: int, **sections: object) -> TideConfig:
+    """A config whose stack runs on free ports under ``state_dir``; the store points at it."""
+    s3, master, volume, filer, admin, mlflow = free_ports(6, port_base)
+    return load_config(
+        stack={
+            "state_dir": state_dir,
+            "s3_port": s3,
+            "master_port": master,
+            "volume_port": volume,
+            "filer_port": filer,
+            "admin_port": admin,
+            "mlflow_port": mlflow,
+        },
+        store={"endpoint": f"http://127.0.0.1:{s3}", "timeout_s": 2.0},
+        mlflow={"tracking_uri": f"http://127.0.0.1:{mlflow}"},
+        **sections,
+    )
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TideConfig]:
+    """The real stack, started once per session; yields its configuration."""
+    config = stack_config(tmp_path_factory.mktemp("stack"), port_base=41000)
+    manager = StackManager(config)
+    manager.up()
+    yield config
+    manager.down()
+
+
+@pytest.fixture
+def lake_config(tmp_path: Path) -> LakeConfig:
+    return LakeConfig(
+        prefix=f"test-{uuid.uuid4().hex[:8]}",
+        spool_dir=tmp_path / "spool",
+        shard_max_age_s=0.5,
+        retry_interval_s=0.2,
+    )
+
+
+@pytest.fixture
+def lake_store(stack: TideConfig) -> ObjectStore:
+    return ObjectStore(stack.store, stack.store.lake_bucket)
+
+
+def make_record(
+    index: int = 0,
+    *,
+    tokens: int = 12,
+    hidden: int = 16,
+    target_id: str = "demo/target",
+    finished_at: datetime | None = None,
+    seed: int | None = None,
+) -> CapturedRecord:
+    """A valid record with distinct random float16 states (seeded by ``index``)."""
+    rng = np.random.default_rng(index if seed is None else seed)
+    finished = finished_at or datetime.now(UTC)
+    return CapturedRecord(
+        request_id=f"req-{index}",
+        target_id=target_id,
+        draft_version="v1",
+        started_at=finished - timedelta(seconds=1),
+        finished_at=finished,
+        input_ids=rng.integers(0, 1000, tokens, dtype=np.int64),
+        loss_mask=(np.arange(tokens) >= tokens // 2).astype(np.int8),
+        hidden_states=rng.standard_normal((tokens, hidden)).astype(np.float16),
+        aux_hidden_states=rng.standard_normal((tokens, 3 * hidden)).astype(np.float16),
+        spec_verify_ct=3,
+        spec_accept_tokens=4,
+        completion_tokens=tokens - tokens // 2,
+    )

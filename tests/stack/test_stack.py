@@ -1,0 +1,82 @@
+"""The local stack: real servers, clear failures, MLflow artifacts landing in S3."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from tests.conftest import stack_config
+from tide_lib.config import TideConfig
+from tide_lib.lake import ObjectStore
+from tide_lib.stack import SERVICES, StackError, StackManager
+from tide_lib.stack.services import find_binary
+
+pytestmark = pytest.mark.slow
+
+
+def test_status_reports_every_service_healthy(stack: TideConfig) -> None:
+    statuses = StackManager(stack).status()
+    assert [s.name for s in statuses] == ["seaweedfs", "mlflow"]
+    assert all(s.healthy and s.pid for s in statuses)
+
+
+def test_up_is_idempotent(stack: TideConfig) -> None:
+    manager = StackManager(stack)
+    before = [s.pid for s in manager.status()]
+    manager.up()
+    assert [s.pid for s in manager.status()] == before
+
+
+def test_buckets_exist(stack: TideConfig) -> None:
+    for bucket in (stack.store.lake_bucket, stack.store.artifact_bucket):
+        assert ObjectStore(stack.store, bucket).is_reachable()
+
+
+def test_mlflow_artifacts_land_in_the_s3_server(stack: TideConfig, tmp_path: Path) -> None:
+    mlflow.set_tracking_uri(stack.mlflow.tracking_uri)
+    mlflow.set_experiment("tide-stack-test")
+    payload = tmp_path / "note.txt"
+    payload.write_text("stored in s3")
+    with mlflow.start_run() as run:
+        mlflow.log_metric("x", 1.0)
+        mlflow.log_artifact(str(payload))
+    artifacts = ObjectStore(stack.store, stack.store.artifact_bucket)
+    keys = [info.key for info in artifacts.list("artifacts/")]
+    matching = [key for key in keys if run.info.run_id in key and key.endswith("note.txt")]
+    assert matching, f"no artifact of run {run.info.run_id} in s3://{stack.store.artifact_bucket}"
+    assert artifacts.get_bytes(matching[0]) == b"stored in s3"
+
+
+def test_taken_port_fails_with_a_clear_message(tmp_path: Path) -> None:
+    config = stack_config(tmp_path, port_base=47000)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", config.stack.mlflow_port))
+        squatter.listen()
+        mlflow_only = StackManager(
+            config, services=tuple(s for s in SERVICES if s.name == "mlflow")
+        )
+        with pytest.raises(StackError, match=rf"port\(s\) \[{config.stack.mlflow_port}\].*taken"):
+            mlflow_only.up()
+        assert not mlflow_only.status()[0].running
+
+
+def test_missing_binary_names_the_fix() -> None:
+    with pytest.raises(FileNotFoundError, match="pip install no-such-tool"):
+        find_binary("no-such-tool-xyz", "install it with `pip install no-such-tool`")
+
+
+def test_down_stops_processes(tmp_path: Path) -> None:
+    config = stack_config(tmp_path, port_base=48000)
+    manager = StackManager(config, services=tuple(s for s in SERVICES if s.name == "seaweedfs"))
+    manager.up()
+    pid = manager.status()[0].pid
+    assert pid is not None
+    manager.down()
+    assert manager.status()[0].running is False
+    assert (
+        not Path(f"/proc/{pid}").exists()
+        or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    )

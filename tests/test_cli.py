@@ -1,0 +1,111 @@
+"""The ``tide`` command line: help, stack status, lake stats and the lake benchmark."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_record
+from tide_lib.cli import main
+from tide_lib.config import LakeConfig, TideConfig
+from tide_lib.lake import LakeWriter, ObjectStore
+
+
+def _env(monkeypatch: pytest.MonkeyPatch, config: TideConfig) -> None:
+    monkeypatch.setenv("TIDE_STORE__ENDPOINT", config.store.endpoint)
+    monkeypatch.setenv("TIDE_STACK__STATE_DIR", str(config.stack.state_dir))
+    monkeypatch.setenv("TIDE_STACK__S3_PORT", str(config.stack.s3_port))
+    monkeypatch.setenv("TIDE_STACK__MLFLOW_PORT", str(config.stack.mlflow_port))
+
+
+def test_help_explains_every_command() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tide_lib.cli", "--help"], capture_output=True, text=True, check=True
+    )
+    for command in ("stack", "lake", "bench", "demo", "TIDE_STORE__ENDPOINT"):
+        assert command in result.stdout
+
+
+def test_unreachable_store_is_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TIDE_STORE__ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("TIDE_STORE__TIMEOUT_S", "0.5")
+    assert main(["lake", "stats"]) == 2
+    assert "unreachable" in caplog.text and "tide stack status" in caplog.text
+
+
+def test_invalid_configuration_exits_2(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TIDE_LAKE__QUEUE_MAX_RECORDS", "-1")
+    assert main(["lake", "stats"]) == 2
+    assert "queue_max_records" in caplog.text
+
+
+@pytest.mark.slow
+def test_stack_status_and_lake_stats(
+    stack: TideConfig,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _env(monkeypatch, stack)
+    assert main(["stack", "status"]) == 0
+    assert capsys.readouterr().out.count("healthy") == 2
+
+    prefix = "cli-stats"
+    monkeypatch.setenv("TIDE_LAKE__PREFIX", prefix)
+    store = ObjectStore(stack.store, stack.store.lake_bucket)
+    with LakeWriter(store, LakeConfig(prefix=prefix, spool_dir=tmp_path / "spool")) as writer:
+        for index in range(3):
+            writer.submit(make_record(index, tokens=10, target_id="org/Model-7B"))
+    assert main(["lake", "stats", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["target_slug"], r["records"], r["tokens"]) for r in rows] == [
+        ("org--model-7b", 3, 30)
+    ]
+    assert main(["lake", "stats"]) == 0
+    table = capsys.readouterr().out
+    assert "org--model-7b" in table and "dt=" in table
+
+
+@pytest.mark.slow
+def test_bench_lake_writes_json(
+    stack: TideConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _env(monkeypatch, stack)
+    monkeypatch.setenv("TIDE_LAKE__SPOOL_DIR", str(tmp_path / "spool"))
+    out = tmp_path / "lake.json"
+    assert (
+        main(
+            [
+                "bench",
+                "lake",
+                "--json",
+                str(out),
+                "--records",
+                "16",
+                "--tokens",
+                "32",
+                "--hidden-size",
+                "64",
+            ]
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())
+    for key in (
+        "write_tokens_per_s",
+        "write_mb_per_s",
+        "bytes_per_token",
+        "raw_fp16_bytes_per_token",
+        "read_tokens_per_s",
+        "writer_us_per_record",
+    ):
+        assert result[key] > 0
+    assert result["raw_fp16_bytes_per_token"] == 64 * 4 * 2

@@ -1,0 +1,231 @@
+"""``tide``: the command line of TIDE.
+
+Each subcommand parses its arguments, loads the typed configuration once, and
+calls one library function; errors that a user can fix are printed as one
+readable line (exit code 2) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from tide_lib.config import TideConfig, load_config
+
+if TYPE_CHECKING:
+    from tide_lib.stack import ServiceStatus
+
+__all__ = ["main"]
+
+logger = logging.getLogger("tide")
+
+Handler = Callable[[argparse.Namespace, TideConfig], int]
+
+
+def _out(text: str = "") -> None:
+    """User-facing output of a command (tables, URLs); diagnostics go through logging."""
+    sys.stdout.write(text + "\n")
+
+
+# -- stack ------------------------------------------------------------------------------
+
+
+def _stack_up(_args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.stack import StackManager  # noqa: PLC0415
+
+    _print_status(StackManager(config).up())
+    return 0
+
+
+def _stack_down(_args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.stack import StackManager  # noqa: PLC0415
+
+    StackManager(config).down()
+    _out("stack stopped")
+    return 0
+
+
+def _stack_status(_args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.stack import StackManager  # noqa: PLC0415
+
+    statuses = StackManager(config).status()
+    _print_status(statuses)
+    return 0 if all(status.healthy for status in statuses) else 1
+
+
+def _print_status(statuses: list[ServiceStatus]) -> None:
+    _out(f"{'service':<12}{'state':<10}{'pid':>8}  url / log")
+    for status in statuses:
+        state = "healthy" if status.healthy else ("starting" if status.running else "stopped")
+        _out(f"{status.name:<12}{state:<10}{status.pid or '-':>8}  {status.url}  ({status.log})")
+
+
+# -- lake -------------------------------------------------------------------------------
+
+
+def _lake_stats(args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.lake import LakeReader, ObjectStore  # noqa: PLC0415
+    from tide_lib.lake.reader import partition_stats  # noqa: PLC0415
+
+    reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), config.lake)
+    slugs = [args.target] if args.target else reader.list_targets()
+    rows = partition_stats(reader, slugs)
+    if args.json:
+        _out(json.dumps([dataclasses.asdict(row) for row in rows]))
+        return 0
+    if not rows:
+        _out(f"no committed shards in s3://{config.store.lake_bucket}/{config.lake.prefix}/")
+        return 0
+    _out(f"{'target':<32}{'partition':<24}{'shards':>8}{'records':>9}{'tokens':>11}{'MB':>9}")
+    for row in rows:
+        _out(
+            f"{row.target_slug:<32}{row.partition:<24}{row.shards:>8}{row.records:>9}"
+            f"{row.tokens:>11}{row.size_bytes / 1e6:>9.1f}"
+        )
+    _out(
+        f"{'total':<56}{sum(r.shards for r in rows):>8}{sum(r.records for r in rows):>9}"
+        f"{sum(r.tokens for r in rows):>11}{sum(r.size_bytes for r in rows) / 1e6:>9.1f}"
+    )
+    return 0
+
+
+# -- bench ------------------------------------------------------------------------------
+
+
+def _bench_lake(args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.lake.bench import HEADLINE_KEYS, LakeBenchParams, run_lake_bench  # noqa: PLC0415
+
+    params = LakeBenchParams(
+        records=args.records, tokens_per_record=args.tokens, hidden_size=args.hidden_size
+    )
+    result = run_lake_bench(config, params, args.json)
+    for key in HEADLINE_KEYS:
+        _out(f"{key:<28}{result[key]:>14.1f}")
+    if args.json:
+        _out(f"wrote {args.json}")
+    return 0
+
+
+# -- demo -------------------------------------------------------------------------------
+
+
+def _demo(args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.lake.bench import LakeBenchParams, run_lake_bench  # noqa: PLC0415
+    from tide_lib.stack import StackManager  # noqa: PLC0415
+
+    manager = StackManager(config)
+    _print_status(manager.up())
+    try:
+        _out("\nwriting and reading captured hidden states through the lake ...")
+        run_lake_bench(config, LakeBenchParams(records=64), Path("bench/demo-lake.json"))
+        _out("wrote bench/demo-lake.json")
+        _out(f"\nMLflow: http://{config.stack.host}:{config.stack.mlflow_port}")
+        _out(f"S3:     {config.store.endpoint} (bucket {config.store.lake_bucket})")
+        if args.keep_up:
+            _out("stack stays up until Ctrl-C")
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if not args.keep_running:
+            manager.down()
+            _out("stack stopped")
+    return 0
+
+
+# -- parser -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tide",
+        description=(
+            "TIDE keeps EAGLE3 draft models fitted to live traffic: serving captures the "
+            "target's hidden states into S3, Airflow retrains the draft with SpecForge, "
+            "MLflow registers it, and the fleet hot-swaps it in."
+        ),
+        epilog=(
+            "Configuration: environment variables TIDE_<SECTION>__<FIELD> "
+            "(e.g. TIDE_STORE__ENDPOINT=http://minio:9000) or a YAML/JSON file in TIDE_CONFIG."
+        ),
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    stack = commands.add_parser(
+        "stack", help="start/stop the local S3 (SeaweedFS) and MLflow servers"
+    ).add_subparsers(dest="action", required=True, metavar="ACTION")
+    stack.add_parser(
+        "up", help="start every service, create buckets, wait until healthy (idempotent)"
+    ).set_defaults(handler=_stack_up)
+    stack.add_parser("down", help="stop every service started by `up`").set_defaults(
+        handler=_stack_down
+    )
+    stack.add_parser(
+        "status", help="show each service; exit 1 unless all are healthy"
+    ).set_defaults(handler=_stack_status)
+
+    lake = commands.add_parser("lake", help="inspect the hidden-state lake").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    stats = lake.add_parser("stats", help="committed shards, records and tokens per partition")
+    stats.add_argument("--target", help="only this target slug (default: every target)")
+    stats.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    stats.set_defaults(handler=_lake_stats)
+
+    bench = commands.add_parser("bench", help="benchmarks that write JSON").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    bench_lake = bench.add_parser(
+        "lake",
+        help="capture write/read throughput, bytes per token, writer cost per record",
+        description="Needs the S3 server up (`tide stack up`). Cleans up its own shards.",
+    )
+    bench_lake.add_argument("--json", type=Path, help="write the results to this file")
+    bench_lake.add_argument("--records", type=int, default=256, help="records to write")
+    bench_lake.add_argument("--tokens", type=int, default=256, help="tokens per record")
+    bench_lake.add_argument("--hidden-size", type=int, default=1024, help="target hidden size H")
+    bench_lake.set_defaults(handler=_bench_lake)
+
+    demo = commands.add_parser("demo", help="run what exists of the TIDE loop on this machine")
+    demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")
+    demo.add_argument("--keep-running", action="store_true", help="leave the stack running on exit")
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tide_lib.lake import InvalidRecordError, StoreUnavailableError  # noqa: PLC0415
+    from tide_lib.stack import StackError  # noqa: PLC0415
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+    )
+    handler: Handler = args.handler
+    try:
+        config = load_config()
+        return handler(args, config)
+    except ValidationError as error:
+        logger.error("invalid TIDE configuration:\n%s", error)
+    except (StackError, StoreUnavailableError, InvalidRecordError, FileNotFoundError) as error:
+        logger.error("%s", error)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

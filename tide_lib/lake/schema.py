@@ -1,0 +1,226 @@
+"""The captured record: one finished request, as serving hands it to the lake.
+
+The schema is the contract between the serving fleet (producer) and training and
+evaluation (consumers). Hidden states travel as raw little-endian float16/bfloat16
+bytes: Parquet has no bfloat16 type, and raw buffers keep the writer's per-record
+cost to a memory copy. ``validate_record`` runs on the caller's thread, so it only
+inspects shapes and dtypes; it never touches tensor data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = [
+    "HIDDEN_DTYPES",
+    "RECORD_SCHEMA",
+    "SCHEMA_VERSION",
+    "CapturedRecord",
+    "InvalidRecordError",
+    "record_nbytes",
+    "records_to_table",
+    "validate_record",
+]
+
+SCHEMA_VERSION: Final = 1
+HIDDEN_DTYPES: Final = ("float16", "bfloat16")
+NUM_AUX_LAYERS: Final = 3
+
+RECORD_SCHEMA: Final = pa.schema(
+    [
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("target_id", pa.string(), nullable=False),
+        pa.field("draft_version", pa.string(), nullable=False),
+        pa.field("started_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("finished_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("num_tokens", pa.int32(), nullable=False),
+        pa.field("hidden_size", pa.int32(), nullable=False),
+        pa.field("hidden_dtype", pa.string(), nullable=False),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("hidden_states", pa.large_binary(), nullable=False),
+        pa.field("aux_hidden_states", pa.large_binary(), nullable=False),
+        pa.field("spec_verify_ct", pa.int32(), nullable=False),
+        pa.field("spec_accept_tokens", pa.int32(), nullable=False),
+        pa.field("completion_tokens", pa.int32(), nullable=False),
+    ],
+    metadata={
+        "tide.schema_version": str(SCHEMA_VERSION),
+        "tide.doc": (
+            "hidden_states: final-layer states [num_tokens, hidden_size]; aux_hidden_states: "
+            "EAGLE3 aux-layer states [num_tokens, 3*hidden_size]; both row-major raw "
+            "little-endian bytes of hidden_dtype. loss_mask marks output tokens."
+        ),
+    },
+)
+
+
+class InvalidRecordError(ValueError):
+    """A record does not satisfy the capture contract; the message says which field."""
+
+
+@dataclasses.dataclass(slots=True)
+class CapturedRecord:
+    """One finished request with the target's hidden states.
+
+    Tensors may be numpy arrays or torch tensors (CPU). ``hidden_states`` is
+    ``[T, H]``, ``aux_hidden_states`` is ``[T, 3H]``, both float16 or bfloat16;
+    ``input_ids`` and ``loss_mask`` are ``[T]``. ``spec_verify_ct`` counts target
+    verify steps and ``spec_accept_tokens`` the draft tokens they accepted.
+    """
+
+    request_id: str
+    target_id: str
+    draft_version: str
+    started_at: datetime
+    finished_at: datetime
+    input_ids: Any
+    loss_mask: Any
+    hidden_states: Any
+    aux_hidden_states: Any
+    spec_verify_ct: int = 0
+    spec_accept_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        raise TypeError
+    return tuple(int(d) for d in shape)
+
+
+def _dtype_name(value: Any) -> str:
+    """'float16', 'bfloat16', 'int64', ... for numpy arrays and torch tensors alike."""
+    return str(value.dtype).removeprefix("torch.")
+
+
+def _is_torch(value: Any) -> bool:
+    return type(value).__module__.startswith("torch")
+
+
+def validate_record(record: CapturedRecord) -> None:
+    """Raise :class:`InvalidRecordError` naming the first field that breaks the contract."""
+    if not isinstance(record, CapturedRecord):
+        raise InvalidRecordError(f"expected a CapturedRecord, got {type(record).__name__}")
+    for name in ("request_id", "target_id"):
+        value = getattr(record, name)
+        if not isinstance(value, str) or not value:
+            raise InvalidRecordError(f"{name} must be a non-empty string, got {value!r}")
+    if not isinstance(record.draft_version, str):
+        raise InvalidRecordError(f"draft_version must be a string, got {record.draft_version!r}")
+    for name in ("started_at", "finished_at"):
+        value = getattr(record, name)
+        if not isinstance(value, datetime) or value.tzinfo is None:
+            raise InvalidRecordError(f"{name} must be a timezone-aware datetime, got {value!r}")
+    if record.finished_at < record.started_at:
+        raise InvalidRecordError(
+            f"request {record.request_id}: finished_at {record.finished_at} "
+            f"is before started_at {record.started_at}"
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in ("input_ids", "loss_mask", "hidden_states", "aux_hidden_states"):
+        try:
+            shapes[name] = _shape(getattr(record, name))
+        except TypeError:
+            raise InvalidRecordError(
+                f"request {record.request_id}: {name} must be a numpy array or torch tensor, "
+                f"got {type(getattr(record, name)).__name__}"
+            ) from None
+    if len(shapes["input_ids"]) != 1 or shapes["input_ids"][0] == 0:
+        raise InvalidRecordError(
+            f"request {record.request_id}: input_ids must be 1-D and non-empty, "
+            f"got shape {shapes['input_ids']}"
+        )
+    num_tokens = shapes["input_ids"][0]
+    if shapes["loss_mask"] != (num_tokens,):
+        raise InvalidRecordError(
+            f"request {record.request_id}: loss_mask has shape {shapes['loss_mask']}, "
+            f"expected ({num_tokens},) to match input_ids"
+        )
+    hidden = shapes["hidden_states"]
+    if len(hidden) != 2 or hidden[0] != num_tokens or hidden[1] == 0:
+        raise InvalidRecordError(
+            f"request {record.request_id}: hidden_states has shape {hidden}, "
+            f"expected ({num_tokens}, H)"
+        )
+    expected_aux = (num_tokens, NUM_AUX_LAYERS * hidden[1])
+    if shapes["aux_hidden_states"] != expected_aux:
+        raise InvalidRecordError(
+            f"request {record.request_id}: aux_hidden_states has shape "
+            f"{shapes['aux_hidden_states']}, expected {expected_aux} (3 aux layers x H={hidden[1]})"
+        )
+    hidden_dtype = _dtype_name(record.hidden_states)
+    if hidden_dtype not in HIDDEN_DTYPES:
+        raise InvalidRecordError(
+            f"request {record.request_id}: hidden_states dtype is {hidden_dtype}, "
+            f"expected one of {HIDDEN_DTYPES}"
+        )
+    if _dtype_name(record.aux_hidden_states) != hidden_dtype:
+        raise InvalidRecordError(
+            f"request {record.request_id}: aux_hidden_states dtype "
+            f"{_dtype_name(record.aux_hidden_states)} differs from hidden_states {hidden_dtype}"
+        )
+    if not _dtype_name(record.input_ids).startswith(("int", "uint")):
+        raise InvalidRecordError(
+            f"request {record.request_id}: input_ids must hold integers, "
+            f"got {_dtype_name(record.input_ids)}"
+        )
+    for name in ("spec_verify_ct", "spec_accept_tokens", "completion_tokens"):
+        value = getattr(record, name)
+        if not isinstance(value, int) or value < 0:
+            raise InvalidRecordError(
+                f"request {record.request_id}: {name} must be a non-negative int, got {value!r}"
+            )
+
+
+def record_nbytes(record: CapturedRecord) -> int:
+    """Raw size of a validated record's tensors (what it costs in memory and on the wire)."""
+    num_tokens, hidden_size = _shape(record.hidden_states)
+    return num_tokens * hidden_size * 2 * (1 + NUM_AUX_LAYERS) + num_tokens * 5
+
+
+def _raw_bytes(value: Any) -> bytes:
+    if _is_torch(value):
+        import torch  # noqa: PLC0415  (serving passes torch tensors; the lake itself does not need torch)
+
+        tensor = value.detach().to("cpu").contiguous()
+        return bytes(tensor.view(torch.int16).numpy().tobytes())
+    return bytes(np.ascontiguousarray(value).astype("<f2", copy=False).tobytes())
+
+
+def _int_list(value: Any, dtype: str) -> np.ndarray:
+    array = value.detach().to("cpu").numpy() if _is_torch(value) else np.asarray(value)
+    return array.astype(dtype, copy=False)
+
+
+def _utc(value: datetime) -> datetime:
+    return value.astimezone(UTC)
+
+
+def records_to_table(records: list[CapturedRecord]) -> pa.Table:
+    """Encode validated records into one Arrow table of :data:`RECORD_SCHEMA`."""
+    columns: dict[str, list[Any]] = {field.name: [] for field in RECORD_SCHEMA}
+    for record in records:
+        num_tokens, hidden_size = _shape(record.hidden_states)
+        columns["request_id"].append(record.request_id)
+        columns["target_id"].append(record.target_id)
+        columns["draft_version"].append(record.draft_version)
+        columns["started_at"].append(_utc(record.started_at))
+        columns["finished_at"].append(_utc(record.finished_at))
+        columns["num_tokens"].append(num_tokens)
+        columns["hidden_size"].append(hidden_size)
+        columns["hidden_dtype"].append(_dtype_name(record.hidden_states))
+        columns["input_ids"].append(_int_list(record.input_ids, "int32"))
+        columns["loss_mask"].append(_int_list(record.loss_mask, "int8"))
+        columns["hidden_states"].append(_raw_bytes(record.hidden_states))
+        columns["aux_hidden_states"].append(_raw_bytes(record.aux_hidden_states))
+        columns["spec_verify_ct"].append(record.spec_verify_ct)
+        columns["spec_accept_tokens"].append(record.spec_accept_tokens)
+        columns["completion_tokens"].append(record.completion_tokens)
+    return pa.Table.from_pydict(columns, schema=RECORD_SCHEMA)

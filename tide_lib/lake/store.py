@@ -1,0 +1,160 @@
+"""The object store as TIDE sees it: a few S3 calls through the ``minio`` client.
+
+The same code talks to MinIO in production and SeaweedFS locally; it never asks
+which. Calls fail fast (short timeouts, few retries) and raise
+:class:`StoreUnavailableError` when the server cannot be reached, so that the
+capture writer can spool instead of stalling serving threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import urllib3
+from minio import Minio
+from minio.commonconfig import CopySource
+from minio.error import S3Error
+
+from tide_lib.config import ObjectStoreConfig
+
+__all__ = ["ObjectInfo", "ObjectStore", "StoreUnavailableError"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class StoreUnavailableError(ConnectionError):
+    """The S3 server did not answer; the message names the endpoint and what to check."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    last_modified: datetime | None
+
+
+class ObjectStore:
+    """One bucket on one S3 endpoint."""
+
+    def __init__(self, config: ObjectStoreConfig, bucket: str) -> None:
+        self.config = config
+        self.bucket = bucket
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=config.timeout_s, read=config.timeout_s * 6),
+            # No retry on refused connections: callers spool or report instead of hanging.
+            retries=urllib3.Retry(
+                total=2, connect=0, backoff_factor=0.1, status_forcelist=[502, 503, 504]
+            ),
+            maxsize=8,
+        )
+        self._client = Minio(
+            config.host_port,
+            access_key=config.access_key,
+            secret_key=config.secret_key.get_secret_value(),
+            secure=config.secure,
+            region=config.region,
+            http_client=http,
+        )
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.config.endpoint}, bucket={self.bucket})"
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}"
+
+    def _unavailable(self, action: str, error: Exception) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            f"S3 store {self.config.endpoint} unreachable while {action}: {error}. "
+            "Is the server up (`tide stack status`) and TIDE_STORE__ENDPOINT right?"
+        )
+
+    def _call(self, action: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise self._unavailable(action, error) from error
+
+    def ensure_bucket(self) -> None:
+        if not self._call("checking the bucket", self._client.bucket_exists, self.bucket):
+            self._call("creating the bucket", self._client.make_bucket, self.bucket)
+            logger.info("created bucket %s on %s", self.bucket, self.config.endpoint)
+
+    def is_reachable(self) -> bool:
+        try:
+            self._call("probing", self._client.bucket_exists, self.bucket)
+        except StoreUnavailableError:
+            return False
+        return True
+
+    def put_bytes(
+        self, key: str, data: bytes, content_type: str = "application/octet-stream"
+    ) -> None:
+        self._call(
+            f"writing {key}",
+            self._client.put_object,
+            self.bucket,
+            key,
+            io.BytesIO(data),
+            len(data),
+            content_type=content_type,
+        )
+
+    def put_file(self, key: str, path: Path) -> None:
+        self._call(
+            f"uploading {path} to {key}", self._client.fput_object, self.bucket, key, str(path)
+        )
+
+    def get_bytes(self, key: str) -> bytes:
+        response = self._call(f"reading {key}", self._client.get_object, self.bucket, key)
+        try:
+            return bytes(response.read())
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise self._unavailable(f"reading {key}", error) from error
+        finally:
+            response.close()
+            response.release_conn()
+
+    def get_file(self, key: str, path: Path) -> None:
+        self._call(f"downloading {key}", self._client.fget_object, self.bucket, key, str(path))
+
+    def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """Objects under ``prefix`` in key order, optionally only those after ``start_after``."""
+        try:
+            for obj in self._client.list_objects(
+                self.bucket, prefix=prefix, recursive=True, start_after=start_after
+            ):
+                if obj.object_name is None or obj.is_dir:
+                    continue
+                yield ObjectInfo(obj.object_name, obj.size or 0, obj.last_modified)
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise self._unavailable(f"listing {prefix}", error) from error
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call(f"checking {key}", self._client.stat_object, self.bucket, key)
+        except S3Error as error:
+            if error.code in {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}:
+                return False
+            raise
+        return True
+
+    def move(self, key: str, new_key: str) -> None:
+        self._call(
+            f"copying {key}",
+            self._client.copy_object,
+            self.bucket,
+            new_key,
+            CopySource(self.bucket, key),
+        )
+        self.remove(key)
+
+    def remove(self, key: str) -> None:
+        self._call(f"deleting {key}", self._client.remove_object, self.bucket, key)

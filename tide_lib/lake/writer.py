@@ -1,0 +1,424 @@
+"""The capture writer: serving hands it finished requests and never waits for S3.
+
+``submit`` validates shapes, then puts the record on a bounded queue and returns.
+A batcher thread groups records by partition into Parquet shards (flushed by size
+or age) and writes each shard to a local spool directory; an uploader thread
+moves spooled shards to the object store and commits each with a marker. The
+spool is the outbox: when the store is unreachable shards wait there (bounded by
+``spool_max_bytes``) and go up when it is back, including after a restart of the
+process. A full queue or a full spool drops records and counts them.
+
+Exactly-once: a shard is uploaded before its marker; a retried upload rewrites
+the same shard key, and a marker whose PUT may have landed is looked up before a
+new one is written, so a record is never committed twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+import pyarrow.parquet as pq
+
+from tide_lib.config import LakeConfig
+from tide_lib.lake.layout import CommitMarker, commit_key, new_shard_id, shard_key, target_slug
+from tide_lib.lake.schema import CapturedRecord, record_nbytes, records_to_table, validate_record
+from tide_lib.lake.store import ObjectStore, StoreUnavailableError
+
+__all__ = ["LakeWriter", "WriterStats"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S: Final = 0.2
+_DROP_LOG_EVERY_S: Final = 10.0
+_BINARY_COLUMNS: Final = ("hidden_states", "aux_hidden_states")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriterStats:
+    """Counters of a writer's life so far; ``dropped_records`` is never silently lost."""
+
+    submitted_records: int
+    dropped_records: int
+    shards_written: int
+    shards_uploaded: int
+    records_uploaded: int
+    tokens_uploaded: int
+    spooled_shards: int
+    spooled_bytes: int
+    upload_errors: int
+    store_reachable: bool
+
+
+@dataclasses.dataclass(slots=True)
+class _Buffer:
+    records: list[CapturedRecord] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+    opened_at: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class LakeWriter:
+    """Batches captured records into committed Parquet shards in the lake.
+
+    Use as a context manager, or call :meth:`close` on shutdown: it flushes the
+    queue and uploads what it can within ``timeout``; the rest stays spooled.
+    """
+
+    def __init__(self, store: ObjectStore, config: LakeConfig) -> None:
+        self.store = store
+        self.config = config
+        self.writer_id = uuid.uuid4().hex[:12]
+        self._queue: queue.Queue[CapturedRecord] = queue.Queue(maxsize=config.queue_max_records)
+        self._spool = Path(config.spool_dir)
+        self._spool.mkdir(parents=True, exist_ok=True)
+        self._spool_lock = self._lock_spool()
+        self._recover_spool()
+
+        self._counter_lock = threading.Lock()
+        self._submitted = 0
+        self._dropped = 0
+        self._shards_written = 0
+        self._shards_uploaded = 0
+        self._records_uploaded = 0
+        self._tokens_uploaded = 0
+        self._upload_errors = 0
+        self._store_reachable = True
+        self._last_drop_log = 0.0
+
+        self._flush_requested = threading.Event()
+        self._flush_done = threading.Condition()
+        self._flush_generation = 0
+        self._stopping = threading.Event()
+        self._abandon_uploads = threading.Event()
+        self._batcher_done = threading.Event()
+        self._spool_changed = threading.Event()
+        self._batcher = threading.Thread(
+            target=self._batch_loop, name="tide-lake-batcher", daemon=True
+        )
+        self._uploader = threading.Thread(
+            target=self._upload_loop, name="tide-lake-uploader", daemon=True
+        )
+        self._batcher.start()
+        self._uploader.start()
+
+    # -- caller side ---------------------------------------------------------------
+
+    def submit(self, record: CapturedRecord) -> bool:
+        """Queue a finished request; ``False`` if it was dropped because the queue is full.
+
+        Raises :class:`~tide_lib.lake.schema.InvalidRecordError` for a malformed record.
+        """
+        if self._stopping.is_set():
+            raise RuntimeError("LakeWriter is closed; records can no longer be submitted")
+        validate_record(record)
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            self._count_drops(1, "capture queue is full")
+            return False
+        with self._counter_lock:
+            self._submitted += 1
+        return True
+
+    def stats(self) -> WriterStats:
+        spooled = list(self._spool.glob("*.parquet"))
+        with self._counter_lock:
+            return WriterStats(
+                submitted_records=self._submitted,
+                dropped_records=self._dropped,
+                shards_written=self._shards_written,
+                shards_uploaded=self._shards_uploaded,
+                records_uploaded=self._records_uploaded,
+                tokens_uploaded=self._tokens_uploaded,
+                spooled_shards=len(spooled),
+                spooled_bytes=sum(path.stat().st_size for path in spooled if path.exists()),
+                upload_errors=self._upload_errors,
+                store_reachable=self._store_reachable,
+            )
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Write every buffered record as a shard and wait until the spool is uploaded.
+
+        Returns ``False`` if the store could not take everything within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        with self._flush_done:
+            generation = self._flush_generation
+            self._flush_requested.set()
+            while self._flush_generation == generation:
+                if not self._flush_done.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    return False
+        return self._wait_spool_empty(deadline)
+
+    def close(self, timeout: float = 60.0) -> WriterStats:
+        """Flush everything and stop; shards that cannot be uploaded in time stay spooled."""
+        if self._stopping.is_set():
+            return self.stats()
+        deadline = time.monotonic() + timeout
+        self._stopping.set()
+        self._batcher.join()
+        uploaded = self._wait_spool_empty(deadline)
+        self._abandon_uploads.set()
+        self._spool_changed.set()
+        self._uploader.join(timeout=max(1.0, deadline - time.monotonic()))
+        stats = self.stats()
+        if not uploaded:
+            logger.warning(
+                "lake writer closed with %d shard(s) (%d bytes) still spooled in %s: the store "
+                "was unreachable; a writer started with the same spool_dir uploads them",
+                stats.spooled_shards,
+                stats.spooled_bytes,
+                self._spool,
+            )
+        self._spool_lock.close()
+        return stats
+
+    def __enter__(self) -> LakeWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- batching ------------------------------------------------------------------
+
+    def _batch_loop(self) -> None:
+        buffers: dict[tuple[str, str], _Buffer] = {}
+        while True:
+            try:
+                record = self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                record = None
+            if record is not None:
+                self._add(buffers, record)
+            stopping = self._stopping.is_set() and self._queue.empty()
+            if self._flush_requested.is_set() or stopping:
+                self._flush_requested.clear()
+                drained = self._drain_queue(buffers)
+                for partition in list(buffers):
+                    self._write_shard(buffers.pop(partition).records)
+                with self._flush_done:
+                    self._flush_generation += 1
+                    self._flush_done.notify_all()
+                if stopping and not drained:
+                    break
+                continue
+            now = time.monotonic()
+            for partition, buffer in list(buffers.items()):
+                if now - buffer.opened_at >= self.config.shard_max_age_s:
+                    self._write_shard(buffers.pop(partition).records)
+        self._batcher_done.set()
+        self._spool_changed.set()
+
+    def _drain_queue(self, buffers: dict[tuple[str, str], _Buffer]) -> int:
+        drained = 0
+        while True:
+            try:
+                self._add(buffers, self._queue.get_nowait())
+            except queue.Empty:
+                return drained
+            drained += 1
+
+    def _add(self, buffers: dict[tuple[str, str], _Buffer], record: CapturedRecord) -> None:
+        finished = record.finished_at.astimezone(UTC)
+        partition = (target_slug(record.target_id), f"{finished:%Y-%m-%d %H}")
+        buffer = buffers.setdefault(partition, _Buffer())
+        buffer.records.append(record)
+        buffer.nbytes += record_nbytes(record)
+        if buffer.nbytes >= self.config.shard_max_bytes:
+            self._write_shard(buffers.pop(partition).records)
+
+    def _write_shard(self, records: list[CapturedRecord]) -> None:
+        """Encode records as one Parquet shard in the spool, with a sidecar describing it."""
+        estimated = sum(record_nbytes(record) for record in records)
+        spooled_bytes = sum(path.stat().st_size for path in self._spool.glob("*.parquet"))
+        if spooled_bytes + estimated > self.config.spool_max_bytes:
+            self._count_drops(
+                len(records),
+                f"spool {self._spool} is full ({spooled_bytes} bytes of "
+                f"{self.config.spool_max_bytes}); the store has been unreachable too long",
+            )
+            return
+        try:
+            self._encode_to_spool(records)
+        except Exception:
+            logger.exception("could not encode %d captured records into a shard", len(records))
+            self._count_drops(len(records), "shard encoding failed")
+            return
+        with self._counter_lock:
+            self._shards_written += 1
+        self._spool_changed.set()
+
+    def _encode_to_spool(self, records: list[CapturedRecord]) -> None:
+        shard_id = new_shard_id()
+        slug = target_slug(records[0].target_id)
+        finished = [record.finished_at.astimezone(UTC) for record in records]
+        table = records_to_table(records)
+        tmp_path = self._spool / f"{shard_id}.parquet.tmp"
+        tensor_codec = self.config.tensor_compression
+        pq.write_table(
+            table,
+            tmp_path,
+            compression={
+                name: (tensor_codec if name in _BINARY_COLUMNS else "zstd")
+                for name in table.column_names
+            },
+            use_dictionary=[name for name in table.column_names if name not in _BINARY_COLUMNS],
+            write_statistics=[name for name in table.column_names if name not in _BINARY_COLUMNS],
+            row_group_size=len(records),
+        )
+        with tmp_path.open("rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        num_tokens = sum(int(record.input_ids.shape[0]) for record in records)
+        num_output_tokens = sum(int(record.loss_mask.sum()) for record in records)
+        sidecar = {
+            "shard_id": shard_id,
+            "shard_key": shard_key(self.config.prefix, slug, min(finished), shard_id),
+            "target_slug": slug,
+            "num_records": len(records),
+            "num_tokens": num_tokens,
+            "num_output_tokens": num_output_tokens,
+            "size_bytes": tmp_path.stat().st_size,
+            "sha256": digest,
+            "min_finished_at": min(finished).isoformat(),
+            "max_finished_at": max(finished).isoformat(),
+            "commit_key": None,
+        }
+        _write_json_atomic(self._spool / f"{shard_id}.json", sidecar)
+        tmp_path.replace(self._spool / f"{shard_id}.parquet")
+
+    def _count_drops(self, count: int, reason: str) -> None:
+        with self._counter_lock:
+            self._dropped += count
+            total = self._dropped
+            should_log = time.monotonic() - self._last_drop_log >= _DROP_LOG_EVERY_S
+            if should_log:
+                self._last_drop_log = time.monotonic()
+        if should_log:
+            logger.warning(
+                "dropped %d captured record(s): %s (%d dropped so far)", count, reason, total
+            )
+
+    # -- uploading -----------------------------------------------------------------
+
+    def _upload_loop(self) -> None:
+        while not self._abandon_uploads.is_set():
+            pending = sorted(self._spool.glob("*.parquet"))
+            if not pending:
+                if self._batcher_done.is_set():
+                    return
+                self._spool_changed.wait(timeout=_POLL_S)
+                self._spool_changed.clear()
+                continue
+            for path in pending:
+                if self._abandon_uploads.is_set():
+                    return
+                try:
+                    self._upload(path)
+                except StoreUnavailableError as error:
+                    self._note_outage(error)
+                    self._abandon_uploads.wait(timeout=self.config.retry_interval_s)
+                    break
+                except Exception:
+                    logger.exception("uploading spooled shard %s failed; will retry", path)
+                    with self._counter_lock:
+                        self._upload_errors += 1
+                    self._abandon_uploads.wait(timeout=self.config.retry_interval_s)
+                    break
+
+    def _note_outage(self, error: StoreUnavailableError) -> None:
+        with self._counter_lock:
+            self._upload_errors += 1
+            was_reachable = self._store_reachable
+            self._store_reachable = False
+        if was_reachable:
+            logger.warning("%s; spooling shards in %s until it is back", error, self._spool)
+
+    def _upload(self, path: Path) -> None:
+        sidecar_path = path.with_suffix(".json")
+        sidecar = json.loads(sidecar_path.read_text())
+        self.store.put_file(sidecar["shard_key"], path)
+        previous_commit = sidecar.get("commit_key")
+        if previous_commit is None or not self.store.exists(previous_commit):
+            committed_at = datetime.now(UTC)
+            key = commit_key(
+                self.config.prefix, sidecar["target_slug"], committed_at, sidecar["shard_id"]
+            )
+            sidecar["commit_key"] = key
+            _write_json_atomic(sidecar_path, sidecar)  # remembered before the PUT that may land
+            marker = CommitMarker(
+                shard_key=sidecar["shard_key"],
+                target_slug=sidecar["target_slug"],
+                num_records=sidecar["num_records"],
+                num_tokens=sidecar["num_tokens"],
+                num_output_tokens=sidecar["num_output_tokens"],
+                size_bytes=sidecar["size_bytes"],
+                sha256=sidecar["sha256"],
+                min_finished_at=datetime.fromisoformat(sidecar["min_finished_at"]),
+                max_finished_at=datetime.fromisoformat(sidecar["max_finished_at"]),
+                committed_at=committed_at,
+                writer_id=self.writer_id,
+            )
+            self.store.put_bytes(key, marker.to_json(), content_type="application/json")
+        path.unlink()
+        sidecar_path.unlink()
+        with self._counter_lock:
+            if not self._store_reachable:
+                logger.info(
+                    "S3 store %s is reachable again; uploading spool", self.store.config.endpoint
+                )
+            self._store_reachable = True
+            self._shards_uploaded += 1
+            self._records_uploaded += sidecar["num_records"]
+            self._tokens_uploaded += sidecar["num_tokens"]
+        logger.debug("committed shard %s (%d tokens)", sidecar["shard_key"], sidecar["num_tokens"])
+
+    # -- spool housekeeping ----------------------------------------------------------
+
+    def _lock_spool(self) -> TextIO:
+        handle = (self._spool / ".lock").open("w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise RuntimeError(
+                f"spool directory {self._spool} is used by another LakeWriter; "
+                "give each serving process its own TIDE_LAKE__SPOOL_DIR"
+            ) from None
+        return handle
+
+    def _recover_spool(self) -> None:
+        """Drop half-written files from a crash; keep complete shards for upload."""
+        for leftover in self._spool.glob("*.tmp"):
+            logger.warning("removing half-written spool file %s left by a crash", leftover)
+            leftover.unlink()
+        for sidecar in self._spool.glob("*.json"):
+            if not sidecar.with_suffix(".parquet").exists():
+                sidecar.unlink()
+        recovered = list(self._spool.glob("*.parquet"))
+        if recovered:
+            logger.info(
+                "found %d spooled shard(s) in %s; uploading them", len(recovered), self._spool
+            )
+
+    def _wait_spool_empty(self, deadline: float) -> bool:
+        while any(self._spool.glob("*.parquet")):
+            if time.monotonic() >= deadline or not self._uploader.is_alive():
+                return False
+            time.sleep(0.05)
+        return True
+
+
+def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload))
+    tmp.replace(path)

@@ -1,0 +1,199 @@
+"""Start, stop and inspect the local stack (``tide stack up|down|status``).
+
+Each service runs detached in its own process group; its pid file and log live
+in the state directory, so a later ``tide`` invocation (or a test session) can
+find, check and stop what an earlier one started. ``up`` is idempotent: a
+healthy service is left alone, a dead one is restarted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from tide_lib.config import TideConfig
+from tide_lib.stack.services import SERVICES, Service
+
+__all__ = ["ServiceStatus", "StackError", "StackManager"]
+
+logger = logging.getLogger(__name__)
+
+
+class StackError(RuntimeError):
+    """The stack could not be brought to the asked state; the message says why and what to do."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServiceStatus:
+    name: str
+    pid: int | None
+    running: bool
+    healthy: bool
+    url: str
+    log: Path
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child still answers kill(0); reap it
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return waited == 0
+
+
+class StackManager:
+    """The local S3 server and MLflow server, as configured."""
+
+    def __init__(self, config: TideConfig, services: tuple[Service, ...] = SERVICES) -> None:
+        self.config = config
+        self.services = services
+        self.state_dir = Path(config.stack.state_dir)
+
+    def _pid_file(self, service: Service) -> Path:
+        return self.state_dir / f"{service.name}.pid"
+
+    def _log_file(self, service: Service) -> Path:
+        return self.state_dir / f"{service.name}.log"
+
+    def _pid(self, service: Service) -> int | None:
+        try:
+            pid = int(self._pid_file(service).read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        return pid if _alive(pid) else None
+
+    def status(self) -> list[ServiceStatus]:
+        statuses = []
+        for service in self.services:
+            pid = self._pid(service)
+            statuses.append(
+                ServiceStatus(
+                    name=service.name,
+                    pid=pid,
+                    running=pid is not None,
+                    healthy=pid is not None and service.healthy(self.config),
+                    url=service.url(self.config),
+                    log=self._log_file(service),
+                )
+            )
+        return statuses
+
+    def up(self) -> list[ServiceStatus]:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        for service in self.services:
+            self._start(service)
+        return self.status()
+
+    def _start(self, service: Service) -> None:
+        pid = self._pid(service)
+        if pid is not None:
+            if service.healthy(self.config):
+                logger.info("%s already running (pid %d)", service.name, pid)
+                return
+            self._stop(service)
+        busy = [
+            port
+            for port in service.ports(self.config)
+            if _port_in_use(self.config.stack.host, port)
+        ]
+        if busy:
+            raise StackError(
+                f"cannot start {service.name}: port(s) {busy} on {self.config.stack.host} "
+                "are taken by another process. Stop it (`ss -ltnp` shows which), "
+                "or move TIDE's ports with TIDE_STACK__<NAME>_PORT"
+            )
+        command = service.command(self.config, self.state_dir)
+        log_path = self._log_file(service)
+        logger.info("starting %s: %s", service.name, " ".join(command))
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **service.env(self.config)},
+                cwd=self.state_dir,
+                start_new_session=True,
+            )
+        self._pid_file(service).write_text(str(process.pid))
+        deadline = time.monotonic() + self.config.stack.start_timeout_s
+        while not service.healthy(self.config):
+            if process.poll() is not None:
+                raise StackError(
+                    f"{service.name} exited with code {process.returncode} while starting; "
+                    f"last lines of {log_path}:\n{_tail(log_path)}"
+                )
+            if time.monotonic() > deadline:
+                self._stop(service)
+                raise StackError(
+                    f"{service.name} did not become healthy within "
+                    f"{self.config.stack.start_timeout_s:.0f}s; see {log_path}:\n{_tail(log_path)}"
+                )
+            time.sleep(0.25)
+        service.after_start(self.config)
+        logger.info("%s is up at %s (pid %d)", service.name, service.url(self.config), process.pid)
+
+    def down(self) -> None:
+        for service in reversed(self.services):
+            self._stop(service)
+
+    def stop_service(self, name: str) -> None:
+        self._stop(self._service(name))
+
+    def start_service(self, name: str) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._start(self._service(name))
+
+    def _service(self, name: str) -> Service:
+        for service in self.services:
+            if service.name == name:
+                return service
+        raise StackError(f"no service named {name!r}; known: {[s.name for s in self.services]}")
+
+    def _stop(self, service: Service, grace_s: float = 15.0) -> None:
+        pid = self._pid(service)
+        self._pid_file(service).unlink(missing_ok=True)
+        if pid is None:
+            return
+        logger.info("stopping %s (pid %d)", service.name, pid)
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                if not _alive(pid):
+                    return
+                time.sleep(0.1)
+        raise StackError(f"{service.name} (pid {pid}) did not stop after SIGKILL")
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
