@@ -106,6 +106,9 @@ class LakeConfig(StrictModel):
     shard_max_bytes: int = Field(32 * 2**20, gt=0, description="flush a shard at this raw size")
     shard_max_age_s: float = Field(30.0, gt=0, description="flush a shard at this age")
     queue_max_records: int = Field(256, gt=0, description="records waiting before drops")
+    memory_max_bytes: int = Field(
+        1 * 2**30, gt=0, description="raw tensor bytes queued or buffered before drops"
+    )
     spool_dir: Path = DEFAULT_HOME / "spool"
     spool_max_bytes: int = Field(4 * 2**30, gt=0, description="local disk kept for outages")
     retry_interval_s: float = Field(1.0, gt=0, description="wait between upload retries")

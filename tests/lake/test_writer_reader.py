@@ -233,3 +233,19 @@ def test_export_loads_in_specforge(
     record = by_ids[tuple(item["input_ids"][0].tolist())]
     assert torch.equal(item["hidden_state"][0], torch.from_numpy(record.aux_hidden_states))
     assert torch.equal(item["target"][0], torch.from_numpy(record.hidden_states))
+
+
+def test_memory_bound_drops_oversized_backlog(
+    lake_store: ObjectStore, lake_config: LakeConfig
+) -> None:
+    one_record = 12 * 16 * 2 * 4 + 12 * 5  # raw bytes of make_record(tokens=12, hidden=16)
+    config = lake_config.model_copy(update={"memory_max_bytes": 2 * one_record})
+    writer = LakeWriter(lake_store, config)
+    gate = threading.Event()
+    original = writer._add
+    writer._add = lambda buffers, record: (gate.wait(), original(buffers, record))  # type: ignore[method-assign]
+    results = [writer.submit(make_record(i)) for i in range(5)]
+    gate.set()
+    stats = writer.close(timeout=30)
+    assert results[:2] == [True, True] and results.count(False) == stats.dropped_records >= 2
+    assert stats.records_uploaded == results.count(True)

@@ -80,3 +80,58 @@ def test_down_stops_processes(tmp_path: Path) -> None:
         not Path(f"/proc/{pid}").exists()
         or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     )
+
+
+def _postgres_database() -> str | None:
+    """A fresh database on the local PostgreSQL (CI has one), or None when there is none."""
+    import uuid
+
+    import psycopg2
+
+    try:
+        admin = psycopg2.connect(
+            host="127.0.0.1", user="postgres", dbname="postgres", connect_timeout=2
+        )
+    except psycopg2.OperationalError:
+        return None
+    name = f"tide_mlflow_{uuid.uuid4().hex[:8]}"
+    admin.autocommit = True
+    with admin.cursor() as cursor:
+        cursor.execute(f"CREATE DATABASE {name}")
+    admin.close()
+    return f"postgresql+psycopg2://postgres@127.0.0.1:5432/{name}"
+
+
+def test_mlflow_runs_on_postgres(stack: TideConfig, tmp_path: Path) -> None:
+    backend = _postgres_database()
+    if backend is None:
+        pytest.skip("no PostgreSQL on 127.0.0.1:5432 (CI machines have one)")
+    config = stack.model_copy(
+        update={
+            "mlflow": stack.mlflow.model_copy(update={"backend_store_uri": backend}),
+            "stack": stack.stack.model_copy(
+                update={"state_dir": tmp_path, "mlflow_port": stack.stack.mlflow_port + 1}
+            ),
+        }
+    )
+    mlflow_only = StackManager(config, services=tuple(s for s in SERVICES if s.name == "mlflow"))
+    mlflow_only.up()
+    try:
+        client = mlflow.MlflowClient(f"http://127.0.0.1:{config.stack.mlflow_port}")
+        experiment = client.create_experiment("on-postgres")
+        run = client.create_run(experiment)
+        client.log_metric(run.info.run_id, "accept_length", 2.5)
+        assert client.get_run(run.info.run_id).data.metrics == {"accept_length": 2.5}
+    finally:
+        mlflow_only.down()
+        _drop_database(backend.rsplit("/", 1)[1])
+
+
+def _drop_database(name: str) -> None:
+    import psycopg2
+
+    admin = psycopg2.connect(host="127.0.0.1", user="postgres", dbname="postgres")
+    admin.autocommit = True
+    with admin.cursor() as cursor:
+        cursor.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    admin.close()

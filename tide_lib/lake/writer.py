@@ -6,7 +6,8 @@ or age) and writes each shard to a local spool directory; an uploader thread
 moves spooled shards to the object store and commits each with a marker. The
 spool is the outbox: when the store is unreachable shards wait there (bounded by
 ``spool_max_bytes``) and go up when it is back, including after a restart of the
-process. A full queue or a full spool drops records and counts them.
+process. Memory is bounded by ``queue_max_records`` and ``memory_max_bytes``;
+a full queue, full memory or a full spool drops records and counts them.
 
 Exactly-once: a shard is uploaded before its marker; a retried upload rewrites
 the same shard key, and a marker whose PUT may have landed is looked up before a
@@ -92,6 +93,7 @@ class LakeWriter:
         self._records_uploaded = 0
         self._tokens_uploaded = 0
         self._upload_errors = 0
+        self._held_bytes = 0  # raw bytes of records queued or buffered, not yet spooled
         self._store_reachable = True
         self._last_drop_log = 0.0
 
@@ -121,9 +123,21 @@ class LakeWriter:
         if self._stopping.is_set():
             raise RuntimeError("LakeWriter is closed; records can no longer be submitted")
         validate_record(record)
+        nbytes = record_nbytes(record)
+        with self._counter_lock:
+            if self._held_bytes + nbytes > self.config.memory_max_bytes:
+                full = f"capture memory is full ({self._held_bytes} bytes held)"
+            else:
+                full = ""
+                self._held_bytes += nbytes
+        if full:
+            self._count_drops(1, full)
+            return False
         try:
             self._queue.put_nowait(record)
         except queue.Full:
+            with self._counter_lock:
+                self._held_bytes -= nbytes
             self._count_drops(1, "capture queue is full")
             return False
         with self._counter_lock:
@@ -240,6 +254,13 @@ class LakeWriter:
     def _write_shard(self, records: list[CapturedRecord]) -> None:
         """Encode records as one Parquet shard in the spool, with a sidecar describing it."""
         estimated = sum(record_nbytes(record) for record in records)
+        try:
+            self._spool_records(records, estimated)
+        finally:
+            with self._counter_lock:
+                self._held_bytes -= estimated
+
+    def _spool_records(self, records: list[CapturedRecord], estimated: int) -> None:
         spooled_bytes = sum(path.stat().st_size for path in self._spool.glob("*.parquet"))
         if spooled_bytes + estimated > self.config.spool_max_bytes:
             self._count_drops(
