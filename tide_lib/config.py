@@ -28,6 +28,7 @@ __all__ = [
     "ObjectStoreConfig",
     "StackConfig",
     "TideConfig",
+    "TrainConfig",
     "load_config",
 ]
 
@@ -121,6 +122,32 @@ class LakeConfig(StrictModel):
     )
 
 
+class TrainConfig(StrictModel):
+    """EAGLE3 draft training (SpecForge's model and objective) on one lake window."""
+
+    device: str = Field("cpu", description="cpu, cuda, cuda:N; multi-GPU runs under torchrun")
+    steps: int = Field(200, ge=0, description="optimizer steps")
+    batch_size: int = Field(4, gt=0, description="samples per optimizer step (per process)")
+    learning_rate: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    max_grad_norm: float = Field(0.5, gt=0)
+    ttt_length: int = Field(7, gt=0, description="training-time-test unroll (SpecForge default 7)")
+    ploss_decay: float = Field(0.8, gt=0, le=1, description="weight decay of later TTT positions")
+    max_len: int = Field(512, gt=1, description="tokens kept per sample")
+    draft_vocab_size: int = Field(2048, gt=0)
+    vocab_mapping: Literal["parent", "window"] = Field(
+        "parent",
+        description="warm starts keep the parent's d2t/t2d, or rebuild them from the window",
+    )
+    checkpoint_every: int = Field(50, gt=0)
+    keep_checkpoints: int = Field(2, gt=0)
+    log_every: int = Field(10, gt=0)
+    seed: int = 0
+    loss_backend: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="auto: SpecForge's Triton kernel on CUDA, its torch reference on CPU"
+    )
+
+
 class TideConfig(BaseSettings):
     """All of TIDE's settings; sections mirror the stages of the loop."""
 
@@ -135,6 +162,7 @@ class TideConfig(BaseSettings):
     mlflow: MLflowConfig = MLflowConfig()
     stack: StackConfig = StackConfig()
     lake: LakeConfig = LakeConfig()
+    training: TrainConfig = TrainConfig()
 
     @classmethod
     def settings_customise_sources(

@@ -1,0 +1,18 @@
+"""The target model side: the demo target TIDE builds, and hidden-state capture from HF models."""
+
+from tide_lib.target.build import PRESETS, build_target, encode_document, render_prompt
+from tide_lib.target.corpus import DOMAINS, Corpus, Document, load_corpus
+from tide_lib.target.hidden import HiddenStateCapture, eagle_aux_layer_ids
+
+__all__ = [
+    "DOMAINS",
+    "PRESETS",
+    "Corpus",
+    "Document",
+    "HiddenStateCapture",
+    "build_target",
+    "eagle_aux_layer_ids",
+    "encode_document",
+    "load_corpus",
+    "render_prompt",
+]

@@ -1,0 +1,408 @@
+"""``tide train``: an EAGLE3 draft trained on a window of captured hidden states.
+
+TIDE uses SpecForge's classes in-process rather than its ``specforge train`` CLI:
+the draft is SpecForge's ``LlamaForCausalLMEagle3``, the objective its
+``OnlineEagle3Model`` (training-time test over ``ttt_length`` positions) driven by
+its ``Eagle3TrainStrategy`` with the frozen target head re-projecting the
+captured final states (``target_repr="hidden_state"``), and samples go through
+its offline normaliser. What TIDE adds around them is what continual training
+needs and the CLI does not offer: warm starts from the serving draft (keeping
+or remapping its vocabulary), windows read from the lake, resumable
+checkpoints, and metrics to an MLflow run.
+
+Data: a directory in SpecForge's offline layout (one ``.ckpt`` per sample), as
+written by :meth:`tide_lib.lake.LakeReader.export_specforge`. The sample order
+is a pure function of the seed and the step, so a resumed run sees exactly the
+samples an uninterrupted one would.
+
+Multi-GPU: run the same entry point under ``torchrun``; each process takes its
+share of every step's samples and gradients are averaged by DDP. Device and
+world size are configuration, nothing else changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from tqdm import tqdm
+
+from tide_lib.config import TrainConfig
+from tide_lib.training.draft import (
+    count_output_tokens,
+    export_draft,
+    load_draft,
+    load_target_tensor,
+    new_draft,
+)
+from tide_lib.training.schedule import warmup_cosine
+from tide_lib.training.specforge_runtime import prepare_specforge
+
+__all__ = ["MetricSink", "TrainResult", "evaluate_draft", "list_samples", "train_draft"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+DRAFT_DIR = "draft"
+
+
+class MetricSink(Protocol):
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    draft_dir: Path
+    steps: int
+    resumed_from_step: int | None
+    final_loss: float
+    accuracy: list[float]  # top-1 accuracy per TTT position over the last logging interval
+    trained_tokens: int
+    seconds: float
+    loss_backend: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.trained_tokens / self.seconds if self.seconds else 0.0
+
+
+def list_samples(data_dir: Path) -> list[Path]:
+    paths = sorted(data_dir.rglob("*.ckpt"))
+    if not paths:
+        raise FileNotFoundError(
+            f"no training samples (*.ckpt) under {data_dir}; export a lake window first "
+            "(`tide train --lake-target SLUG` does it)"
+        )
+    return paths
+
+
+def _load_sample(path: Path) -> dict[str, torch.Tensor]:
+    sample: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
+    return sample
+
+
+class _TargetHead(torch.nn.Module):
+    """The target's frozen ``lm_head`` with SpecForge's ``TargetHead`` interface."""
+
+    def __init__(self, target_dir: Path) -> None:
+        super().__init__()
+        from transformers import AutoConfig  # noqa: PLC0415
+
+        config = AutoConfig.from_pretrained(target_dir)
+        key = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        weight = load_target_tensor(target_dir, key).float()
+        self.fc = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(weight)
+        self.fc.weight.requires_grad_(False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.fc(hidden.to(self.fc.weight.dtype))
+        return logits
+
+    def preprocess(
+        self, input_ids: torch.Tensor, target: torch.Tensor, loss_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from specforge.modeling.target.target_head import TargetHead  # noqa: PLC0415
+
+        result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = TargetHead.preprocess(
+            self, input_ids, target, loss_mask
+        )
+        return result
+
+
+class _Eagle3Objective:
+    """SpecForge's EAGLE3 TTT objective around one draft, on one device."""
+
+    def __init__(self, draft: torch.nn.Module, target_dir: Path, config: TrainConfig) -> None:
+        from specforge.algorithms.eagle3.data import normalize_offline_sample  # noqa: PLC0415
+        from specforge.algorithms.eagle3.model import OnlineEagle3Model  # noqa: PLC0415
+        from specforge.training.strategies.base import Eagle3TrainStrategy  # noqa: PLC0415
+
+        self.device = torch.device(config.device)
+        self.max_len = config.max_len
+        self.normalize = normalize_offline_sample
+        self.draft = draft.to(self.device)
+        self.model: torch.nn.Module = OnlineEagle3Model(
+            self.draft, length=config.ttt_length, attention_backend="sdpa"
+        )
+        if torch.distributed.is_initialized():
+            self.model = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.head = _TargetHead(target_dir).to(self.device)
+        self.strategy = Eagle3TrainStrategy(
+            self.model, target_head=self.head, ploss_decay=config.ploss_decay
+        )
+
+    def forward(self, raw: dict[str, torch.Tensor], sample_id: str) -> Any:
+        from specforge.runtime.contracts import TrainBatch  # noqa: PLC0415
+
+        tensors = self.normalize(raw, max_len=self.max_len)
+        dtype = next(self.draft.parameters()).dtype
+        tensors["hidden_state"] = tensors["hidden_state"].to(dtype)
+        tensors["target"] = tensors["target"].to(dtype)
+        batch = TrainBatch(
+            sample_ids=[sample_id],
+            strategy="eagle3",
+            tensors=tensors,
+            metadata={"target_repr": "hidden_state"},
+        )
+        return self.strategy.forward_loss(batch)
+
+
+class _Accuracy:
+    """Pooled top-1 accuracy per TTT position over several samples."""
+
+    def __init__(self) -> None:
+        self.corrects: list[float] = []
+        self.denoms: list[float] = []
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        corrects = [float(c) for c in metrics["acc_corrects"]]
+        denoms = [float(d) for d in metrics["acc_denoms"]]
+        if not self.corrects:
+            self.corrects, self.denoms = [0.0] * len(corrects), [0.0] * len(denoms)
+        self.corrects = [a + b for a, b in zip(self.corrects, corrects, strict=True)]
+        self.denoms = [a + b for a, b in zip(self.denoms, denoms, strict=True)]
+
+    def values(self) -> list[float]:
+        return [c / max(d, 1e-6) for c, d in zip(self.corrects, self.denoms, strict=True)]
+
+
+def _sample_index(global_index: int, num_samples: int, seed: int) -> int:
+    epoch, offset = divmod(global_index, num_samples)
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return int(torch.randperm(num_samples, generator=generator)[offset])
+
+
+def _rank_world() -> tuple[int, int]:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _maybe_init_distributed(device: str) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        torch.distributed.init_process_group(backend=backend)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _run_fingerprint(samples: list[Path], config: TrainConfig, parent_dir: Path | None) -> str:
+    payload = {
+        "samples": [str(path) for path in samples],
+        "config": config.model_dump(
+            exclude={"checkpoint_every", "keep_checkpoints", "log_every", "device"}
+        ),
+        "parent": str(parent_dir) if parent_dir else None,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _remap_vocabulary(draft: Any, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """Adopt a new vocabulary mapping, keeping the lm_head rows of tokens both mappings share."""
+    old_targets = torch.arange(draft.d2t.numel()) + draft.d2t.cpu()
+    new_targets = torch.arange(d2t.numel()) + d2t
+    old_row = {int(token): row for row, token in enumerate(old_targets.tolist())}
+    weight = draft.lm_head.weight.detach().clone()
+    fresh = torch.empty_like(weight)
+    torch.nn.init.normal_(fresh, std=0.02)
+    for row, token in enumerate(new_targets.tolist()):
+        if token in old_row:
+            fresh[row] = weight[old_row[token]]
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(fresh)
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+
+
+def _initial_draft(
+    samples: list[Path], target_dir: Path, config: TrainConfig, parent_dir: Path | None
+) -> Any:
+    def counts() -> Any:
+        return count_output_tokens(_load_sample(path) for path in samples)
+
+    if parent_dir is None:
+        logger.info(
+            "training a new draft (draft vocabulary %d from the window)", config.draft_vocab_size
+        )
+        return new_draft(target_dir, config.draft_vocab_size, counts())
+    draft = load_draft(parent_dir, target_dir)
+    logger.info("warm start from %s (vocabulary mapping: %s)", parent_dir, config.vocab_mapping)
+    if config.vocab_mapping == "window":
+        from tide_lib.training.draft import build_vocab_mapping  # noqa: PLC0415
+
+        d2t, t2d = build_vocab_mapping(
+            counts(), draft.config.draft_vocab_size, draft.config.vocab_size
+        )
+        _remap_vocabulary(draft, d2t, t2d)
+    return draft
+
+
+def _latest_checkpoint(directory: Path) -> Path | None:
+    checkpoints = sorted(directory.glob("step-*.pt"))
+    return checkpoints[-1] if checkpoints else None
+
+
+def _save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step-{state['step']:08d}.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+    for old in sorted(directory.glob("step-*.pt"))[:-keep]:
+        old.unlink()
+
+
+def train_draft(
+    data_dir: Path,
+    target_dir: Path,
+    out_dir: Path,
+    config: TrainConfig,
+    *,
+    parent_dir: Path | None = None,
+    metrics: MetricSink | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> TrainResult:
+    """Train (or resume training) a draft; exports it to ``out_dir/draft`` and returns figures."""
+    backend = prepare_specforge(config.device, config.loss_backend)
+    _maybe_init_distributed(config.device)
+    rank, world = _rank_world()
+    samples = list_samples(data_dir)
+    fingerprint = _run_fingerprint(samples, config, parent_dir)
+    torch.manual_seed(config.seed)
+
+    draft = _initial_draft(samples, target_dir, config, parent_dir)
+    objective = _Eagle3Objective(draft, target_dir, config)
+    trainable = [p for p in objective.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps)
+    )
+
+    checkpoint_dir = out_dir / CHECKPOINT_DIR
+    start_step, resumed_from = 0, None
+    latest = _latest_checkpoint(checkpoint_dir)
+    if latest is not None:
+        state = torch.load(latest, weights_only=False)
+        if state["fingerprint"] != fingerprint:
+            raise RuntimeError(
+                f"{latest} belongs to a different training run (other data, parent or settings); "
+                f"use a new output directory or delete {checkpoint_dir}"
+            )
+        missing, unexpected = draft.load_state_dict(state["draft"], strict=False)
+        if unexpected or [key for key in missing if "embed" not in key]:
+            raise RuntimeError(
+                f"{latest} does not fit the draft: missing {missing}, unexpected {unexpected}"
+            )
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        start_step = resumed_from = int(state["step"])
+        logger.info("resuming from %s (step %d of %d)", latest, start_step, config.steps)
+
+    started = time.perf_counter()
+    trained_tokens = 0
+    window: dict[str, list[float]] = {}
+    last: dict[str, float] = {"loss": float("nan")}
+    progress = tqdm(
+        range(start_step, config.steps),
+        desc="train draft",
+        unit="step",
+        disable=rank != 0,
+        initial=start_step,
+        total=config.steps,
+    )
+    objective.model.train()
+    for step in progress:
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        accuracy = _Accuracy()
+        for slot in range(rank, config.batch_size * world, world):
+            index = _sample_index(
+                step * config.batch_size * world + slot, len(samples), config.seed
+            )
+            raw = _load_sample(samples[index])
+            output = objective.forward(raw, samples[index].name)
+            (output.loss / config.batch_size).backward()
+            step_loss += float(output.loss) / config.batch_size
+            trained_tokens += int(raw["input_ids"].numel())
+            accuracy.add(output.metrics)
+        torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+
+        step_metrics = {"loss": step_loss, "lr": float(scheduler.get_last_lr()[0])}
+        step_metrics |= {f"acc_{i}": value for i, value in enumerate(accuracy.values())}
+        for key, value in step_metrics.items():
+            window.setdefault(key, []).append(value)
+        done = step + 1
+        if rank == 0 and (done % config.log_every == 0 or done == config.steps):
+            last = {key: sum(values) / len(values) for key, values in window.items()}
+            window.clear()
+            progress.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last.get('acc_0', 0):.3f}")
+            if metrics is not None:
+                metrics.log_metrics(last, step=done)
+        if rank == 0 and (done % config.checkpoint_every == 0 or done == config.steps):
+            _save_checkpoint(
+                checkpoint_dir,
+                {
+                    "step": done,
+                    "fingerprint": fingerprint,
+                    "draft": {k: v for k, v in draft.state_dict().items() if "embed" not in k},
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": torch.get_rng_state(),
+                },
+                config.keep_checkpoints,
+            )
+        if on_step is not None:
+            on_step(done, step_metrics)
+
+    seconds = time.perf_counter() - started
+    draft_dir = export_draft(draft, out_dir / DRAFT_DIR) if rank == 0 else out_dir / DRAFT_DIR
+    final_accuracy = [last[key] for key in sorted(k for k in last if k.startswith("acc_"))]
+    return TrainResult(
+        draft_dir=draft_dir,
+        steps=config.steps,
+        resumed_from_step=resumed_from,
+        final_loss=last["loss"],
+        accuracy=final_accuracy,
+        trained_tokens=trained_tokens,
+        seconds=seconds,
+        loss_backend=backend,
+    )
+
+
+@torch.no_grad()
+def evaluate_draft(
+    draft_dir: Path | None,
+    target_dir: Path,
+    data_dir: Path,
+    config: TrainConfig,
+    *,
+    draft: torch.nn.Module | None = None,
+) -> list[float]:
+    """Top-1 accuracy of the draft per TTT position on held-out samples (SpecForge's metric).
+
+    Position 0 is plain next-token accuracy given the target's true features.
+    """
+    prepare_specforge(config.device, config.loss_backend)
+    if draft is None:
+        if draft_dir is None:
+            raise ValueError("give a draft directory or a draft model")
+        draft = load_draft(draft_dir, target_dir)
+    objective = _Eagle3Objective(draft, target_dir, config)
+    objective.model.eval()
+    accuracy = _Accuracy()
+    for path in list_samples(data_dir):
+        accuracy.add(objective.forward(_load_sample(path), path.name).metrics)
+    return accuracy.values()
