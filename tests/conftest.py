@@ -112,3 +112,51 @@ def make_record(
         spec_accept_tokens=4,
         completion_tokens=tokens - tokens // 2,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 'tiny' demo target, built once per session (a few seconds)."""
+    from tide_lib.target import build_target
+
+    path = tmp_path_factory.mktemp("targets") / "tiny"
+    build_target(path, preset_name="tiny", seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def captured(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Teacher-forced captures of the tiny target in SpecForge's offline layout.
+
+    Keys: ``en_train``, ``en_heldout``, ``ko_train``, ``ko_heldout``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tide_lib.target import load_corpus
+    from tide_lib.target.hidden import capture_records
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    corpus = load_corpus()
+    root = tmp_path_factory.mktemp("captured")
+    dirs = {}
+    for language in ("en", "ko"):
+        for split, held_out in (("train", False), ("heldout", True)):
+            out = root / f"{language}_{split}"
+            out.mkdir()
+            documents = corpus.domain(f"{language}_chat", held_out=held_out)[:120]
+            for index, record in enumerate(
+                capture_records(model, tokenizer, documents, target_id="tiny")
+            ):
+                torch.save(
+                    {
+                        "input_ids": record.input_ids.long(),
+                        "loss_mask": record.loss_mask.long(),
+                        "hidden_state": record.hidden_states,
+                        "aux_hidden_state": record.aux_hidden_states,
+                    },
+                    out / f"data_{index:06d}.ckpt",
+                )
+            dirs[f"{language}_{split}"] = out
+    return dirs

@@ -16,11 +16,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 from pydantic import ValidationError
 
-from tide_lib.config import TideConfig, load_config
+from tide_lib.config import StrictModel, TideConfig, TrainConfig, load_config
 
 if TYPE_CHECKING:
     from tide_lib.stack import ServiceStatus
@@ -30,6 +30,8 @@ __all__ = ["main"]
 logger = logging.getLogger("tide")
 
 Handler = Callable[[argparse.Namespace, TideConfig], int]
+DEFAULT_TARGETS = Path(".tide/targets")
+_CONVERTERS: dict[object, Callable[[str], Any]] = {int: int, float: float, str: str}
 
 
 def _out(text: str = "") -> None:
@@ -114,6 +116,78 @@ def _bench_lake(args: argparse.Namespace, config: TideConfig) -> int:
     if args.json:
         _out(f"wrote {args.json}")
     return 0
+
+
+# -- target and training ------------------------------------------------------------------
+
+
+def _target_build(args: argparse.Namespace, _config: TideConfig) -> int:
+    from tide_lib.target import build_target  # noqa: PLC0415
+
+    out = args.out or DEFAULT_TARGETS / args.preset
+    info = build_target(out, preset_name=args.preset, seed=args.seed, force=args.force)
+    _out(json.dumps({"path": str(out), **{k: v for k, v in info.items() if k != "key"}}, indent=2))
+    return 0
+
+
+def _train(args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.training.trainer import train_draft  # noqa: PLC0415
+
+    train_config = _config_from_args(args, config.training)
+    data_dir = args.data
+    if data_dir is None:
+        data_dir = args.out / "window"
+        _export_lake_window(config, args.lake_target, args.after, data_dir)
+    sink = None
+    if args.mlflow_run_id:
+        from tide_lib.training.tracking import MlflowMetricSink  # noqa: PLC0415
+
+        sink = MlflowMetricSink(config.mlflow.tracking_uri, args.mlflow_run_id)
+    result = train_draft(
+        data_dir, args.target, args.out, train_config, parent_dir=args.parent, metrics=sink
+    )
+    _out(json.dumps({**dataclasses.asdict(result), "draft_dir": str(result.draft_dir)}, indent=2))
+    return 0
+
+
+def _export_lake_window(config: TideConfig, slug: str, after: str | None, out_dir: Path) -> None:
+    from tide_lib.lake import LakeReader, ObjectStore  # noqa: PLC0415
+
+    reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), config.lake)
+    shards = reader.list_shards(slug, after=after)
+    if not shards:
+        raise FileNotFoundError(f"the lake holds no committed shards for target {slug!r}")
+    count = reader.export_specforge(shards, out_dir)
+    _out(f"exported {count} samples from {len(shards)} shards to {out_dir}")
+
+
+def _config_from_args(args: argparse.Namespace, base: StrictModel) -> Any:
+    """``base`` with every ``--option`` the user gave, validated by the model."""
+    given = {
+        name: getattr(args, name)
+        for name in type(base).model_fields
+        if getattr(args, name, None) is not None
+    }
+    return type(base).model_validate({**base.model_dump(), **given})
+
+
+def _add_config_options(parser: argparse.ArgumentParser, model: type[StrictModel]) -> None:
+    """One ``--field`` per scalar field of a config section: the CLI mirrors the config."""
+    group = parser.add_argument_group(f"{model.__name__} (defaults from TIDE_* settings)")
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        choices = get_args(annotation) if get_origin(annotation) is Literal else None
+        converter = _CONVERTERS.get(str if choices else annotation)
+        if converter is None:
+            continue
+        group.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            type=converter,
+            choices=choices,
+            default=None,
+            help=f"{field.description or ''} (default: {field.default})",
+        )
 
 
 # -- demo -------------------------------------------------------------------------------
@@ -201,6 +275,45 @@ def build_parser() -> argparse.ArgumentParser:
     bench_lake.add_argument("--hidden-size", type=int, default=1024, help="target hidden size H")
     bench_lake.set_defaults(handler=_bench_lake)
 
+    target = commands.add_parser("target", help="the demo target model").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    build = target.add_parser(
+        "build",
+        help="train the demo target on packaged text (cached; a few minutes for 'demo')",
+        description=(
+            "Builds a small Llama-architecture target in HF format (config, safetensors, "
+            "tokenizer) from English/Korean conversations and documentation shipped in "
+            "installed packages. Reused when already built with the same preset and seed."
+        ),
+    )
+    build.add_argument("--preset", default="demo", choices=["demo", "tiny"])
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--out", type=Path, help="default: .tide/targets/<preset>")
+    build.add_argument("--force", action="store_true", help="rebuild even if cached")
+    build.set_defaults(handler=_target_build)
+
+    train = commands.add_parser(
+        "train",
+        help="train an EAGLE3 draft (SpecForge) on captured hidden states",
+        description=(
+            "Trains SpecForge's LlamaForCausalLMEagle3 with its EAGLE3 objective on a window "
+            "of captured target states, warm-started from --parent if given. Checkpoints go "
+            "to OUT/checkpoints (a rerun resumes), the SGLang-loadable draft to OUT/draft. "
+            "Multi-GPU: run under torchrun with --device cuda."
+        ),
+    )
+    train.add_argument("--target", type=Path, required=True, help="HF target model directory")
+    train.add_argument("--out", type=Path, required=True, help="run directory")
+    source = train.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", type=Path, help="samples in SpecForge's offline layout")
+    source.add_argument("--lake-target", help="train on this target slug's committed lake shards")
+    train.add_argument("--after", help="with --lake-target: only shards after this watermark")
+    train.add_argument("--parent", type=Path, help="exported draft to warm-start from")
+    train.add_argument("--mlflow-run-id", help="log per-step metrics to this MLflow run")
+    _add_config_options(train, TrainConfig)
+    train.set_defaults(handler=_train)
+
     demo = commands.add_parser("demo", help="run what exists of the TIDE loop on this machine")
     demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")
     demo.add_argument("--keep-running", action="store_true", help="leave the stack running on exit")
@@ -211,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from tide_lib.lake import InvalidRecordError, StoreUnavailableError  # noqa: PLC0415
     from tide_lib.stack import StackError  # noqa: PLC0415
+    from tide_lib.training.draft import InvalidCheckpointError  # noqa: PLC0415
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -222,7 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args, config)
     except ValidationError as error:
         logger.error("invalid TIDE configuration:\n%s", error)
-    except (StackError, StoreUnavailableError, InvalidRecordError, FileNotFoundError) as error:
+    except (
+        StackError,
+        StoreUnavailableError,
+        InvalidRecordError,
+        InvalidCheckpointError,
+        FileNotFoundError,
+    ) as error:
         logger.error("%s", error)
     return 2
 

@@ -143,6 +143,13 @@ class TrainConfig(StrictModel):
     keep_checkpoints: int = Field(2, gt=0)
     log_every: int = Field(10, gt=0)
     seed: int = 0
+    features: Literal["captured", "recompute"] = Field(
+        "captured",
+        description=(
+            "captured: train on the hidden states serving stored (reuse); recompute: re-run "
+            "the target on the token ids every step (the baseline TIDE's reuse avoids)"
+        ),
+    )
     loss_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description="auto: SpecForge's Triton kernel on CUDA, its torch reference on CPU"
     )

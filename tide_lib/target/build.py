@@ -254,7 +254,7 @@ def build_target(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        loss_value = float(loss)
+        loss_value = float(loss.detach())
         progress.set_postfix(loss=f"{loss_value:.3f}")
     model.eval()
 

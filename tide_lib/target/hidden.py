@@ -26,15 +26,17 @@ def eagle_aux_layer_ids(num_layers: int) -> list[int]:
 
     For N >= 8 this is exactly the default (Llama-3.1-8B: [1, 15, 28]). Shallow demo
     targets would repeat a layer (N = 6 gives [1, 2, 2]); there each id is nudged
-    above the previous one, keeping the low/middle/high spread: N = 6 gives [1, 2, 3].
+    above the previous one, keeping the low/middle/high spread (N = 6 gives [1, 2, 3]).
+    Ids stay <= N - 2: SGLang captures the *input* of layer ``id + 1``.
     """
     if num_layers < MIN_LAYERS:
         raise ValueError(
             f"EAGLE3 needs a target with at least {MIN_LAYERS} layers, got {num_layers}"
         )
-    low = 1
-    mid = max(low + 1, num_layers // 2 - 1)
-    high = max(mid + 1, num_layers - 4)
+    top = num_layers - 2
+    low = min(1, top - 2)
+    mid = max(low + 1, min(num_layers // 2 - 1, top - 1))
+    high = min(top, max(mid + 1, num_layers - 4))
     return [low, mid, high]
 
 
@@ -64,10 +66,11 @@ class HiddenStateCapture:
     def __init__(self, model: Any, layer_ids: list[int] | None = None) -> None:
         decoder = _decoder(model)
         self.layer_ids = layer_ids or eagle_aux_layer_ids(len(decoder.layers))
-        if len(self.layer_ids) != 3 or max(self.layer_ids) >= len(decoder.layers):
+        last = len(decoder.layers) - 2
+        if len(self.layer_ids) != 3 or not 0 <= min(self.layer_ids) <= max(self.layer_ids) <= last:
             raise ValueError(
-                f"aux layer ids {self.layer_ids} must be three layers of a "
-                f"{len(decoder.layers)}-layer target"
+                f"aux layer ids {self.layer_ids} must be three layers in 0..{last} of a "
+                f"{len(decoder.layers)}-layer target (SGLang reads the input of layer id + 1)"
             )
         self._decoder = decoder
         self._aux: dict[int, list[torch.Tensor]] = {i: [] for i in self.layer_ids}

@@ -119,6 +119,26 @@ class _TargetHead(torch.nn.Module):
         return result
 
 
+class _TargetFeatures:
+    """Recomputes a sample's target states from its token ids (the no-reuse baseline)."""
+
+    def __init__(self, target_dir: Path, device: torch.device) -> None:
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+        from tide_lib.target.hidden import HiddenStateCapture  # noqa: PLC0415
+
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir).to(device).eval()
+        self.capture = HiddenStateCapture(self.model)
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with self.capture.capturing():
+            self.model.model(input_ids=raw["input_ids"].reshape(1, -1).to(self.device))
+        final, aux = self.capture.take()
+        return {**raw, "hidden_state": final[0], "aux_hidden_state": aux[0]}
+
+
 class _Eagle3Objective:
     """SpecForge's EAGLE3 TTT objective around one draft, on one device."""
 
@@ -137,6 +157,9 @@ class _Eagle3Objective:
         if torch.distributed.is_initialized():
             self.model = torch.nn.parallel.DistributedDataParallel(self.model)
         self.head = _TargetHead(target_dir).to(self.device)
+        self.recompute = (
+            _TargetFeatures(target_dir, self.device) if config.features == "recompute" else None
+        )
         self.strategy = Eagle3TrainStrategy(
             self.model, target_head=self.head, ploss_decay=config.ploss_decay
         )
@@ -144,6 +167,8 @@ class _Eagle3Objective:
     def forward(self, raw: dict[str, torch.Tensor], sample_id: str) -> Any:
         from specforge.runtime.contracts import TrainBatch  # noqa: PLC0415
 
+        if self.recompute is not None:
+            raw = self.recompute(raw)
         tensors = self.normalize(raw, max_len=self.max_len)
         dtype = next(self.draft.parameters()).dtype
         tensors["hidden_state"] = tensors["hidden_state"].to(dtype)
