@@ -109,3 +109,37 @@ def test_bench_lake_writes_json(
     ):
         assert result[key] > 0
     assert result["raw_fp16_bytes_per_token"] == 64 * 4 * 2
+
+
+@pytest.mark.slow
+def test_train_from_the_lake(
+    stack: TideConfig,
+    tiny_target: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tide_lib.target import load_corpus
+    from tide_lib.target.hidden import capture_records
+    from tide_lib.training.draft import validate_draft_dir
+
+    _env(monkeypatch, stack)
+    monkeypatch.setenv("TIDE_LAKE__PREFIX", "cli-train")
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    documents = load_corpus().domain("ko_chat")[:8]
+    store = ObjectStore(stack.store, stack.store.lake_bucket)
+    with LakeWriter(store, LakeConfig(prefix="cli-train", spool_dir=tmp_path / "spool")) as writer:
+        for record in capture_records(model, tokenizer, documents, target_id="demo/tiny"):
+            writer.submit(record)
+    args = ["train", "--target", str(tiny_target), "--lake-target", "demo--tiny"]
+    args += ["--out", str(tmp_path / "run"), "--steps", "3", "--ttt-length", "2"]
+    args += ["--draft-vocab-size", "256", "--batch-size", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "exported 8 samples" in out
+    assert json.loads(out[out.index("{") :])["steps"] == 3
+    validate_draft_dir(tmp_path / "run" / "draft")
+    assert main([*args[:-6], "--steps", "3", "--ttt-length", "0"]) == 2  # invalid config, exit 2

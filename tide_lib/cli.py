@@ -118,6 +118,25 @@ def _bench_lake(args: argparse.Namespace, config: TideConfig) -> int:
     return 0
 
 
+def _bench_train(args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.training.bench import TrainBenchParams, run_train_bench  # noqa: PLC0415
+
+    params = TrainBenchParams(samples=args.samples, steps=args.steps)
+    result = run_train_bench(config, params, args.target or DEFAULT_TARGETS / "demo", args.json)
+    for key in (
+        "reuse_tokens_per_s",
+        "recompute_tokens_per_s",
+        "recompute_over_reuse_time",
+        "peak_rss_mb",
+    ):
+        _out(f"{key:<28}{result[key]:>14.2f}")
+    for name, shape in result["shapes"].items():
+        _out(f"  {name:<26}recompute/reuse time {shape['recompute_over_reuse_time']:.2f}x")
+    if args.json:
+        _out(f"wrote {args.json}")
+    return 0
+
+
 # -- target and training ------------------------------------------------------------------
 
 
@@ -313,6 +332,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mlflow-run-id", help="log per-step metrics to this MLflow run")
     _add_config_options(train, TrainConfig)
     train.set_defaults(handler=_train)
+
+    bench_train = bench.add_parser(
+        "train",
+        help="draft training tokens/s on captured states vs recomputing them; peak memory",
+        description=(
+            "Needs the S3 server up (`tide stack up`): captures go through the real lake. "
+            "Builds the demo target if it is not cached. Reports the demo target and a "
+            "random-weight target shaped like Llama-3.1-8B scaled down."
+        ),
+    )
+    bench_train.add_argument("--json", type=Path, help="write the results to this file")
+    bench_train.add_argument(
+        "--target", type=Path, help="demo target dir (default: .tide/targets/demo)"
+    )
+    bench_train.add_argument("--samples", type=int, default=64, help="captured requests")
+    bench_train.add_argument("--steps", type=int, default=16, help="optimizer steps per mode")
+    bench_train.set_defaults(handler=_bench_train)
 
     demo = commands.add_parser("demo", help="run what exists of the TIDE loop on this machine")
     demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")

@@ -158,7 +158,7 @@ def _mlflow_url(config: TideConfig) -> str:
 
 def _http_ok(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        with urllib.request.urlopen(url, timeout=5) as response:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False

@@ -86,7 +86,7 @@ PRESETS: Final[dict[str, TargetPreset]] = {
         intermediate_size=688,
         seq_len=128,
         batch_size=16,
-        steps=160,
+        steps=320,
         learning_rate=3e-3,
     ),
     # Seconds, for tests.

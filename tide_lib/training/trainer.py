@@ -358,7 +358,7 @@ def train_draft(
             raw = _load_sample(samples[index])
             output = objective.forward(raw, samples[index].name)
             (output.loss / config.batch_size).backward()
-            step_loss += float(output.loss) / config.batch_size
+            step_loss += float(output.loss.detach()) / config.batch_size
             trained_tokens += int(raw["input_ids"].numel())
             accuracy.add(output.metrics)
         torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
