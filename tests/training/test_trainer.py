@@ -249,3 +249,42 @@ def test_metrics_reach_the_mlflow_server(
     history = client.get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in history] == [2, 4]
     assert {"acc_0", "acc_1", "acc_2", "lr"} <= set(client.get_run(run.info.run_id).data.metrics)
+
+
+def test_torchrun_two_processes_equal_one_process_with_twice_the_batch(
+    tiny_target: Path, captured: dict[str, Path], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    common = ["--target", str(tiny_target), "--data", str(captured["en_train"]), "--steps", "3"]
+    common += ["--ttt-length", "2", "--draft-vocab-size", "256", "--learning-rate", "0.003"]
+    tide = str(Path(sys.executable).parent / "tide")
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            tide,
+            "train",
+            *common,
+            "--batch-size",
+            "2",
+            "--out",
+            str(tmp_path / "ddp"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    single = train_draft(
+        captured["en_train"],
+        tiny_target,
+        tmp_path / "single",
+        TrainConfig(steps=3, ttt_length=2, draft_vocab_size=256, learning_rate=0.003, batch_size=4),
+    )
+    a = load_file(tmp_path / "ddp" / "draft" / "model.safetensors")
+    b = load_file(single.draft_dir / "model.safetensors")
+    for key in a:
+        assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key

@@ -394,6 +394,8 @@ def train_draft(
 
     seconds = time.perf_counter() - started
     draft_dir = export_draft(draft, out_dir / DRAFT_DIR) if rank == 0 else out_dir / DRAFT_DIR
+    if world > 1:
+        torch.distributed.barrier()
     final_accuracy = [last[key] for key in sorted(k for k in last if k.startswith("acc_"))]
     return TrainResult(
         draft_dir=draft_dir,
