@@ -16,11 +16,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
+from types import UnionType
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from pydantic import ValidationError
 
-from tide_lib.config import StrictModel, TideConfig, TrainConfig, load_config
+from tide_lib.config import ServeConfig, StrictModel, TideConfig, TrainConfig, load_config
 
 if TYPE_CHECKING:
     from tide_lib.stack import ServiceStatus
@@ -31,7 +32,7 @@ logger = logging.getLogger("tide")
 
 Handler = Callable[[argparse.Namespace, TideConfig], int]
 DEFAULT_TARGETS = Path(".tide/targets")
-_CONVERTERS: dict[object, Callable[[str], Any]] = {int: int, float: float, str: str}
+_CONVERTERS: dict[object, Callable[[str], Any]] = {int: int, float: float, str: str, Path: Path}
 
 
 def _out(text: str = "") -> None:
@@ -137,6 +138,16 @@ def _bench_train(args: argparse.Namespace, config: TideConfig) -> int:
     return 0
 
 
+# -- serving ---------------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.serving.server import run_server  # noqa: PLC0415
+
+    run_server(config.model_copy(update={"serve": _config_from_args(args, config.serve)}))
+    return 0
+
+
 # -- target and training ------------------------------------------------------------------
 
 
@@ -195,17 +206,21 @@ def _add_config_options(parser: argparse.ArgumentParser, model: type[StrictModel
     group = parser.add_argument_group(f"{model.__name__} (defaults from TIDE_* settings)")
     for name, field in model.model_fields.items():
         annotation = field.annotation
+        if get_origin(annotation) in (Union, UnionType):  # X | None
+            annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
+        flag = f"--{name.replace('_', '-')}"
+        help_text = f"{field.description or ''} (default: {field.default})"
+        if annotation is bool:
+            group.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+            continue
         choices = get_args(annotation) if get_origin(annotation) is Literal else None
         converter = _CONVERTERS.get(str if choices else annotation)
         if converter is None:
             continue
         group.add_argument(
-            f"--{name.replace('_', '-')}",
-            dest=name,
-            type=converter,
-            choices=choices,
-            default=None,
-            help=f"{field.description or ''} (default: {field.default})",
+            flag, dest=name, type=converter, choices=choices, default=None, help=help_text
         )
 
 
@@ -349,6 +364,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train.add_argument("--samples", type=int, default=64, help="captured requests")
     bench_train.add_argument("--steps", type=int, default=16, help="optimizer steps per mode")
     bench_train.set_defaults(handler=_bench_train)
+
+    serve = commands.add_parser(
+        "serve",
+        help="the reference engine: SGLang's HTTP API over an HF target with EAGLE3 + capture",
+        description=(
+            "Serves POST /generate, GET /health, /get_server_info, /metrics, /get_weight_version "
+            "and POST /update_weights_from_disk with SGLang's field names. Chain drafting with "
+            "--speculative-num-steps draft tokens per verify; captured hidden states go to the "
+            "lake configured by TIDE_STORE__* / TIDE_LAKE__*."
+        ),
+    )
+    _add_config_options(serve, ServeConfig)
+    serve.set_defaults(handler=_serve)
 
     demo = commands.add_parser("demo", help="run what exists of the TIDE loop on this machine")
     demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")

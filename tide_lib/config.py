@@ -26,6 +26,7 @@ __all__ = [
     "LakeConfig",
     "MLflowConfig",
     "ObjectStoreConfig",
+    "ServeConfig",
     "StackConfig",
     "TideConfig",
     "TrainConfig",
@@ -155,6 +156,35 @@ class TrainConfig(StrictModel):
     )
 
 
+class ServeConfig(StrictModel):
+    """The reference engine (``tide serve``); option names follow SGLang's server arguments."""
+
+    model_path: Path | None = Field(None, description="HF target model directory")
+    speculative_draft_model_path: str | None = Field(
+        None, description="EAGLE3 draft directory or s3://bucket/prefix; none: plain decoding"
+    )
+    speculative_algorithm: Literal["EAGLE3"] = "EAGLE3"
+    speculative_num_steps: int = Field(4, ge=1, le=16, description="draft tokens per verify (k)")
+    speculative_eagle_topk: int = Field(1, ge=1, le=1, description="1: chain drafting")
+    speculative_num_draft_tokens: int | None = Field(
+        None, description="must be num_steps + 1 for chain drafting (default)"
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=1, le=65535)
+    served_model_name: str | None = Field(
+        None, description="target id in captures (default: dir name)"
+    )
+    max_prompt_tokens: int = Field(1024, gt=0)
+    max_new_tokens_limit: int = Field(1024, gt=0)
+    weight_version: str = Field("initial", description="version of the draft served at start")
+    disable_speculation: bool = Field(False, description="serve with plain decoding")
+    capture: bool = Field(True, description="capture hidden states of finished requests")
+    capture_sample_rate: float = Field(1.0, ge=0, le=1, description="share of requests captured")
+    capture_skip_accept_rate: float | None = Field(
+        None, ge=0, le=1, description="skip requests whose draft acceptance rate is at least this"
+    )
+
+
 class TideConfig(BaseSettings):
     """All of TIDE's settings; sections mirror the stages of the loop."""
 
@@ -170,6 +200,7 @@ class TideConfig(BaseSettings):
     stack: StackConfig = StackConfig()
     lake: LakeConfig = LakeConfig()
     training: TrainConfig = TrainConfig()
+    serve: ServeConfig = ServeConfig()
 
     @classmethod
     def settings_customise_sources(

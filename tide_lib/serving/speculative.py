@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -154,10 +153,10 @@ class SpeculativeDecoder:
         self,
         prompt_ids: list[int],
         max_new_tokens: int,
+        *,
         temperature: float = 0.0,
         speculative: bool = True,
         generator: torch.Generator | None = None,
-        between_steps: Callable[[], None] | None = None,
     ) -> Generation:
         greedy = temperature <= 0.0
 
@@ -178,8 +177,6 @@ class SpeculativeDecoder:
             tokens = torch.tensor(prompt_ids[1:] + output[-1:])
             hidden, draft_logits = self.runner.step(tokens, self.runner.project(auxes))
         while len(output) < max_new_tokens and output[-1] != self.eos_token_id:
-            if between_steps is not None:
-                between_steps()
             if not use_draft:
                 logits, cache, finals, auxes = self._target_forward(output[-1:], cache)
                 final_chunks.append(finals)

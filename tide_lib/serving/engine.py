@@ -1,0 +1,338 @@
+"""The reference engine: an HF target with EAGLE3 speculative decoding, capture and hot swap.
+
+Requests go through a queue to one worker thread that owns the models, so the
+HTTP server never blocks on model work. When a request finishes, its target
+states (prefill and every token the target read) are handed to the lake writer,
+which returns at once; a sampling rate and a selective-capture threshold (skip
+requests the draft already serves well, as Moreh's SGLang fork does) decide
+which requests are kept. A draft swap is validated and loaded off the worker,
+then applied by the worker between requests: in-flight requests finish on the
+draft they started with and none fail.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import random
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tide_lib.config import ServeConfig, TideConfig
+from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
+from tide_lib.serving.speculative import Generation, SpeculativeDecoder
+from tide_lib.training.draft import InvalidCheckpointError, load_draft
+from tide_lib.training.specforge_runtime import prepare_specforge
+
+__all__ = ["Engine", "EngineRequest", "EngineResult", "RequestError"]
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message is returned to the client (HTTP 400)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    seed: int | None
+    rid: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineResult:
+    rid: str
+    output_ids: list[int]
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    spec_verify_ct: int
+    spec_accept_length: float
+    weight_version: str
+    e2e_latency: float
+
+
+@dataclasses.dataclass
+class _Counters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    verify_steps: int = 0
+    emitted_by_verify: int = 0
+    captured: int = 0
+    capture_skipped: int = 0
+    swaps: int = 0
+
+
+@dataclasses.dataclass
+class _PendingSwap:
+    draft: Any
+    path: str
+    version: str
+    applied: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+_SWAP = object()  # queue marker: apply the pending draft swap now
+
+
+class Engine:
+    """Owns the target, the draft, the request queue and the capture writer."""
+
+    def __init__(self, config: TideConfig) -> None:
+        serve = config.serve
+        if serve.model_path is None:
+            raise RequestError("--model-path (the HF target directory) is required")
+        if serve.speculative_num_draft_tokens not in (None, serve.speculative_num_steps + 1):
+            raise RequestError(
+                "chain drafting verifies num_steps + 1 tokens: set --speculative-num-draft-tokens "
+                f"to {serve.speculative_num_steps + 1} or leave it out"
+            )
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+        prepare_specforge("cpu")
+        self.config = config
+        self.serve: ServeConfig = serve
+        self.target_dir = Path(serve.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.target_dir)
+        self.target = AutoModelForCausalLM.from_pretrained(self.target_dir).eval()
+        self.target_id = serve.served_model_name or self.target_dir.name
+        self.draft_path = serve.speculative_draft_model_path
+        self.weight_version = serve.weight_version
+        draft = self._load_draft(self.draft_path) if self.draft_path else None
+        self.decoder = SpeculativeDecoder(
+            self.target, draft, serve.speculative_num_steps, self.tokenizer.eos_token_id
+        )
+        self.speculative = draft is not None and not serve.disable_speculation
+        self.writer = self._capture_writer(config) if serve.capture else None
+        self.counters = _Counters()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._pending_swap: _PendingSwap | None = None
+        self._running = 0
+        self._rng = random.Random(0)
+        self._worker = threading.Thread(target=self._work, name="tide-engine", daemon=True)
+        self._worker.start()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def check(self, request: EngineRequest) -> None:
+        if not request.input_ids:
+            raise RequestError("the prompt is empty")
+        if len(request.input_ids) > self.serve.max_prompt_tokens:
+            raise RequestError(
+                f"the prompt has {len(request.input_ids)} tokens; this server takes at most "
+                f"{self.serve.max_prompt_tokens} (--max-prompt-tokens)"
+            )
+        if request.max_new_tokens > self.serve.max_new_tokens_limit:
+            raise RequestError(
+                f"max_new_tokens {request.max_new_tokens} exceeds this server's limit "
+                f"{self.serve.max_new_tokens_limit} (--max-new-tokens-limit)"
+            )
+        vocab = self.target.config.vocab_size
+        bad = [token for token in request.input_ids if not 0 <= token < vocab]
+        if bad:
+            raise RequestError(f"input_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def submit(self, request: EngineRequest) -> concurrent.futures.Future[EngineResult]:
+        self.check(request)
+        future: concurrent.futures.Future[EngineResult] = concurrent.futures.Future()
+        self._queue.put((request, future))
+        return future
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def running(self) -> int:
+        return self._running
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if item is _SWAP:
+                self._apply_pending_swap()
+                continue
+            request, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            self._running = 1
+            try:
+                future.set_result(self._generate(request))
+            except Exception as error:  # reported to the client, the worker keeps serving
+                logger.exception("request %s failed", request.rid)
+                future.set_exception(error)
+            finally:
+                self._running = 0
+
+    def _generate(self, request: EngineRequest) -> EngineResult:
+        started = time.perf_counter()
+        started_at = datetime.now(UTC)
+        generator = (
+            torch.Generator().manual_seed(request.seed) if request.seed is not None else None
+        )
+        version = self.weight_version
+        generation = self.decoder.generate(
+            request.input_ids,
+            request.max_new_tokens,
+            temperature=request.temperature,
+            speculative=self.speculative,
+            generator=generator,
+        )
+        with self._lock:
+            self.counters.requests += 1
+            self.counters.prompt_tokens += len(request.input_ids)
+            self.counters.generation_tokens += len(generation.output_ids)
+            self.counters.verify_steps += generation.verify_steps
+            self.counters.emitted_by_verify += (
+                generation.accepted_draft_tokens + generation.verify_steps
+            )
+        self._capture(request, generation, started_at, version)
+        return EngineResult(
+            rid=request.rid,
+            output_ids=generation.output_ids,
+            text=self.tokenizer.decode(generation.output_ids, skip_special_tokens=True),
+            prompt_tokens=len(request.input_ids),
+            completion_tokens=len(generation.output_ids),
+            finish_reason=generation.finish_reason,
+            spec_verify_ct=generation.verify_steps,
+            spec_accept_length=generation.accept_length,
+            weight_version=version,
+            e2e_latency=time.perf_counter() - started,
+        )
+
+    # -- capture ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _capture_writer(config: TideConfig) -> LakeWriter:
+        return LakeWriter(ObjectStore(config.store, config.store.lake_bucket), config.lake)
+
+    def _capture(
+        self, request: EngineRequest, generation: Generation, started_at: datetime, version: str
+    ) -> None:
+        if self.writer is None:
+            return
+        threshold = self.serve.capture_skip_accept_rate
+        rate = (
+            generation.accepted_draft_tokens / generation.drafted_tokens
+            if generation.drafted_tokens
+            else 0.0
+        )
+        if (
+            threshold is not None and rate >= threshold
+        ) or self._rng.random() >= self.serve.capture_sample_rate:
+            with self._lock:
+                self.counters.capture_skipped += 1
+            return
+        tokens = (generation.prompt_ids + generation.output_ids)[: generation.final_states.shape[0]]
+        mask = [0] * len(generation.prompt_ids) + [1] * (len(tokens) - len(generation.prompt_ids))
+        record = CapturedRecord(
+            request_id=request.rid,
+            target_id=self.target_id,
+            draft_version=version,
+            started_at=started_at,
+            finished_at=datetime.now(UTC),
+            input_ids=torch.tensor(tokens, dtype=torch.int32),
+            loss_mask=torch.tensor(mask, dtype=torch.int8),
+            hidden_states=generation.final_states.to(torch.float16),
+            aux_hidden_states=generation.aux_states.to(torch.float16),
+            spec_verify_ct=generation.verify_steps,
+            spec_accept_tokens=generation.accepted_draft_tokens,
+            completion_tokens=len(generation.output_ids),
+        )
+        if self.writer.submit(record):
+            with self._lock:
+                self.counters.captured += 1
+
+    # -- drafts ------------------------------------------------------------------------------
+
+    def _load_draft(self, path: str) -> Any:
+        local = self._fetch(path)
+        draft = load_draft(local, self.target_dir)
+        hidden = self.target.config.hidden_size
+        if (
+            draft.config.hidden_size != hidden
+            or draft.config.vocab_size != self.target.config.vocab_size
+        ):
+            raise InvalidCheckpointError(
+                f"draft {path} is shaped for another target (hidden {draft.config.hidden_size}, "
+                f"vocab {draft.config.vocab_size}); this target has hidden {hidden}, "
+                f"vocab {self.target.config.vocab_size}"
+            )
+        return draft
+
+    def _fetch(self, path: str) -> Path:
+        if not path.startswith("s3://"):
+            local = Path(path)
+            if not local.is_dir():
+                raise InvalidCheckpointError(f"draft path {path} is not a directory")
+            return local
+        bucket, _, prefix = path.removeprefix("s3://").partition("/")
+        store = ObjectStore(self.config.store, bucket)
+        target = Path(tempfile.mkdtemp(prefix="tide-draft-"))
+        found = False
+        for info in store.list(prefix.rstrip("/") + "/"):
+            relative = info.key[len(prefix.rstrip("/")) + 1 :]
+            destination = target / relative
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            store.get_file(info.key, destination)
+            found = True
+        if not found:
+            raise InvalidCheckpointError(f"no objects under {path}")
+        return target
+
+    def swap_draft(self, path: str, version: str, timeout: float = 600.0) -> None:
+        """Validate and load a draft here, then let the worker swap it in between requests."""
+        draft = self._load_draft(path)  # raises InvalidCheckpointError: old draft keeps serving
+        pending = _PendingSwap(draft=draft, path=path, version=version)
+        with self._lock:
+            self._pending_swap = pending
+        self._queue.put(_SWAP)  # requests queued before it finish on the old draft
+        if not pending.applied.wait(timeout):
+            raise TimeoutError(f"draft swap to {version} was not applied within {timeout:.0f}s")
+
+    def _apply_pending_swap(self) -> None:
+        with self._lock:
+            pending, self._pending_swap = self._pending_swap, None
+        if pending is None:
+            return
+        self.decoder = SpeculativeDecoder(
+            self.target,
+            pending.draft,
+            self.serve.speculative_num_steps,
+            self.tokenizer.eos_token_id,
+        )
+        self.draft_path, self.weight_version = pending.path, pending.version
+        self.speculative = not self.serve.disable_speculation
+        with self._lock:
+            self.counters.swaps += 1
+            self.counters.verify_steps = self.counters.emitted_by_verify = 0
+        logger.info("serving draft %s as weight version %s", pending.path, pending.version)
+        pending.applied.set()
+
+    def avg_accept_length(self) -> float:
+        with self._lock:
+            steps, emitted = self.counters.verify_steps, self.counters.emitted_by_verify
+        return emitted / steps if steps else 0.0
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._worker.join(timeout=60)
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,208 @@
+"""``tide serve``: the reference engine behind SGLang's HTTP API (the subset TIDE uses).
+
+Same paths, field names and shapes as SGLang: ``POST /generate``, ``GET /health``,
+``GET /get_server_info``, ``GET /metrics`` (``sglang:`` names),
+``POST /update_weights_from_disk`` and ``GET /get_weight_version``. Anything TIDE
+does against this server it can do against a real SGLang fleet. Malformed or
+hostile requests get a 400 with a message; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tide_lib.config import TideConfig
+from tide_lib.serving.engine import Engine, EngineRequest, RequestError
+from tide_lib.training.draft import InvalidCheckpointError
+
+__all__ = ["GenerateRequest", "UpdateWeightsRequest", "create_app", "run_server"]
+
+logger = logging.getLogger(__name__)
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    seed: int | None = None
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's ``GenerateReqInput`` subset: ``text`` or ``input_ids``, and sampling params."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = SamplingParams()
+    rid: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        if self.text is not None and not self.text.strip():
+            raise ValueError("text is empty")
+        return self
+
+
+class UpdateWeightsRequest(BaseModel):
+    """SGLang's ``UpdateWeightFromDiskReqInput`` subset."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(min_length=1)
+    is_draft_model: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}})
+
+
+def create_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="TIDE reference engine", description=__doc__)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
+        def where(item: dict[str, Any]) -> str:
+            return ".".join(str(part) for part in item["loc"] if part != "body") or "body"
+
+        details = "; ".join(f"{where(item)}: {item['msg']}" for item in error.errors())
+        return _error(400, f"invalid request: {details}")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest) -> Any:
+        input_ids = body.input_ids if body.input_ids is not None else engine.encode(body.text or "")
+        params = body.sampling_params
+        request = EngineRequest(
+            input_ids=input_ids,
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            seed=params.seed,
+            rid=body.rid or uuid.uuid4().hex,
+        )
+        try:
+            future = engine.submit(request)
+        except RequestError as error:
+            return _error(400, str(error))
+        result = await asyncio.wrap_future(future)
+        return {
+            "text": result.text,
+            "output_ids": result.output_ids,
+            "meta_info": {
+                "id": result.rid,
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": result.completion_tokens,
+                "finish_reason": {"type": result.finish_reason},
+                "spec_verify_ct": result.spec_verify_ct,
+                "spec_accept_length": result.spec_accept_length,
+                "weight_version": result.weight_version,
+                "e2e_latency": result.e2e_latency,
+            },
+        }
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        serve = engine.serve
+        return {
+            "model_path": str(engine.target_dir),
+            "served_model_name": engine.target_id,
+            "speculative_algorithm": "EAGLE3" if engine.speculative else None,
+            "speculative_draft_model_path": engine.draft_path,
+            "speculative_num_steps": serve.speculative_num_steps,
+            "speculative_eagle_topk": serve.speculative_eagle_topk,
+            "speculative_num_draft_tokens": serve.speculative_num_steps + 1,
+            "weight_version": engine.weight_version,
+            "capture": serve.capture,
+            "internal_states": [
+                {
+                    "avg_spec_accept_length": engine.avg_accept_length(),
+                    "num_requests": engine.counters.requests,
+                }
+            ],
+        }
+
+    @app.get("/get_weight_version")
+    async def weight_version() -> dict[str, str]:
+        return {"weight_version": engine.weight_version}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights(body: UpdateWeightsRequest) -> Any:
+        if not body.is_draft_model:
+            return _error(400, "this engine hot-swaps draft models only; set is_draft_model: true")
+        version = body.weight_version or body.model_path
+        try:
+            await asyncio.to_thread(engine.swap_draft, body.model_path, version)
+        except (InvalidCheckpointError, FileNotFoundError, KeyError) as error:
+            logger.warning("refused draft %s: %s", body.model_path, error)
+            return JSONResponse(
+                status_code=400,
+                content={"success": False, "message": f"refused draft {body.model_path}: {error}"},
+            )
+        return {"success": True, "message": f"serving {body.model_path}", "weight_version": version}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(_prometheus(engine), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _prometheus(engine: Engine) -> str:
+    counters = engine.counters
+    writer = engine.writer.stats() if engine.writer is not None else None
+    labels = f'model_name="{engine.target_id}"'
+    rows = [
+        ("sglang:prompt_tokens_total", "counter", counters.prompt_tokens),
+        ("sglang:generation_tokens_total", "counter", counters.generation_tokens),
+        ("sglang:num_requests_total", "counter", counters.requests),
+        ("sglang:num_running_reqs", "gauge", engine.running()),
+        ("sglang:num_queue_reqs", "gauge", engine.queue_depth()),
+        ("sglang:spec_accept_length", "gauge", engine.avg_accept_length()),
+        ("tide:speculative_enabled", "gauge", int(engine.speculative)),
+        ("tide:capture_records_total", "counter", counters.captured),
+        ("tide:capture_skipped_total", "counter", counters.capture_skipped),
+        ("tide:capture_dropped_records_total", "counter", writer.dropped_records if writer else 0),
+        ("tide:capture_spooled_shards", "gauge", writer.spooled_shards if writer else 0),
+        ("tide:draft_swaps_total", "counter", counters.swaps),
+    ]
+    lines = []
+    for name, kind, value in rows:
+        lines += [f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+def run_server(config: TideConfig) -> None:
+    import uvicorn  # noqa: PLC0415
+
+    engine = Engine(config)
+    logger.info(
+        "serving %s on http://%s:%d (draft %s, k=%d, capture %s)",
+        engine.target_id,
+        config.serve.host,
+        config.serve.port,
+        engine.draft_path or "none",
+        config.serve.speculative_num_steps,
+        "on" if engine.writer else "off",
+    )
+    try:
+        uvicorn.run(
+            create_app(engine), host=config.serve.host, port=config.serve.port, log_level="warning"
+        )
+    finally:
+        engine.close()
