@@ -160,3 +160,25 @@ def captured(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
                 )
             dirs[f"{language}_{split}"] = out
     return dirs
+
+
+def _train_tiny_draft(tiny_target: Path, data: Path, out: Path, steps: int = 40) -> Path:
+    from tide_lib.config import TrainConfig
+    from tide_lib.training.trainer import train_draft
+
+    config = TrainConfig(
+        steps=steps, batch_size=4, ttt_length=3, draft_vocab_size=512, learning_rate=3e-3
+    )
+    return train_draft(data, tiny_target, out, config).draft_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_drafts(
+    tiny_target: Path, captured: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Two exported drafts of the tiny target: ``en`` and ``ko`` (different weights)."""
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        language: _train_tiny_draft(tiny_target, captured[f"{language}_train"], root / language)
+        for language in ("en", "ko")
+    }

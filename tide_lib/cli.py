@@ -148,6 +148,36 @@ def _serve(args: argparse.Namespace, config: TideConfig) -> int:
     return 0
 
 
+def _fleet(args: argparse.Namespace, _config: TideConfig) -> int:
+    from tide_lib.serving.fleet import FleetError, FleetManager  # noqa: PLC0415
+
+    fleet = FleetManager([url for url in args.servers.split(",") if url])
+    try:
+        if args.action == "promote":
+            states = fleet.promote(
+                args.model_path,
+                args.weight_version,
+                probe_prompts=args.probe_prompt or (),
+                min_accept_length=args.min_accept_length,
+            )
+        elif args.action == "rollback":
+            states = fleet.promote(args.model_path, args.weight_version)
+        else:
+            states = fleet.status()
+    except FleetError as error:
+        logger.error("%s", error)
+        return 1
+    _out(f"{'server':<32}{'health':<9}{'version':<20}{'accept len':>11}  draft")
+    for state in states:
+        accept = f"{state.avg_accept_length:.2f}" if state.avg_accept_length is not None else "-"
+        health = "ok" if state.healthy else "DOWN"
+        _out(
+            f"{state.url:<32}{health:<9}{state.weight_version or '-':<20}"
+            f"{accept:>11}  {state.draft_path or state.error or '-'}"
+        )
+    return 0 if all(state.healthy for state in states) else 1
+
+
 # -- target and training ------------------------------------------------------------------
 
 
@@ -377,6 +407,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_options(serve, ServeConfig)
     serve.set_defaults(handler=_serve)
+
+    fleet = commands.add_parser(
+        "fleet", help="status, promotion and rollback of drafts on SGLang-compatible servers"
+    ).add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, text in (
+        ("status", "health, weight version, acceptance length and draft of each server"),
+        ("promote", "serve a draft on every server, one at a time; roll all back on failure"),
+        ("rollback", "serve an earlier draft on every server (no acceptance gate)"),
+    ):
+        sub = fleet.add_parser(action, help=text)
+        sub.add_argument("--servers", required=True, help="comma-separated base URLs")
+        if action != "status":
+            sub.add_argument("--model-path", required=True, help="draft directory or s3:// URI")
+            sub.add_argument("--weight-version", required=True, help="version the servers report")
+        if action == "promote":
+            sub.add_argument(
+                "--probe-prompt", action="append", help="prompt for the acceptance check"
+            )
+            sub.add_argument(
+                "--min-accept-length",
+                type=float,
+                help="fail (and roll back) below this on the probes",
+            )
+        sub.set_defaults(handler=_fleet)
 
     demo = commands.add_parser("demo", help="run what exists of the TIDE loop on this machine")
     demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")

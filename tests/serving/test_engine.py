@@ -1,0 +1,241 @@
+"""The reference engine as a real process: exactness, capture, hot swap, fleets, hostile input."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from tests.serving.conftest import EngineProcess
+from tide_lib.config import TideConfig
+from tide_lib.lake import LakeReader, ObjectStore, target_slug
+from tide_lib.serving.fleet import FleetError, FleetManager, sglang_launch_args
+from tide_lib.target import HiddenStateCapture, load_corpus, render_prompt
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    render_prompt(doc.turns[0]) for doc in load_corpus().domain("en_chat", held_out=True)[:6]
+]
+
+
+def _generate(engine: EngineProcess, text: str, max_new_tokens: int = 24, **params: object) -> dict:
+    response = httpx.post(
+        f"{engine.url}/generate",
+        json={"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, **params}},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_greedy_speculative_output_equals_plain_greedy(engines: dict[str, EngineProcess]) -> None:
+    for prompt in PROMPTS:
+        spec = _generate(engines["spec"], prompt)
+        plain = _generate(engines["plain"], prompt)
+        assert spec["output_ids"] == plain["output_ids"]
+        assert spec["meta_info"]["spec_verify_ct"] > 0
+        assert plain["meta_info"]["spec_verify_ct"] == 0
+    info = httpx.get(f"{engines['spec'].url}/get_server_info").json()
+    assert info["speculative_algorithm"] == "EAGLE3" and info["speculative_num_draft_tokens"] == 4
+    assert info["internal_states"][0]["avg_spec_accept_length"] >= 1.0
+
+
+def test_sampling_is_seeded_and_in_vocabulary(engines: dict[str, EngineProcess]) -> None:
+    first = _generate(engines["spec"], PROMPTS[0], temperature=0.9, seed=7)
+    again = _generate(engines["spec"], PROMPTS[0], temperature=0.9, seed=7)
+    assert first["output_ids"] == again["output_ids"]
+    assert all(0 <= token < 1024 for token in first["output_ids"])
+
+
+def test_captured_requests_read_back_equal_to_the_engine_states(
+    engines: dict[str, EngineProcess], stack: TideConfig, tiny_target: Path
+) -> None:
+    results = [_generate(engines["spec"], prompt, max_new_tokens=12) for prompt in PROMPTS[:3]]
+    reader = LakeReader(
+        ObjectStore(stack.store, stack.store.lake_bucket),
+        stack.lake.model_copy(update={"prefix": "serving-capture"}),
+    )
+    wanted = {result["meta_info"]["id"] for result in results}
+    deadline = time.monotonic() + 30
+    samples = {}
+    while time.monotonic() < deadline and not wanted <= samples.keys():
+        samples = {
+            s.request_id: s for s in reader.iter_samples(reader.list_shards(target_slug("tiny")))
+        }
+        time.sleep(0.5)
+    assert wanted <= samples.keys()
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    capture = HiddenStateCapture(model, [0, 1, 2])
+    for result in results:
+        sample = samples[result["meta_info"]["id"]]
+        prompt_len = result["meta_info"]["prompt_tokens"]
+        tokens = sample.input_ids.tolist()
+        assert tokens[prompt_len:] == result["output_ids"][: len(tokens) - prompt_len]
+        assert sample.loss_mask[:prompt_len].sum() == 0 and sample.loss_mask[prompt_len:].all()
+        with torch.no_grad(), capture.capturing():
+            model(input_ids=torch.tensor([tokens]))
+        final, aux = capture.take()
+        assert torch.allclose(sample.hidden_state.float(), final[0], atol=2e-2)
+        assert torch.allclose(sample.aux_hidden_state.float(), aux[0], atol=2e-2)
+    metrics = httpx.get(f"{engines['spec'].url}/metrics").text
+    assert "tide:capture_records_total" in metrics and "sglang:spec_accept_length" in metrics
+
+
+def test_swap_under_load_fails_no_request(
+    engines: dict[str, EngineProcess], tiny_drafts: dict[str, Path]
+) -> None:
+    engine = engines["spec2"]
+    statuses: list[int] = []
+    versions: list[str] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            response = httpx.post(
+                f"{engine.url}/generate",
+                json={"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 16}},
+                timeout=120,
+            )
+            statuses.append(response.status_code)
+            versions.append(response.json()["meta_info"]["weight_version"])
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    swap = httpx.post(
+        f"{engine.url}/update_weights_from_disk",
+        json={
+            "model_path": str(tiny_drafts["ko"]),
+            "is_draft_model": True,
+            "weight_version": "ko-1",
+        },
+        timeout=120,
+    )
+    time.sleep(1.0)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert swap.status_code == 200 and swap.json()["weight_version"] == "ko-1"
+    assert statuses and set(statuses) == {200}
+    assert "initial" in versions and versions[-1] == "ko-1"
+    assert httpx.get(f"{engine.url}/get_weight_version").json() == {"weight_version": "ko-1"}
+
+
+def test_bad_checkpoint_is_refused_and_serving_continues(
+    engines: dict[str, EngineProcess], tiny_drafts: dict[str, Path], tmp_path: Path
+) -> None:
+    engine = engines["spec"]
+    before = httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"]
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_drafts["ko"], broken)
+    state = load_file(broken / "model.safetensors")
+    state["fc.weight"][0, 0] = float("inf")
+    save_file(state, broken / "model.safetensors")
+    response = httpx.post(
+        f"{engine.url}/update_weights_from_disk",
+        json={"model_path": str(broken), "is_draft_model": True, "weight_version": "broken"},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    assert "fc.weight has non-finite values" in response.json()["message"]
+    assert httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"] == before
+    assert _generate(engine, PROMPTS[0], max_new_tokens=4)["meta_info"]["weight_version"] == before
+
+
+def test_draft_from_s3_uri(
+    engines: dict[str, EngineProcess], tiny_drafts: dict[str, Path], stack: TideConfig
+) -> None:
+    store = ObjectStore(stack.store, stack.store.artifact_bucket)
+    for path in tiny_drafts["en"].iterdir():
+        store.put_file(f"drafts/en-s3/{path.name}", path)
+    engine = engines["spec2"]
+    response = httpx.post(
+        f"{engine.url}/update_weights_from_disk",
+        json={
+            "model_path": f"s3://{stack.store.artifact_bucket}/drafts/en-s3",
+            "is_draft_model": True,
+            "weight_version": "en-s3",
+        },
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    assert _generate(engine, PROMPTS[0], max_new_tokens=4)["meta_info"]["weight_version"] == "en-s3"
+
+
+def test_fleet_of_two_is_promoted_and_rolled_back(
+    engines: dict[str, EngineProcess], tiny_drafts: dict[str, Path]
+) -> None:
+    fleet = FleetManager([engines["spec"].url, engines["spec2"].url])
+    fleet.promote(tiny_drafts["en"], "fleet-en")
+    assert [s.weight_version for s in fleet.status()] == ["fleet-en", "fleet-en"]
+
+    # A promotion whose acceptance gate cannot pass updates the first server, fails,
+    # and leaves both servers on the draft they served before.
+    with pytest.raises(FleetError, match="rolled back"):
+        fleet.promote(
+            tiny_drafts["ko"], "fleet-ko", probe_prompts=PROMPTS[:2], min_accept_length=99.0
+        )
+    states = fleet.status()
+    assert [s.weight_version for s in states] == ["fleet-en", "fleet-en"]
+    assert all(s.healthy and s.draft_path == str(tiny_drafts["en"]) for s in states)
+
+    fleet.promote(tiny_drafts["ko"], "fleet-ko")
+    fleet.promote(tiny_drafts["en"], "fleet-en-again")  # rollback = promote the earlier draft
+    assert [s.weight_version for s in fleet.status()] == ["fleet-en-again"] * 2
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"{not json", "JSON decode error"),
+        (b'{"text": "hi", "bogus": 1}', "bogus: Extra inputs are not permitted"),
+        (b'{"sampling_params": {}}', "exactly one of text or input_ids"),
+        (b'{"text": "   "}', "text is empty"),
+        (b'{"input_ids": []}', "the prompt is empty"),
+        (b'{"input_ids": [1, 5000]}', "outside the vocabulary"),
+        (
+            b'{"text": "hi", "sampling_params": {"max_new_tokens": -1}}',
+            "greater than or equal to 1",
+        ),
+        (
+            b'{"text": "hi", "sampling_params": {"max_new_tokens": 10000000}}',
+            "exceeds this server's limit",
+        ),
+        (b'{"text": "' + b"x" * 20000 + b'"}', "this server takes at most"),
+        (b'{"text": "hi", "sampling_params": {"temperature": "hot"}}', "valid number"),
+    ],
+)
+def test_hostile_inputs_get_400_and_the_server_still_answers(
+    engines: dict[str, EngineProcess], payload: bytes, message: str
+) -> None:
+    engine = engines["plain"]
+    response = httpx.post(
+        f"{engine.url}/generate", content=payload, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert message in response.json()["error"]["message"]
+    assert _generate(engine, "hello", max_new_tokens=2)["meta_info"]["completion_tokens"] == 2
+
+
+def test_update_of_the_target_is_refused(engines: dict[str, EngineProcess]) -> None:
+    response = httpx.post(
+        f"{engines['plain'].url}/update_weights_from_disk", json={"model_path": "/x"}
+    )
+    assert response.status_code == 400 and "draft models only" in response.text
+
+
+def test_sglang_launch_args_name_eagle3_options() -> None:
+    args = sglang_launch_args("meta-llama/Llama-3.1-8B-Instruct", "s3://b/d", num_steps=5)
+    joined = " ".join(args)
+    assert "--speculative-algorithm EAGLE3" in joined
+    assert "--speculative-num-steps 5" in joined and "--speculative-num-draft-tokens 6" in joined
+    assert "--speculative-eagle-topk 1" in joined
