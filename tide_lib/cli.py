@@ -178,6 +178,33 @@ def _fleet(args: argparse.Namespace, _config: TideConfig) -> int:
     return 0 if all(state.healthy for state in states) else 1
 
 
+def _bench_serve(args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.serving.bench import run_serve_bench  # noqa: PLC0415
+
+    result = run_serve_bench(
+        config,
+        args.target or DEFAULT_TARGETS / "demo",
+        args.json,
+        draft_dir=args.draft,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        num_steps=args.speculative_num_steps,
+    )
+    for key in (
+        "capture_on_tokens_per_s",
+        "capture_off_tokens_per_s",
+        "spec_tokens_per_s",
+        "plain_tokens_per_s",
+        "accept_length",
+        "swap_seconds",
+        "failed_requests",
+    ):
+        _out(f"{key:<28}{result[key]:>14.2f}")
+    if args.json:
+        _out(f"wrote {args.json}")
+    return 0
+
+
 # -- target and training ------------------------------------------------------------------
 
 
@@ -431,6 +458,22 @@ def build_parser() -> argparse.ArgumentParser:
                 help="fail (and roll back) below this on the probes",
             )
         sub.set_defaults(handler=_fleet)
+
+    bench_serve = bench.add_parser(
+        "serve",
+        help="capture overhead, speculative vs plain tokens/s, accept length, swap latency",
+        description=(
+            "Needs the S3 server up (capture writes to the lake). Without --draft, bootstraps a "
+            "draft from the demo target's own greedy answers to English prompts (~3 minutes)."
+        ),
+    )
+    bench_serve.add_argument("--json", type=Path, help="write the results to this file")
+    bench_serve.add_argument("--target", type=Path, help="target dir (default: .tide/targets/demo)")
+    bench_serve.add_argument("--draft", type=Path, help="exported draft to serve")
+    bench_serve.add_argument("--prompts", type=int, default=24, help="held-out prompts per pair")
+    bench_serve.add_argument("--max-new-tokens", type=int, default=48)
+    bench_serve.add_argument("--speculative-num-steps", type=int, default=4)
+    bench_serve.set_defaults(handler=_bench_serve)
 
     demo = commands.add_parser("demo", help="run what exists of the TIDE loop on this machine")
     demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")

@@ -1,0 +1,40 @@
+"""``tide bench serve`` writes its JSON contract (figures are measured, not asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tide_lib.config import TideConfig
+from tide_lib.serving.bench import run_serve_bench
+
+pytestmark = pytest.mark.slow
+
+
+def test_serve_bench_writes_the_json_keys(
+    stack: TideConfig, tiny_target: Path, tiny_drafts: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "serve.json"
+    run_serve_bench(
+        stack,
+        tiny_target,
+        out,
+        draft_dir=tiny_drafts["en"],
+        prompts=3,
+        max_new_tokens=8,
+        num_steps=3,
+        preset="tiny",
+    )
+    result = json.loads(out.read_text())
+    for key in (
+        "capture_on_tokens_per_s",
+        "capture_off_tokens_per_s",
+        "spec_tokens_per_s",
+        "plain_tokens_per_s",
+        "accept_length",
+        "swap_seconds",
+    ):
+        assert result[key] > 0, key
+    assert result["failed_requests"] == 0 and result["swap_load_requests"] > 0

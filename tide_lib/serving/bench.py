@@ -1,0 +1,213 @@
+"""``tide bench serve``: what capture costs, what speculation gains, and what a swap costs.
+
+Runs the reference engine in-process on the demo target, with a draft bootstrapped
+from the target's own greedy answers to English training prompts (or a given
+one), and measures on held-out English prompts, each pair side by side in one
+run (requests alternate between the two engines, order flipped every prompt):
+output tokens/s with capture on and off, speculative and plain decoding,
+the pooled acceptance length, and the latency of a draft swap while three
+threads keep sending requests, with the number of requests that failed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tide_lib.config import TideConfig, TrainConfig
+from tide_lib.serving.engine import Engine, EngineRequest
+from tide_lib.serving.speculative import SpeculativeDecoder
+from tide_lib.target import build_target, load_corpus, render_prompt
+from tide_lib.training.trainer import train_draft
+
+__all__ = ["bootstrap_draft", "run_serve_bench"]
+
+logger = logging.getLogger(__name__)
+
+
+def bootstrap_draft(
+    target_dir: Path,
+    prompts: list[str],
+    out_dir: Path,
+    *,
+    max_new_tokens: int,
+    train: TrainConfig,
+) -> Path:
+    """A draft trained on the target's own greedy answers to ``prompts`` (no lake needed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    decoder = SpeculativeDecoder(target, None, 1, tokenizer.eos_token_id)
+    data = out_dir / "bootstrap-data"
+    data.mkdir(parents=True, exist_ok=True)
+    for index, prompt in enumerate(tqdm(prompts, desc="bootstrap answers", unit="req")):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        generation = decoder.generate(ids, max_new_tokens, speculative=False)
+        length = generation.final_states.shape[0]
+        tokens = (generation.prompt_ids + generation.output_ids)[:length]
+        torch.save(
+            {
+                "input_ids": torch.tensor(tokens),
+                "loss_mask": torch.tensor([0] * len(ids) + [1] * (length - len(ids))),
+                "hidden_state": generation.final_states.half(),
+                "aux_hidden_state": generation.aux_states.half(),
+            },
+            data / f"data_{index:06d}.ckpt",
+        )
+    return train_draft(data, target_dir, out_dir / "bootstrap-run", train).draft_dir
+
+
+def _engine(config: TideConfig, target: Path, draft: Path, **serve: Any) -> Engine:
+    settings = config.serve.model_copy(
+        update={"model_path": target, "speculative_draft_model_path": str(draft), **serve}
+    )
+    return Engine(config.model_copy(update={"serve": settings}))
+
+
+def _side_by_side(
+    engines: dict[str, Engine], prompts: list[list[int]], max_new_tokens: int
+) -> dict[str, dict[str, float]]:
+    totals = {
+        name: {"tokens": 0.0, "seconds": 0.0, "verify": 0.0, "emitted": 0.0} for name in engines
+    }
+    names = list(engines)
+    for name in names:  # warm-up, not timed: first calls pay one-off allocation costs
+        engines[name].submit(EngineRequest(prompts[0], 4, 0.0, None, f"warmup-{name}")).result()
+    for index, ids in enumerate(tqdm(prompts, desc=" vs ".join(names), unit="req")):
+        for name in names if index % 2 == 0 else reversed(names):
+            request = EngineRequest(ids, max_new_tokens, 0.0, None, f"bench-{name}-{index}")
+            started = time.perf_counter()
+            result = engines[name].submit(request).result()
+            totals[name]["seconds"] += time.perf_counter() - started
+            totals[name]["tokens"] += result.completion_tokens
+            totals[name]["verify"] += result.spec_verify_ct
+            totals[name]["emitted"] += result.spec_accept_length * result.spec_verify_ct
+    return totals
+
+
+def _swap_under_load(
+    engine: Engine, draft: Path, prompts: list[list[int]]
+) -> tuple[float, int, int]:
+    stop = threading.Event()
+    futures: list[concurrent.futures.Future[Any]] = []
+
+    def load(offset: int) -> None:
+        index = offset
+        while not stop.is_set():
+            request = EngineRequest(
+                prompts[index % len(prompts)], 24, 0.0, None, f"swap-{offset}-{index}"
+            )
+            future = engine.submit(request)
+            futures.append(future)
+            try:
+                future.result()
+            except Exception:  # counted below
+                logger.exception("request failed during the swap")
+            index += 3
+
+    threads = [threading.Thread(target=load, args=(offset,)) for offset in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(2.0)
+    started = time.perf_counter()
+    engine.swap_draft(str(draft), "bench-swap")
+    swap_seconds = time.perf_counter() - started
+    time.sleep(2.0)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    failed = sum(1 for future in futures if future.exception() is not None)
+    return swap_seconds, failed, len(futures)
+
+
+def run_serve_bench(
+    config: TideConfig,
+    target_dir: Path,
+    json_path: Path | None,
+    *,
+    draft_dir: Path | None = None,
+    prompts: int = 24,
+    max_new_tokens: int = 48,
+    num_steps: int = 4,
+    preset: str = "demo",
+) -> dict[str, Any]:
+    build_target(target_dir, preset_name=preset)
+    bootstrapped = draft_dir is None
+    corpus = load_corpus()
+    train_prompts = [
+        render_prompt(doc.turns[0]) for doc in corpus.domain("en_chat", held_out=False)
+    ]
+    eval_prompts = [render_prompt(doc.turns[0]) for doc in corpus.domain("en_chat", held_out=True)]
+    with tempfile.TemporaryDirectory(prefix="tide-bench-serve-") as tmp:
+        work = Path(tmp)
+        if draft_dir is None:
+            draft_dir = bootstrap_draft(
+                target_dir,
+                train_prompts[:128],
+                work,
+                max_new_tokens=max_new_tokens,
+                train=TrainConfig(
+                    steps=160, batch_size=4, ttt_length=num_steps, learning_rate=2e-3
+                ),
+            )
+        lake = config.lake.model_copy(update={"spool_dir": work / "spool", "prefix": "bench-serve"})
+        config = config.model_copy(update={"lake": lake})
+        capture_on = _engine(
+            config, target_dir, draft_dir, capture=True, speculative_num_steps=num_steps
+        )
+        capture_off = _engine(
+            config, target_dir, draft_dir, capture=False, speculative_num_steps=num_steps
+        )
+        plain = _engine(config, target_dir, draft_dir, capture=False, disable_speculation=True)
+        try:
+            ids = [capture_off.encode(prompt) for prompt in eval_prompts[:prompts]]
+            capture = _side_by_side({"on": capture_on, "off": capture_off}, ids, max_new_tokens)
+            speculation = _side_by_side({"spec": capture_off, "plain": plain}, ids, max_new_tokens)
+            swap_seconds, failed, swap_requests = _swap_under_load(capture_off, draft_dir, ids)
+            dropped = capture_on.writer.stats().dropped_records if capture_on.writer else 0
+        finally:
+            for engine in (capture_on, capture_off, plain):
+                engine.close()
+
+    def rate(figures: dict[str, float]) -> float:
+        return figures["tokens"] / figures["seconds"]
+
+    spec = speculation["spec"]
+    result: dict[str, Any] = {
+        "capture_on_tokens_per_s": rate(capture["on"]),
+        "capture_off_tokens_per_s": rate(capture["off"]),
+        "spec_tokens_per_s": rate(spec),
+        "plain_tokens_per_s": rate(speculation["plain"]),
+        "accept_length": spec["emitted"] / spec["verify"] if spec["verify"] else 0.0,
+        "swap_seconds": swap_seconds,
+        "failed_requests": failed,
+        "swap_load_requests": swap_requests,
+        "capture_dropped_records": dropped,
+        "params": {
+            "prompts": prompts,
+            "max_new_tokens": max_new_tokens,
+            "speculative_num_steps": num_steps,
+            "temperature": 0.0,
+            "target": str(target_dir),
+            "draft": "bootstrapped from the target's greedy English answers"
+            if bootstrapped
+            else str(draft_dir),
+        },
+        "device": "cpu",
+        "measured_at": datetime.now(UTC).isoformat(),
+    }
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
