@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
@@ -202,6 +203,47 @@ def _bench_serve(args: argparse.Namespace, config: TideConfig) -> int:
         _out(f"{key:<28}{result[key]:>14.2f}")
     if args.json:
         _out(f"wrote {args.json}")
+    return 0
+
+
+# -- evaluation --------------------------------------------------------------------------------
+
+
+def _eval(args: argparse.Namespace, config: TideConfig) -> int:
+    if args.action == "online":
+        from tide_lib.evaluation.online import online_acceptance  # noqa: PLC0415
+
+        prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
+        online = online_acceptance(args.server, prompts, max_new_tokens=args.max_new_tokens)
+        _out(json.dumps(dataclasses.asdict(online), indent=2))
+        return 0
+    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
+    from tide_lib.lake import LakeReader, ObjectStore  # noqa: PLC0415
+    from tide_lib.training.draft import load_draft  # noqa: PLC0415
+    from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
+
+    prepare_specforge("cpu")
+    reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), config.lake)
+    since = datetime.fromisoformat(args.recent_since) if args.recent_since else None
+    segments = {
+        "recent": reader.list_shards(args.lake_target, start=since),
+        **({"older": reader.list_shards(args.lake_target, end=since)} if since else {}),
+    }
+    ks = args.k or config.gate.ks
+    results = offline_acceptance(
+        load_draft(args.draft, args.target),
+        args.target,
+        {name: reader.iter_samples(shards) for name, shards in segments.items()},
+        ks,
+    )
+    table = {
+        name: {
+            f"k{k}": {"accept_length": c.accept_length, "requests": c.requests}
+            for k, c in by_k.items()
+        }
+        for name, by_k in results.items()
+    }
+    _out(json.dumps(table, indent=2))
     return 0
 
 
@@ -474,6 +516,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--max-new-tokens", type=int, default=48)
     bench_serve.add_argument("--speculative-num-steps", type=int, default=4)
     bench_serve.set_defaults(handler=_bench_serve)
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="acceptance length of a draft: offline from captured states, or online on a server",
+        description=(
+            "offline: replays greedy chain drafting of DRAFT against the target states captured "
+            "in the lake (no target forward pass) and reports the acceptance length (tokens "
+            "emitted per verify step, bonus included, pooled as SGLang pools it) per traffic "
+            "segment ('recent' and, with --recent-since, 'older') for each k. Exact for greedy "
+            "traffic. online: sends prompts to a live SGLang-compatible server and pools the "
+            "acceptance length and output tokens/s from its responses."
+        ),
+    ).add_subparsers(dest="action", required=True, metavar="MODE")
+    offline = evaluate.add_parser("offline", help="from captured lake data, per segment and k")
+    offline.add_argument("--draft", type=Path, required=True, help="exported draft directory")
+    offline.add_argument("--target", type=Path, required=True, help="HF target directory")
+    offline.add_argument("--lake-target", required=True, help="target slug in the lake")
+    offline.add_argument("--recent-since", help="ISO time: requests finished after it are 'recent'")
+    offline.add_argument("--k", type=int, action="append", help="draft tokens per verify (repeat)")
+    offline.set_defaults(handler=_eval)
+    online = evaluate.add_parser("online", help="replay prompts against a live server")
+    online.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:30000")
+    online.add_argument("--prompts", type=Path, required=True, help="text file, one prompt a line")
+    online.add_argument("--max-new-tokens", type=int, default=64)
+    online.set_defaults(handler=_eval)
 
     demo = commands.add_parser("demo", help="run what exists of the TIDE loop on this machine")
     demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")

@@ -23,6 +23,7 @@ from pydantic_settings import (
 )
 
 __all__ = [
+    "GateConfig",
     "LakeConfig",
     "MLflowConfig",
     "ObjectStoreConfig",
@@ -185,6 +186,16 @@ class ServeConfig(StrictModel):
     )
 
 
+class GateConfig(StrictModel):
+    """When a challenger draft replaces the champion (acceptance length, SGLang's count)."""
+
+    recent_segment: str = Field("recent", description="segment holding the new traffic")
+    margin: float = Field(0.05, ge=0, description="required gain on recent traffic")
+    tolerance: float = Field(0.10, ge=0, description="allowed loss on each older segment")
+    k: int = Field(4, ge=1, description="draft tokens per verify the gate judges at")
+    ks: list[int] = Field(default_factory=lambda: [3, 5], description="k values evaluated")
+
+
 class TideConfig(BaseSettings):
     """All of TIDE's settings; sections mirror the stages of the loop."""
 
@@ -201,6 +212,7 @@ class TideConfig(BaseSettings):
     lake: LakeConfig = LakeConfig()
     training: TrainConfig = TrainConfig()
     serve: ServeConfig = ServeConfig()
+    gate: GateConfig = GateConfig()
 
     @classmethod
     def settings_customise_sources(

@@ -1,0 +1,40 @@
+"""Decisions become MLflow version tags and a report; the plot becomes a run artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from tide_lib.config import GateConfig, TideConfig
+from tide_lib.evaluation.gate import decide
+from tide_lib.evaluation.plot import plot_acceptance
+from tide_lib.evaluation.tracking import log_acceptance_plot, log_decision
+
+
+def test_plot_is_a_png(tmp_path: Path) -> None:
+    history = {"v1": {"recent": 1.2, "older": 3.9}, "v2": {"recent": 2.4, "older": 3.7}}
+    path = plot_acceptance(history, tmp_path / "al.png", k=4)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+@pytest.mark.slow
+def test_decision_and_plot_reach_mlflow(stack: TideConfig, tmp_path: Path) -> None:
+    client = mlflow.MlflowClient(stack.mlflow.tracking_uri)
+    run = client.create_run(client.create_experiment("tide-eval-test"))
+    client.create_registered_model("tide-draft-eval-test")
+    version = client.create_model_version(
+        "tide-draft-eval-test", "s3://x/draft", run_id=run.info.run_id
+    )
+    decision = decide({"recent": 2.5, "older": 3.05}, {"recent": 2.0, "older": 3.1}, GateConfig())
+    report = log_decision(
+        stack.mlflow.tracking_uri, "tide-draft-eval-test", version.version, decision, k=4
+    )
+    tags = client.get_model_version("tide-draft-eval-test", version.version).tags
+    assert tags["tide.gate.decision"] == "promote" and tags["tide.al.recent.k4"] == "2.5000"
+    log_acceptance_plot(stack.mlflow.tracking_uri, run.info.run_id, {"v1": {"recent": 2.5}}, k=4)
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
+    assert artifacts == {"evaluation/acceptance_length_k4.png"}
+    gate = {a.path for a in client.list_artifacts(run.info.run_id, "gate")}
+    assert gate == {f"gate/decision-v{version.version}.md"} and "PROMOTE" in report

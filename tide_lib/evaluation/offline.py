@@ -1,0 +1,116 @@
+"""Offline acceptance length: replay chain drafting against captured target states.
+
+For greedy traffic the captured tokens after the prompt *are* the target's greedy
+continuation, and the captured aux states are the features serving gave the
+draft. Re-running the draft's chain on them, with the engine's own
+:class:`~tide_lib.serving.speculative.DraftRunner` and the engine's rules (k
+tokens per round, the accepted prefix plus one bonus token, the last round
+capped by the output length), gives the acceptance length live serving would
+have measured, without any target forward pass. The one token the target
+emitted but never read (the last) is recovered from the last final state
+through the target's ``lm_head``.
+
+Acceptance length is pooled as SGLang pools it: tokens emitted by verify steps
+(bonus included) over verify steps, summed over all requests of a segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tide_lib.lake.reader import TrainingSample
+from tide_lib.serving.speculative import DraftRunner
+
+__all__ = ["AcceptanceCount", "offline_acceptance", "replay_request"]
+
+
+@dataclasses.dataclass
+class AcceptanceCount:
+    """Pooled counts of one segment at one k."""
+
+    emitted: int = 0
+    verify_steps: int = 0
+    requests: int = 0
+
+    def add(self, emitted: int, verify_steps: int) -> None:
+        self.emitted += emitted
+        self.verify_steps += verify_steps
+        self.requests += 1
+
+    @property
+    def accept_length(self) -> float:
+        return self.emitted / self.verify_steps if self.verify_steps else 0.0
+
+
+@torch.no_grad()
+def replay_request(
+    runner: DraftRunner, lm_head: torch.nn.Module, sample: TrainingSample, num_steps: int
+) -> tuple[int, int]:
+    """``(tokens emitted by verify steps, verify steps)`` of one greedy request."""
+    mask = sample.loss_mask.tolist()
+    if 1 not in mask:
+        return 0, 0
+    prompt_len = mask.index(1)
+    aux = sample.aux_hidden_state.float()
+    last_token = int(lm_head(sample.hidden_state[-1].float()).argmax())
+    tokens = [*sample.input_ids.tolist(), last_token]  # prompt + every output token
+    output_len = len(tokens) - prompt_len
+    runner.reset()
+    hidden, logits = runner.step(
+        torch.tensor(tokens[1 : prompt_len + 1]), runner.project(aux[:prompt_len])
+    )
+    position, produced = prompt_len, 1  # output[0] came from the prefill
+    emitted = verify_steps = 0
+    while produced < output_len:
+        budget = min(num_steps, output_len - produced)
+        drafted: list[int] = []
+        last_hidden, last_logits = hidden[-1:], logits[-1]
+        for step in range(budget):
+            token = int(runner.to_target_ids(last_logits.argmax()))
+            drafted.append(token)
+            if step + 1 < budget:
+                last_hidden, step_logits = runner.step(torch.tensor([token]), last_hidden)
+                last_logits = step_logits[-1]
+        truth = tokens[position + 1 : position + 1 + budget]
+        accepted = 0
+        while accepted < min(len(drafted), len(truth)) and drafted[accepted] == truth[accepted]:
+            accepted += 1
+        # Counted as the engine counts: accepted drafts plus one target token per verify.
+        emitted += accepted + 1
+        verify_steps += 1
+        produced += accepted + 1
+        runner.crop(position)
+        if produced < output_len:
+            kept = accepted + 1
+            hidden, logits = runner.step(
+                torch.tensor(tokens[position + 1 : position + 1 + kept]),
+                runner.project(aux[position : position + kept]),
+            )
+            position += kept
+    return emitted, verify_steps
+
+
+def offline_acceptance(
+    draft: Any,
+    target_dir: Path,
+    segments: dict[str, Iterable[TrainingSample]],
+    ks: Sequence[int],
+) -> dict[str, dict[int, AcceptanceCount]]:
+    """Acceptance length of ``draft`` per segment and per k, from captured states only."""
+    from tide_lib.training.trainer import _TargetHead  # noqa: PLC0415
+
+    lm_head = _TargetHead(target_dir)
+    runner = DraftRunner(draft)
+    results: dict[str, dict[int, AcceptanceCount]] = {}
+    for name, samples in segments.items():
+        counts = {k: AcceptanceCount() for k in ks}
+        for sample in samples:
+            for k in ks:
+                counts[k].add(*replay_request(runner, lm_head, sample, k))
+        results[name] = counts
+    return results

@@ -1,0 +1,35 @@
+"""Acceptance length per draft version and traffic segment, as a PNG (logged to MLflow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["plot_acceptance"]
+
+
+def plot_acceptance(
+    history: dict[str, dict[str, float]], out: Path, *, k: int, title: str = ""
+) -> Path:
+    """``history`` maps draft version -> segment -> acceptance length (versions in order)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    versions = list(history)
+    segments = sorted({segment for figures in history.values() for segment in figures})
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=120)
+    for segment in segments:
+        values = [history[version].get(segment, float("nan")) for version in versions]
+        axes.plot(versions, values, marker="o", label=segment)
+    axes.set_xlabel("draft version")
+    axes.set_ylabel(f"acceptance length (k={k})")
+    axes.set_title(title or "Acceptance length per draft version")
+    axes.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    axes.grid(alpha=0.3)
+    axes.legend(title="traffic segment")
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out)
+    plt.close(figure)
+    return out

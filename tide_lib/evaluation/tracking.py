@@ -1,0 +1,42 @@
+"""Gate decisions and acceptance plots, written where MLflow users look for them."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+from tide_lib.evaluation.gate import GateDecision, decision_report, decision_tags
+from tide_lib.evaluation.plot import plot_acceptance
+
+__all__ = ["log_acceptance_plot", "log_decision"]
+
+logger = logging.getLogger(__name__)
+
+
+def log_decision(
+    tracking_uri: str, model_name: str, version: str, decision: GateDecision, k: int
+) -> str:
+    """Tag the registered version with the decision; attach the report to its run. Returns it."""
+    from mlflow import MlflowClient  # noqa: PLC0415
+
+    client = MlflowClient(tracking_uri)
+    for key, value in decision_tags(decision, k).items():
+        client.set_model_version_tag(model_name, version, key, value[:5000])
+    report = decision_report(decision, k, names={"challenger": f"{model_name} v{version}"})
+    run_id = client.get_model_version(model_name, version).run_id
+    if run_id:
+        client.log_text(run_id, report, f"gate/decision-v{version}.md")
+    logger.info("gate on %s v%s: %s", model_name, version, decision.reason)
+    return report
+
+
+def log_acceptance_plot(
+    tracking_uri: str, run_id: str, history: dict[str, dict[str, float]], k: int, title: str = ""
+) -> None:
+    """PNG of acceptance length per draft version and segment, as an artifact of ``run_id``."""
+    from mlflow import MlflowClient  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = plot_acceptance(history, Path(tmp) / f"acceptance_length_k{k}.png", k=k, title=title)
+        MlflowClient(tracking_uri).log_artifact(run_id, str(path), "evaluation")
