@@ -225,15 +225,17 @@ def _eval(args: argparse.Namespace, config: TideConfig) -> int:
     prepare_specforge("cpu")
     reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), config.lake)
     since = datetime.fromisoformat(args.recent_since) if args.recent_since else None
-    segments = {
-        "recent": reader.list_shards(args.lake_target, start=since),
-        **({"older": reader.list_shards(args.lake_target, end=since)} if since else {}),
-    }
+    windows = {"recent": (since, None), **({"older": (None, since)} if since else {})}
     ks = args.k or config.gate.ks
     results = offline_acceptance(
         load_draft(args.draft, args.target),
         args.target,
-        {name: reader.iter_samples(shards) for name, shards in segments.items()},
+        {
+            name: reader.iter_samples(
+                reader.list_shards(args.lake_target, start=start, end=end), start=start, end=end
+            )
+            for name, (start, end) in windows.items()
+        },
         ks,
     )
     table = {

@@ -249,3 +249,23 @@ def test_memory_bound_drops_oversized_backlog(
     stats = writer.close(timeout=30)
     assert results[:2] == [True, True] and results.count(False) == stats.dropped_records >= 2
     assert stats.records_uploaded == results.count(True)
+
+
+def test_time_window_filters_records_not_only_shards(
+    lake_store: ObjectStore, lake_config: LakeConfig
+) -> None:
+    early = datetime(2026, 11, 28, 10, 0, tzinfo=UTC)
+    late = early + timedelta(minutes=10)
+    _write(
+        lake_store,
+        lake_config,
+        [make_record(0, finished_at=early), make_record(1, finished_at=late)],
+    )
+    reader = LakeReader(lake_store, lake_config)
+    cut = early + timedelta(minutes=5)
+    shards = reader.list_shards(SLUG, start=cut)
+    assert len(shards) == 1  # one shard holds both requests
+    assert [s.request_id for s in reader.iter_samples(shards, start=cut)] == ["req-1"]
+    assert [
+        s.request_id for s in reader.iter_samples(reader.list_shards(SLUG, end=cut), end=cut)
+    ] == ["req-0"]

@@ -133,11 +133,25 @@ class LakeReader:
 
     # -- streaming -------------------------------------------------------------------
 
-    def iter_samples(self, shards: Iterable[CommitMarker]) -> Iterator[TrainingSample]:
-        """Stream samples shard by shard; corrupt shards are quarantined and skipped."""
+    def iter_samples(
+        self,
+        shards: Iterable[CommitMarker],
+        *,
+        start: datetime | None = None,
+        end: datetime | None = None,
+    ) -> Iterator[TrainingSample]:
+        """Stream samples shard by shard; corrupt shards are quarantined and skipped.
+
+        ``start``/``end`` keep only requests that finished in ``[start, end)`` (a shard
+        listed for a window may also hold requests just outside it).
+        """
         for marker in shards:
             try:
-                yield from self._iter_shard(marker)
+                for sample in self._iter_shard(marker):
+                    if (start is None or sample.finished_at >= start) and (
+                        end is None or sample.finished_at < end
+                    ):
+                        yield sample
             except CorruptShardError as error:
                 self.quarantine(marker, str(error))
 
