@@ -23,6 +23,7 @@ from pydantic_settings import (
 )
 
 __all__ = [
+    "CycleConfig",
     "GateConfig",
     "LakeConfig",
     "MLflowConfig",
@@ -196,6 +197,23 @@ class GateConfig(StrictModel):
     ks: list[int] = Field(default_factory=lambda: [3, 5], description="k values evaluated")
 
 
+class CycleConfig(StrictModel):
+    """One adaptation cycle of ``tide_adaptation`` (Airflow ``Param``s mirror these fields)."""
+
+    target_id: str = Field("demo", description="target served by the fleet (its lake slug)")
+    target_path: Path = Field(DEFAULT_HOME / "targets" / "demo", description="HF target directory")
+    min_new_tokens: int = Field(2000, ge=1, description="new captured tokens that start a cycle")
+    replay_share: float = Field(
+        0.5, ge=0, le=4, description="older-traffic tokens mixed in, as a share of the window"
+    )
+    held_out_percent: int = Field(
+        20, ge=1, le=50, description="window requests kept for evaluation"
+    )
+    servers: list[str] = Field(default_factory=list, description="fleet base URLs")
+    force_promote: bool = Field(False, description="promote even if the gate rejects")
+    dry_run: bool = Field(False, description="train, register and evaluate, but do not promote")
+
+
 class TideConfig(BaseSettings):
     """All of TIDE's settings; sections mirror the stages of the loop."""
 
@@ -213,6 +231,7 @@ class TideConfig(BaseSettings):
     training: TrainConfig = TrainConfig()
     serve: ServeConfig = ServeConfig()
     gate: GateConfig = GateConfig()
+    cycle: CycleConfig = CycleConfig()
 
     @classmethod
     def settings_customise_sources(

@@ -17,7 +17,7 @@ Acceptance length is pooled as SGLang pools it: tokens emitted by verify steps
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,7 @@ def replay_request(
 def offline_acceptance(
     draft: Any,
     target_dir: Path,
-    segments: dict[str, Iterable[TrainingSample]],
+    segments: Mapping[str, Iterable[TrainingSample]],
     ks: Sequence[int],
 ) -> dict[str, dict[int, AcceptanceCount]]:
     """Acceptance length of ``draft`` per segment and per k, from captured states only."""

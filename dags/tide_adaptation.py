@@ -1,0 +1,92 @@
+# mypy: disable-error-code="arg-type"
+# (TaskFlow calls return XComArgs at parse time; the tasks receive the values.)
+"""tide_adaptation: wait for new captured traffic, train a draft, register, gate, promote.
+
+Wiring only: every task calls one function of tide_lib.orchestration.cycle.
+Trigger it from the UI with the form (params mirror tide_lib.config.CycleConfig),
+or let the schedule start a cycle that waits for new data.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pendulum
+from airflow.sdk import dag, get_current_context, task
+
+from tide_lib.orchestration.params import cycle_params
+from tide_lib.orchestration.sensors import LakeTokensSensor
+
+WORK_DIR = Path(".tide") / "cycles"
+
+
+def _config() -> Any:
+    from tide_lib.orchestration.params import config_from_params
+
+    return config_from_params(dict(get_current_context()["params"]))
+
+
+@dag(
+    dag_id="tide_adaptation",
+    description="Adapt the EAGLE3 draft to the traffic captured since the last cycle",
+    schedule=timedelta(hours=1),
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    params=cycle_params(),
+    tags=["tide", "speculative-decoding"],
+    default_args={"retries": 2, "retry_delay": timedelta(minutes=1)},
+    doc_md=__doc__,
+)
+def tide_adaptation() -> None:
+    wait = LakeTokensSensor(
+        task_id="wait_for_new_tokens", poke_interval=30, timeout=6 * 3600, mode="reschedule"
+    )
+
+    @task
+    def snapshot() -> dict[str, Any]:
+        from tide_lib.orchestration.cycle import snapshot_window
+
+        return snapshot_window(_config(), get_current_context()["run_id"])
+
+    @task(queue="mi250", pool="mi250", retries=1, execution_timeout=timedelta(hours=6))
+    def train(window: dict[str, Any]) -> dict[str, Any]:
+        from tide_lib.orchestration.cycle import train as train_cycle
+
+        return train_cycle(_config(), window, WORK_DIR)
+
+    @task
+    def register(window: dict[str, Any], trained: dict[str, Any]) -> str:
+        from tide_lib.orchestration.cycle import register as register_cycle
+
+        return register_cycle(_config(), window, trained)
+
+    @task
+    def evaluate(window: dict[str, Any], trained: dict[str, Any], version: str) -> dict[str, Any]:
+        from tide_lib.orchestration.cycle import evaluate_and_gate
+
+        return evaluate_and_gate(_config(), window, trained, version)
+
+    @task(retries=0)
+    def promote(version: str, decision: dict[str, Any]) -> dict[str, Any]:
+        from tide_lib.orchestration.cycle import promote as promote_cycle
+
+        return promote_cycle(_config(), version, decision)
+
+    @task
+    def advance_watermark(window: dict[str, Any], _promotion: dict[str, Any]) -> str:
+        from tide_lib.orchestration.cycle import advance_watermark as advance
+
+        return advance(_config(), window)
+
+    window = snapshot()
+    wait >> window
+    trained = train(window)
+    version = register(window, trained)
+    decision = evaluate(window, trained, version)
+    advance_watermark(window, promote(version, decision))
+
+
+tide_adaptation()

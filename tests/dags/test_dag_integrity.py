@@ -1,0 +1,83 @@
+"""DAG integrity: the DAG files parse fast, light and wired as the design says."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tide_lib.config import CycleConfig
+
+DAGS = Path(__file__).resolve().parents[2] / "dags"
+
+_PARSE = """
+import json, sys
+from airflow.sdk import BaseHook, Variable
+def forbidden(*args, **kwargs):
+    raise RuntimeError("connection or variable lookup at parse time")
+BaseHook.get_connection = forbidden
+Variable.get = forbidden
+from airflow.dag_processing.dagbag import DagBag
+bag = DagBag(dag_folder=sys.argv[1])
+HEAVY = {"torch", "transformers", "specforge", "mlflow", "minio", "pyarrow"}
+heavy = sorted({m.split(".")[0] for m in sys.modules} & HEAVY)
+dags = {}
+for dag_id, dag in bag.dags.items():
+    dags[dag_id] = {
+        "tags": sorted(dag.tags),
+        "max_active_runs": dag.max_active_runs,
+        "params": sorted(dag.params.keys()),
+        "tasks": {
+            t.task_id: {"retries": t.retries, "queue": t.queue, "pool": t.pool} for t in dag.tasks
+        },
+    }
+errors = {k: str(v) for k, v in bag.import_errors.items()}
+print(json.dumps({"errors": errors, "heavy": heavy, "dags": dags}))
+"""
+
+
+@pytest.fixture(scope="module")
+def parsed(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(tmp_path_factory.mktemp("airflow")),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", _PARSE, str(DAGS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_no_import_errors(parsed: dict) -> None:
+    assert parsed["errors"] == {}
+    assert "tide_adaptation" in parsed["dags"]
+
+
+def test_no_heavy_imports_or_lookups_at_parse_time(parsed: dict) -> None:
+    assert parsed["heavy"] == []
+
+
+def test_tags_and_retries(parsed: dict) -> None:
+    for dag_id, dag in parsed["dags"].items():
+        assert "tide" in dag["tags"], dag_id
+        retried = [task for task, spec in dag["tasks"].items() if spec["retries"] > 0]
+        assert retried, f"{dag_id} has no task with retries"
+
+
+def test_adaptation_wiring(parsed: dict) -> None:
+    dag = parsed["dags"]["tide_adaptation"]
+    assert dag["max_active_runs"] == 1
+    assert dag["tasks"]["train"]["queue"] == "mi250" and dag["tasks"]["train"]["pool"] == "mi250"
+    assert dag["tasks"]["promote"]["retries"] == 0  # a fleet rollout is not blindly retried
+    assert set(dag["params"]) == set(CycleConfig.model_fields) | {"gate_margin", "gate_tolerance"}

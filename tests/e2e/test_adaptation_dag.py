@@ -1,0 +1,141 @@
+"""tide_adaptation end to end with dag.test(): real S3, real MLflow, two real engines.
+
+Captured Korean traffic -> sensor -> snapshot -> train (queue/pool mi250) -> register
+-> evaluate + gate -> promote to both engines -> watermark. Then a rerun of the
+finished cycle registers and promotes nothing new.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serving.conftest import EngineProcess, start_engine
+from tide_lib.config import TideConfig, load_config
+from tide_lib.orchestration import cycle
+from tide_lib.registry import CHAMPION, DraftRegistry
+from tide_lib.target import load_corpus, render_prompt
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+DAGS = Path(__file__).resolve().parents[2] / "dags"
+_DAG_TEST = """
+import json, sys
+from airflow.dag_processing.dagbag import DagBag
+dag = DagBag(dag_folder=sys.argv[1]).dags["tide_adaptation"]
+run = dag.test()
+print(json.dumps({"state": str(run.state), "run_id": run.run_id}))
+"""
+
+
+def _airflow(env: dict[str, str], *args: str) -> None:
+    airflow = str(Path(sys.executable).parent / "airflow")
+    subprocess.run([airflow, *args], env=env, check=True, capture_output=True, timeout=600)
+
+
+def test_adaptation_cycle_promotes_a_new_champion(
+    stack: TideConfig, tiny_target: Path, tiny_drafts: dict[str, Path], tmp_path: Path
+) -> None:
+    prefix = f"e2e-{uuid.uuid4().hex[:6]}"
+    engines: list[EngineProcess] = []
+    try:
+        draft = [
+            "--speculative-draft-model-path",
+            str(tiny_drafts["en"]),
+            "--speculative-num-steps",
+            "3",
+        ]
+        for _ in range(2):
+            engines.append(
+                start_engine(
+                    tmp_path,
+                    tiny_target,
+                    *draft,
+                    "--served-model-name",
+                    "tiny",
+                    stack=stack,
+                    capture=True,
+                    prefix=prefix,
+                )
+            )
+        prompts = [render_prompt(doc.turns[0]) for doc in load_corpus().domain("ko_chat")[:24]]
+        for index, prompt in enumerate(prompts):
+            response = httpx.post(
+                f"{engines[index % 2].url}/generate",
+                json={"text": prompt, "sampling_params": {"max_new_tokens": 16}},
+                timeout=120,
+            )
+            assert response.status_code == 200
+
+        env = {
+            **os.environ,
+            "AIRFLOW_HOME": str(tmp_path / "airflow"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+            "TIDE_STORE__ENDPOINT": stack.store.endpoint,
+            "TIDE_MLFLOW__TRACKING_URI": stack.mlflow.tracking_uri,
+            "TIDE_LAKE__PREFIX": prefix,
+            "TIDE_LAKE__SPOOL_DIR": str(tmp_path / "dag-spool"),
+            "TIDE_CYCLE__TARGET_ID": "tiny",
+            "TIDE_CYCLE__TARGET_PATH": str(tiny_target),
+            "TIDE_CYCLE__MIN_NEW_TOKENS": "200",
+            "TIDE_CYCLE__SERVERS": json.dumps([engine.url for engine in engines]),
+            "TIDE_TRAINING__STEPS": "20",
+            "TIDE_TRAINING__TTT_LENGTH": "3",
+            "TIDE_TRAINING__DRAFT_VOCAB_SIZE": "512",
+            "TIDE_TRAINING__LEARNING_RATE": "0.003",
+            "TIDE_GATE__K": "3",
+        }
+        _airflow(env, "db", "migrate")
+        _airflow(env, "pools", "set", "mi250", "1", "training hosts")
+        result = subprocess.run(
+            [sys.executable, "-c", _DAG_TEST, str(DAGS)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        outcome = json.loads(result.stdout.strip().splitlines()[-1])
+        assert outcome["state"].endswith("success"), result.stderr[-4000:]
+
+        config = load_config(
+            store=stack.store.model_dump(),
+            mlflow={"tracking_uri": stack.mlflow.tracking_uri},
+            lake={"prefix": prefix, "spool_dir": tmp_path / "check-spool"},
+            cycle={
+                "target_id": "tiny",
+                "target_path": tiny_target,
+                "servers": [e.url for e in engines],
+            },
+        )
+        registry = DraftRegistry(stack.mlflow.tracking_uri, "tiny")
+        champion = registry.alias(CHAMPION)
+        assert champion is not None and champion.tags["tide.gate.decision"] == "promote"
+        assert champion.tags["tide.cycle_id"] == outcome["run_id"]
+        for engine in engines:
+            served = httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"]
+            assert served == f"{registry.name}-v{champion.version}"
+        snapshot = cycle.snapshot_window(config, outcome["run_id"])
+        assert cycle.read_watermark(config) == snapshot["watermark_after"]
+        assert cycle.new_tokens(config) == 0
+
+        # A rerun of the finished cycle: same snapshot, same version, no second promotion.
+        trained = {"draft_dir": "unused", "run_id": champion.run_id, "parent_version": None}
+        assert cycle.register(config, snapshot, trained) == champion.version
+        again = cycle.promote(config, champion.version, {"promote": True, "reason": "rerun"})
+        assert again == {"promoted": False, "reason": f"v{champion.version} is already champion"}
+        versions = registry.client.search_model_versions(f"name = '{registry.name}'")
+        assert len(versions) == 1
+    finally:
+        for engine in engines:
+            engine.stop()

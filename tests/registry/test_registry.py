@@ -1,0 +1,66 @@
+"""The draft registry on the real MLflow server: aliases, idempotent registration, downloads."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tide_lib.config import TideConfig
+from tide_lib.lake import target_slug
+from tide_lib.registry import (
+    CHALLENGER,
+    CHAMPION,
+    PREVIOUS_CHAMPION,
+    DraftRegistry,
+    registered_model_name,
+)
+from tide_lib.training.draft import InvalidCheckpointError
+
+pytestmark = pytest.mark.slow
+
+
+def _run(stack: TideConfig) -> str:
+    client = mlflow.MlflowClient(stack.mlflow.tracking_uri)
+    experiment = client.create_experiment(f"tide-registry-{uuid.uuid4().hex[:6]}")
+    return str(client.create_run(experiment).info.run_id)
+
+
+def test_register_promote_and_download(
+    stack: TideConfig, tiny_drafts: dict[str, Path], tmp_path: Path
+) -> None:
+    target = f"org/model-{uuid.uuid4().hex[:6]}"
+    registry = DraftRegistry(stack.mlflow.tracking_uri, target)
+    assert registry.name == registered_model_name(target) == f"tide-draft-{target_slug(target)}"
+    first = registry.register(
+        tiny_drafts["en"], _run(stack), cycle_id="c1", tags={"tide.window": "w1"}
+    )
+    again = registry.register(tiny_drafts["en"], _run(stack), cycle_id="c1")
+    assert again.version == first.version  # a rerun of the cycle registers nothing new
+    assert registry.alias(CHALLENGER).version == first.version
+    assert registry.alias(CHAMPION) is None
+
+    registry.promote(first.version)
+    second = registry.register(tiny_drafts["ko"], _run(stack), cycle_id="c2")
+    registry.promote(second.version)
+    assert registry.alias(CHAMPION).version == second.version
+    assert registry.alias(PREVIOUS_CHAMPION).version == first.version
+    assert registry.alias(CHAMPION).tags["tide.promoted"] == "true"
+
+    downloaded = registry.download(second.version, tmp_path / "dl")
+    original = load_file(tiny_drafts["ko"] / "model.safetensors")
+    fetched = load_file(downloaded / "model.safetensors")
+    assert all(torch.equal(original[key], fetched[key]) for key in original)
+
+
+def test_invalid_checkpoint_is_never_registered(stack: TideConfig, tmp_path: Path) -> None:
+    registry = DraftRegistry(stack.mlflow.tracking_uri, f"org/bad-{uuid.uuid4().hex[:6]}")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(InvalidCheckpointError):
+        registry.register(tmp_path, _run(stack), cycle_id="bad")
+    assert registry.find_by_tag("tide.cycle_id", "bad") is None

@@ -1,0 +1,316 @@
+"""One adaptation cycle, as the steps ``tide_adaptation`` runs (one function per task).
+
+Each step takes the typed configuration and what earlier steps returned (small
+JSON-able dicts, fit for XCom), and is safe to rerun:
+
+- the **snapshot** of a cycle is written once to the lake and read back on a rerun;
+- **registration** finds the version a cycle already registered;
+- **promotion** of a version that is already champion does nothing;
+- the **watermark** only moves forward, and only in the last step.
+
+State lives in the lake bucket under ``<prefix>/_state/target=<slug>/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tide_lib.config import DEFAULT_HOME, TideConfig
+from tide_lib.lake import LakeReader, ObjectStore, target_slug
+from tide_lib.lake.layout import CommitMarker
+from tide_lib.lake.reader import TrainingSample
+
+__all__ = [
+    "advance_watermark",
+    "evaluate_and_gate",
+    "new_tokens",
+    "promote",
+    "read_watermark",
+    "register",
+    "snapshot_window",
+    "train",
+]
+
+logger = logging.getLogger(__name__)
+
+_MAX_OLDER_EVAL = 64  # held-out requests of older traffic evaluated per cycle
+
+
+def _store(config: TideConfig) -> ObjectStore:
+    return ObjectStore(config.store, config.store.lake_bucket)
+
+
+def _reader(config: TideConfig) -> LakeReader:
+    return LakeReader(_store(config), config.lake)
+
+
+def _state_key(config: TideConfig, name: str) -> str:
+    return f"{config.lake.prefix}/_state/target={target_slug(config.cycle.target_id)}/{name}"
+
+
+def read_watermark(config: TideConfig) -> str | None:
+    store, key = _store(config), _state_key(config, "watermark.json")
+    if not store.exists(key):
+        return None
+    value: str | None = json.loads(store.get_bytes(key))["watermark"]
+    return value
+
+
+def new_tokens(config: TideConfig) -> int:
+    """Captured tokens committed after the watermark (what the sensor waits on)."""
+    slug = target_slug(config.cycle.target_id)
+    return _reader(config).count_tokens(slug, after=read_watermark(config))
+
+
+def snapshot_window(config: TideConfig, cycle_id: str) -> dict[str, Any]:
+    """Freeze the shards of this cycle: the new window, and older shards for replay."""
+    store, key = _store(config), _state_key(config, f"cycles/{cycle_id}.json")
+    if store.exists(key):
+        snapshot: dict[str, Any] = json.loads(store.get_bytes(key))
+        logger.info("cycle %s: reusing its snapshot (%d shards)", cycle_id, len(snapshot["window"]))
+        return snapshot
+    slug = target_slug(config.cycle.target_id)
+    reader = _reader(config)
+    before = read_watermark(config)
+    window = reader.list_shards(slug, after=before)
+    if not window:
+        raise RuntimeError(f"no new committed shards for {slug} after watermark {before}")
+    older = [m for m in reader.list_shards(slug) if before is not None and m.key <= before]
+    window_tokens = sum(m.num_tokens for m in window)
+    budget = config.cycle.replay_share * window_tokens
+    replay: list[CommitMarker] = []
+    for marker in random.Random(cycle_id).sample(older, len(older)):
+        if sum(m.num_tokens for m in replay) >= budget:
+            break
+        replay.append(marker)
+    snapshot = {
+        "cycle_id": cycle_id,
+        "target_id": config.cycle.target_id,
+        "watermark_before": before,
+        "watermark_after": window[-1].key,
+        "window": [m.key for m in window],
+        "replay": [m.key for m in replay],
+        "window_tokens": window_tokens,
+        "replay_tokens": sum(m.num_tokens for m in replay),
+        "older": [m.key for m in older],
+    }
+    store.put_bytes(key, json.dumps(snapshot).encode(), content_type="application/json")
+    logger.info(
+        "cycle %s: window of %d shards (%d tokens), replay of %d shards",
+        cycle_id,
+        len(window),
+        window_tokens,
+        len(replay),
+    )
+    return snapshot
+
+
+def _markers(reader: LakeReader, keys: list[str]) -> list[CommitMarker]:
+    markers = []
+    for key in keys:
+        marker = reader._marker(key)
+        if marker is not None:
+            markers.append(marker)
+    return markers
+
+
+def _held_out(sample: TrainingSample, percent: int) -> bool:
+    return hashlib.sha256(sample.request_id.encode()).digest()[0] * 100 // 256 < percent
+
+
+def _save(sample: TrainingSample, directory: Path, index: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(sample.to_specforge(), directory / f"data_{index:08d}.ckpt")
+
+
+def _export(config: TideConfig, snapshot: dict[str, Any], work: Path) -> dict[str, Path]:
+    """Train (window minus held-out, plus replay), recent held-out and older held-out dirs."""
+    reader = _reader(config)
+    dirs = {name: work / name for name in ("train", "recent", "older")}
+    percent = config.cycle.held_out_percent
+    count = 0
+    for sample in reader.iter_samples(_markers(reader, snapshot["window"])):
+        _save(sample, dirs["recent" if _held_out(sample, percent) else "train"], count)
+        count += 1
+    older_kept = 0
+    for sample in reader.iter_samples(_markers(reader, snapshot["older"])):
+        if older_kept < _MAX_OLDER_EVAL and _held_out(sample, percent):
+            _save(sample, dirs["older"], count)
+            older_kept += 1
+            count += 1
+    for sample in reader.iter_samples(_markers(reader, snapshot["replay"])):
+        if not _held_out(sample, percent):
+            _save(sample, dirs["train"], count)
+        count += 1
+    return dirs
+
+
+def train(config: TideConfig, snapshot: dict[str, Any], work_dir: Path) -> dict[str, Any]:
+    """Train the cycle's challenger, warm-started from the champion; logs to an MLflow run."""
+    import mlflow  # noqa: PLC0415
+
+    from tide_lib.registry import CHAMPION, DraftRegistry  # noqa: PLC0415
+    from tide_lib.training.tracking import MlflowMetricSink  # noqa: PLC0415
+    from tide_lib.training.trainer import train_draft  # noqa: PLC0415
+
+    work = work_dir / snapshot["cycle_id"]
+    dirs = _export(config, snapshot, work / "data")
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    champion = registry.alias(CHAMPION)
+    parent = registry.download(champion.version, work / "parent") if champion else None
+    client = mlflow.MlflowClient(config.mlflow.tracking_uri)
+    experiment = client.get_experiment_by_name(registry.name)
+    experiment_id = (
+        experiment.experiment_id if experiment else client.create_experiment(registry.name)
+    )
+    run = client.create_run(
+        experiment_id,
+        run_name=f"cycle-{snapshot['cycle_id']}",
+        tags={
+            "tide.cycle_id": snapshot["cycle_id"],
+            "tide.parent_version": champion.version if champion else "",
+        },
+    )
+    result = train_draft(
+        dirs["train"],
+        config.cycle.target_path,
+        work / "run",
+        config.training,
+        parent_dir=parent,
+        metrics=MlflowMetricSink(config.mlflow.tracking_uri, run.info.run_id),
+    )
+    client.log_param(run.info.run_id, "window_tokens", snapshot["window_tokens"])
+    client.log_param(run.info.run_id, "replay_tokens", snapshot["replay_tokens"])
+    client.set_terminated(run.info.run_id)
+    return {
+        "run_id": run.info.run_id,
+        "draft_dir": str(result.draft_dir),
+        "data_dir": str(work / "data"),
+        "parent_version": champion.version if champion else None,
+    }
+
+
+def register(config: TideConfig, snapshot: dict[str, Any], trained: dict[str, Any]) -> str:
+    import specforge  # noqa: PLC0415
+
+    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
+
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    version = registry.register(
+        Path(trained["draft_dir"]),
+        trained["run_id"],
+        cycle_id=snapshot["cycle_id"],
+        tags={
+            "tide.window.after": str(snapshot["watermark_before"]),
+            "tide.window.until": snapshot["watermark_after"],
+            "tide.window.tokens": str(snapshot["window_tokens"]),
+            "tide.replay.tokens": str(snapshot["replay_tokens"]),
+            "tide.parent_version": str(trained["parent_version"] or ""),
+            "tide.specforge_version": getattr(specforge, "__version__", "0.2.0"),
+        },
+    )
+    return version.version
+
+
+def evaluate_and_gate(
+    config: TideConfig, snapshot: dict[str, Any], trained: dict[str, Any], version: str
+) -> dict[str, Any]:
+    """Offline acceptance of challenger and champion per segment; the gate's decision."""
+    from tide_lib.evaluation.gate import decide  # noqa: PLC0415
+    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
+    from tide_lib.evaluation.tracking import log_decision  # noqa: PLC0415
+    from tide_lib.registry import CHAMPION, DraftRegistry  # noqa: PLC0415
+    from tide_lib.training.draft import load_draft  # noqa: PLC0415
+    from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
+    from tide_lib.training.trainer import _load_sample, list_samples  # noqa: PLC0415
+
+    prepare_specforge("cpu")
+    data = Path(trained["data_dir"])
+    target = config.cycle.target_path
+    k = config.gate.k
+
+    def segments() -> dict[str, list[TrainingSample]]:
+        result: dict[str, list[TrainingSample]] = {}
+        for name in ("recent", "older"):
+            if (data / name).is_dir() and any((data / name).glob("*.ckpt")):
+                result[name] = [
+                    _as_sample(_load_sample(p), p.name) for p in list_samples(data / name)
+                ]
+        return result
+
+    def figures(draft_dir: Path) -> dict[str, float]:
+        counts = offline_acceptance(load_draft(draft_dir, target), target, segments(), [k])
+        return {segment: by_k[k].accept_length for segment, by_k in counts.items()}
+
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    challenger = figures(Path(trained["draft_dir"]))
+    champion_version = registry.alias(CHAMPION)
+    champion = None
+    if champion_version is not None and champion_version.version != version:
+        champion = figures(registry.download(champion_version.version, data.parent / "champion"))
+    weights = {"recent": 1.0, "older": 1.0}
+    decision = decide(challenger, champion, config.gate, weights)
+    log_decision(config.mlflow.tracking_uri, registry.name, version, decision, k)
+    return {
+        "promote": decision.promote or config.cycle.force_promote,
+        "reason": decision.reason,
+        "challenger": challenger,
+        "champion": champion,
+    }
+
+
+def _as_sample(raw: dict[str, torch.Tensor], name: str) -> TrainingSample:
+    from datetime import UTC, datetime  # noqa: PLC0415
+
+    return TrainingSample(
+        request_id=name,
+        draft_version="",
+        finished_at=datetime.now(UTC),
+        input_ids=raw["input_ids"],
+        loss_mask=raw["loss_mask"],
+        hidden_state=raw["hidden_state"],
+        aux_hidden_state=raw["aux_hidden_state"],
+        spec_verify_ct=0,
+        spec_accept_tokens=0,
+    )
+
+
+def promote(config: TideConfig, version: str, decision: dict[str, Any]) -> dict[str, Any]:
+    """Roll the version out to the fleet, then move ``champion``/``previous-champion``."""
+    from tide_lib.registry import CHAMPION, DraftRegistry  # noqa: PLC0415
+    from tide_lib.serving.fleet import FleetManager  # noqa: PLC0415
+
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    if not decision["promote"] or config.cycle.dry_run:
+        why = "dry run" if config.cycle.dry_run else decision["reason"]
+        logger.info("not promoting v%s: %s", version, why)
+        return {"promoted": False, "reason": why}
+    current = registry.alias(CHAMPION)
+    if current is not None and current.version == version:
+        return {"promoted": False, "reason": f"v{version} is already champion"}
+    if config.cycle.servers:
+        drafts = (DEFAULT_HOME / "drafts" / registry.name).resolve()
+        local = registry.download(version, drafts / f"v{version}")
+        FleetManager(config.cycle.servers).promote(local, f"{registry.name}-v{version}")
+    registry.promote(version)
+    return {"promoted": True, "reason": decision["reason"]}
+
+
+def advance_watermark(config: TideConfig, snapshot: dict[str, Any]) -> str:
+    """Mark the window consumed; never moves backwards."""
+    store, key = _store(config), _state_key(config, "watermark.json")
+    current = read_watermark(config)
+    target = snapshot["watermark_after"]
+    if current is not None and current >= target:
+        return current
+    store.put_bytes(
+        key, json.dumps({"watermark": target, "cycle_id": snapshot["cycle_id"]}).encode()
+    )
+    return str(target)

@@ -1,0 +1,145 @@
+"""The MLflow registry of drafts: one registered model per target, aliases, lineage tags.
+
+``tide-draft-<target-slug>`` holds every draft TIDE trained for a target. Aliases
+(never the deprecated stages) say what each version is: ``champion`` (serving),
+``challenger`` (candidate), ``previous-champion`` (rollback). Lineage lives in
+version tags under ``tide.``. A version is only ever created for a checkpoint
+that passed :func:`~tide_lib.training.draft.validate_draft_dir`, and its weights
+are the artifacts of the training run, stored in the object store behind the
+MLflow server. Registration is idempotent per training cycle: a rerun finds the
+version it registered before instead of adding a second one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from tide_lib.lake.layout import target_slug
+from tide_lib.training.draft import validate_draft_dir
+
+__all__ = [
+    "CHALLENGER",
+    "CHAMPION",
+    "PREVIOUS_CHAMPION",
+    "DraftRegistry",
+    "DraftVersion",
+    "registered_model_name",
+]
+
+logger = logging.getLogger(__name__)
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+PREVIOUS_CHAMPION = "previous-champion"
+DRAFT_ARTIFACT_PATH = "draft"
+
+
+def registered_model_name(target_id: str) -> str:
+    return f"tide-draft-{target_slug(target_id)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftVersion:
+    name: str
+    version: str
+    run_id: str | None
+    tags: dict[str, str]
+    aliases: list[str]
+
+
+class DraftRegistry:
+    """A thin layer over ``MlflowClient`` for draft versions of one target."""
+
+    def __init__(self, tracking_uri: str, target_id: str) -> None:
+        from mlflow import MlflowClient  # noqa: PLC0415
+
+        self.client = MlflowClient(tracking_uri)
+        self.tracking_uri = tracking_uri
+        self.target_id = target_id
+        self.name = registered_model_name(target_id)
+
+    def _ensure_model(self) -> None:
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+
+        try:
+            self.client.get_registered_model(self.name)
+        except MlflowException:
+            self.client.create_registered_model(
+                self.name,
+                tags={"tide.target_id": self.target_id},
+                description=f"EAGLE3 drafts of {self.target_id}, trained by TIDE on its traffic.",
+            )
+
+    def _version(self, raw: Any) -> DraftVersion:
+        return DraftVersion(
+            name=raw.name,
+            version=str(raw.version),
+            run_id=raw.run_id,
+            tags=dict(raw.tags or {}),
+            aliases=list(getattr(raw, "aliases", []) or []),
+        )
+
+    def find_by_tag(self, key: str, value: str) -> DraftVersion | None:
+        for raw in self.client.search_model_versions(f"name = '{self.name}'"):
+            if (raw.tags or {}).get(key) == value:
+                return self._version(self.client.get_model_version(self.name, raw.version))
+        return None
+
+    def register(
+        self, draft_dir: Path, run_id: str, *, cycle_id: str, tags: dict[str, str] | None = None
+    ) -> DraftVersion:
+        """Log ``draft_dir`` to the run and register it as ``challenger`` (once per cycle)."""
+        existing = self.find_by_tag("tide.cycle_id", cycle_id)
+        if existing is not None:
+            logger.info("cycle %s already registered %s v%s", cycle_id, self.name, existing.version)
+            return existing
+        validate_draft_dir(draft_dir)
+        self._ensure_model()
+        self.client.log_artifacts(run_id, str(draft_dir), DRAFT_ARTIFACT_PATH)
+        source = f"runs:/{run_id}/{DRAFT_ARTIFACT_PATH}"
+        raw = self.client.create_model_version(
+            self.name, source, run_id=run_id, tags={"tide.cycle_id": cycle_id, **(tags or {})}
+        )
+        self.client.set_registered_model_alias(self.name, CHALLENGER, raw.version)
+        logger.info("registered %s v%s (challenger) from run %s", self.name, raw.version, run_id)
+        return self._version(self.client.get_model_version(self.name, raw.version))
+
+    def alias(self, alias: str) -> DraftVersion | None:
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+
+        try:
+            return self._version(self.client.get_model_version_by_alias(self.name, alias))
+        except MlflowException:
+            return None
+
+    def promote(self, version: str) -> None:
+        """``champion`` -> ``version``; the champion it replaces becomes ``previous-champion``."""
+        current = self.alias(CHAMPION)
+        if current is not None and current.version == version:
+            return
+        if current is not None:
+            self.client.set_registered_model_alias(self.name, PREVIOUS_CHAMPION, current.version)
+        self.client.set_registered_model_alias(self.name, CHAMPION, version)
+        self.client.set_model_version_tag(self.name, version, "tide.promoted", "true")
+        logger.info("%s: champion is now v%s", self.name, version)
+
+    def set_tags(self, version: str, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_model_version_tag(self.name, version, key, value)
+
+    def download(self, version: str, out_dir: Path) -> Path:
+        """The version's validated draft directory, downloaded from the artifact store."""
+        raw = self.client.get_model_version(self.name, version)
+        import mlflow.artifacts  # noqa: PLC0415
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = Path(
+            mlflow.artifacts.download_artifacts(
+                artifact_uri=raw.source, dst_path=str(out_dir), tracking_uri=self.tracking_uri
+            )
+        )
+        validate_draft_dir(path)
+        return path
