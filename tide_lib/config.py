@@ -116,6 +116,9 @@ class LakeConfig(StrictModel):
     spool_dir: Path = DEFAULT_HOME / "spool"
     spool_max_bytes: int = Field(4 * 2**30, gt=0, description="local disk kept for outages")
     retry_interval_s: float = Field(1.0, gt=0, description="wait between upload retries")
+    retention_days: float = Field(
+        30.0, gt=0, description="shards older than this are deleted once consumed"
+    )
     tensor_compression: Literal["zstd", "lz4", "snappy", "none"] = Field(
         "zstd",
         description=(

@@ -8,15 +8,13 @@ finished cycle registers and promotes nothing new.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.e2e.conftest import dag_test
 from tests.serving.conftest import EngineProcess, start_engine
 from tide_lib.config import TideConfig, load_config
 from tide_lib.orchestration import cycle
@@ -25,23 +23,13 @@ from tide_lib.target import load_corpus, render_prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-DAGS = Path(__file__).resolve().parents[2] / "dags"
-_DAG_TEST = """
-import json, sys
-from airflow.dag_processing.dagbag import DagBag
-dag = DagBag(dag_folder=sys.argv[1]).dags["tide_adaptation"]
-run = dag.test()
-print(json.dumps({"state": str(run.state), "run_id": run.run_id}))
-"""
-
-
-def _airflow(env: dict[str, str], *args: str) -> None:
-    airflow = str(Path(sys.executable).parent / "airflow")
-    subprocess.run([airflow, *args], env=env, check=True, capture_output=True, timeout=600)
-
 
 def test_adaptation_cycle_promotes_a_new_champion(
-    stack: TideConfig, tiny_target: Path, tiny_drafts: dict[str, Path], tmp_path: Path
+    stack: TideConfig,
+    tiny_target: Path,
+    tiny_drafts: dict[str, Path],
+    tmp_path: Path,
+    airflow_env: dict[str, str],
 ) -> None:
     prefix = f"e2e-{uuid.uuid4().hex[:6]}"
     engines: list[EngineProcess] = []
@@ -75,12 +63,7 @@ def test_adaptation_cycle_promotes_a_new_champion(
             assert response.status_code == 200
 
         env = {
-            **os.environ,
-            "AIRFLOW_HOME": str(tmp_path / "airflow"),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-            "TIDE_STORE__ENDPOINT": stack.store.endpoint,
-            "TIDE_MLFLOW__TRACKING_URI": stack.mlflow.tracking_uri,
+            **airflow_env,
             "TIDE_LAKE__PREFIX": prefix,
             "TIDE_LAKE__SPOOL_DIR": str(tmp_path / "dag-spool"),
             "TIDE_CYCLE__TARGET_ID": "tiny",
@@ -93,20 +76,7 @@ def test_adaptation_cycle_promotes_a_new_champion(
             "TIDE_TRAINING__LEARNING_RATE": "0.003",
             "TIDE_GATE__K": "3",
         }
-        _airflow(env, "db", "migrate")
-        _airflow(env, "pools", "set", "mi250", "1", "training hosts")
-        result = subprocess.run(
-            [sys.executable, "-c", _DAG_TEST, str(DAGS)],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
-        outcome = json.loads(result.stdout.strip().splitlines()[-1])
-        assert outcome["state"].endswith("success"), result.stderr[-4000:]
+        outcome = dag_test(env, "tide_adaptation", tmp_path)
 
         config = load_config(
             store=stack.store.model_dump(),

@@ -29,11 +29,13 @@ from tide_lib.lake.reader import TrainingSample
 
 __all__ = [
     "advance_watermark",
+    "apply_retention",
     "evaluate_and_gate",
     "new_tokens",
     "promote",
     "read_watermark",
     "register",
+    "rollback",
     "snapshot_window",
     "train",
 ]
@@ -314,3 +316,50 @@ def advance_watermark(config: TideConfig, snapshot: dict[str, Any]) -> str:
         key, json.dumps({"watermark": target, "cycle_id": snapshot["cycle_id"]}).encode()
     )
     return str(target)
+
+
+def rollback(config: TideConfig, version: str) -> dict[str, Any]:
+    """Serve an earlier version (a number, or an alias such as ``previous-champion``)."""
+    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
+    from tide_lib.serving.fleet import FleetManager  # noqa: PLC0415
+
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    resolved = registry.alias(version) if not version.isdigit() else None
+    number = resolved.version if resolved is not None else version
+    if not number.isdigit():
+        raise ValueError(f"{registry.name} has no version or alias {version!r}")
+    if config.cycle.servers:
+        drafts = (DEFAULT_HOME / "drafts" / registry.name).resolve()
+        local = registry.download(number, drafts / f"v{number}")
+        FleetManager(config.cycle.servers).promote(local, f"{registry.name}-v{number}")
+    registry.promote(number)
+    logger.info("rolled %s back to v%s", registry.name, number)
+    return {"version": number}
+
+
+def apply_retention(config: TideConfig, now: Any = None) -> dict[str, int]:
+    """Delete consumed shards older than ``lake.retention_days``; never unconsumed ones."""
+    from datetime import UTC, datetime, timedelta  # noqa: PLC0415
+
+    store, reader = _store(config), _reader(config)
+    slug = target_slug(config.cycle.target_id)
+    watermark = read_watermark(config)
+    cutoff = (now or datetime.now(UTC)) - timedelta(days=config.lake.retention_days)
+    deleted = kept_unconsumed = 0
+    for marker in reader.list_shards(slug):
+        if marker.max_finished_at >= cutoff:
+            continue
+        if watermark is None or marker.key > watermark:
+            kept_unconsumed += 1
+            continue
+        store.remove(marker.shard_key)
+        store.remove(marker.key)
+        deleted += 1
+    logger.info(
+        "retention on %s: deleted %d shards older than %s, kept %d not yet consumed",
+        slug,
+        deleted,
+        cutoff.isoformat(),
+        kept_unconsumed,
+    )
+    return {"deleted": deleted, "kept_unconsumed": kept_unconsumed}

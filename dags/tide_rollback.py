@@ -1,0 +1,49 @@
+"""tide_rollback: serve an earlier draft on the fleet and move the aliases.
+
+Trigger it from the UI; the form asks for the target and the version (a number,
+or an alias: previous-champion by default). Wiring only.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pendulum
+from airflow.sdk import Param, dag, get_current_context, task
+
+from tide_lib.orchestration.params import cycle_params
+
+
+@dag(
+    dag_id="tide_rollback",
+    description="Roll the serving draft back to an earlier registered version",
+    schedule=None,
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    params={
+        "target_id": cycle_params()["target_id"],
+        "version": Param(
+            "previous-champion",
+            type="string",
+            description="registered version number, or an alias (previous-champion, champion)",
+        ),
+    },
+    tags=["tide", "speculative-decoding"],
+    default_args={"retries": 1, "retry_delay": timedelta(seconds=30)},
+    doc_md=__doc__,
+)
+def tide_rollback() -> None:
+    @task
+    def roll_back() -> dict[str, Any]:
+        from tide_lib.orchestration.cycle import rollback
+        from tide_lib.orchestration.params import config_from_params
+
+        params = dict(get_current_context()["params"])
+        return rollback(config_from_params(params), str(params["version"]))
+
+    roll_back()
+
+
+tide_rollback()

@@ -1,0 +1,61 @@
+"""An Airflow home with a migrated metadata DB and the mi250 pool, once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tide_lib.config import TideConfig
+
+DAGS = Path(__file__).resolve().parents[2] / "dags"
+_DAG_TEST = """
+import json, sys
+from airflow.dag_processing.dagbag import DagBag
+dag = DagBag(dag_folder=sys.argv[1]).dags[sys.argv[2]]
+run = dag.test(run_conf=json.loads(sys.argv[3]))
+print(json.dumps({"state": str(run.state), "run_id": run.run_id}))
+"""
+
+
+def airflow(env: dict[str, str], *args: str) -> None:
+    command = [str(Path(sys.executable).parent / "airflow"), *args]
+    subprocess.run(command, env=env, check=True, capture_output=True, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def airflow_env(stack: TideConfig, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(tmp_path_factory.mktemp("airflow")),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+        "TIDE_STORE__ENDPOINT": stack.store.endpoint,
+        "TIDE_MLFLOW__TRACKING_URI": stack.mlflow.tracking_uri,
+    }
+    airflow(env, "db", "migrate")
+    airflow(env, "pools", "set", "mi250", "1", "training hosts")
+    return env
+
+
+def dag_test(
+    env: dict[str, str], dag_id: str, cwd: Path, conf: dict[str, object] | None = None
+) -> dict:
+    """Run ``dag.test()`` in a fresh interpreter (Airflow reads its config at import)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _DAG_TEST, str(DAGS), dag_id, json.dumps(conf or {})],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    outcome: dict = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome["state"].endswith("success"), result.stderr[-4000:]
+    return outcome
