@@ -61,3 +61,10 @@ def test_tags_and_report_carry_the_figures() -> None:
     assert tags["tide.gate.champion_al.older.k4"] == "3.0000"
     report = decision_report(decision, k=4, names={"challenger": "v7"})
     assert report.startswith("# Gate: PROMOTE v7") and "| older | 1.00 | 2.900 | 3.000 |" in report
+
+
+def test_figures_exactly_at_the_thresholds_pass() -> None:
+    decision = decide(
+        {"recent": 2.1, "older": 2.9}, CHAMPION, CONFIG
+    )  # gain == margin, weighted equal
+    assert decision.promote, decision.reason

@@ -23,6 +23,8 @@ from tide_lib.config import GateConfig
 
 __all__ = ["GateDecision", "decide", "decision_report", "decision_tags"]
 
+_EPSILON = 1e-9  # figures at a threshold pass it, whatever float rounding did to them
+
 
 @dataclasses.dataclass(frozen=True)
 class GateDecision:
@@ -73,7 +75,7 @@ def decide(
     weighted_champion = _weighted({s: champion[s] for s in challenger if s in champion}, shares)
     recent = config.recent_segment
     gain = challenger[recent] - champion.get(recent, 0.0)
-    if gain < config.margin:
+    if gain < config.margin - _EPSILON:
         return verdict(
             False,
             f"recent traffic: {challenger[recent]:.3f} vs champion {champion.get(recent, 0.0):.3f} "
@@ -84,14 +86,14 @@ def decide(
         if segment == recent or segment not in champion:
             continue
         drop = champion[segment] - value
-        if drop > config.tolerance:
+        if drop > config.tolerance + _EPSILON:
             return verdict(
                 False,
                 f"older traffic {segment!r}: {value:.3f} vs champion {champion[segment]:.3f} "
                 f"(drop {drop:.3f} > tolerance {config.tolerance:.3f})",
                 weighted_champion,
             )
-    if weighted_challenger < weighted_champion:
+    if weighted_challenger < weighted_champion - _EPSILON:
         return verdict(
             False,
             f"traffic-weighted acceptance length falls: {weighted_challenger:.3f} vs "

@@ -1,0 +1,1 @@
+"""TIDE's pages inside the Airflow UI."""

@@ -1,0 +1,149 @@
+"""TIDE's view inside the Airflow UI: per target, what serves, what each cycle decided.
+
+A small FastAPI app that Airflow's API server mounts at ``/tide`` (see
+``plugins/tide_plugin.py``). Everything it shows comes from the MLflow registry:
+the versions behind the ``champion``, ``challenger`` and ``previous-champion``
+aliases, the recent cycles with their gate decisions and acceptance length per
+traffic segment, and a plot of acceptance length over versions, each version
+linked to its page in MLflow.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Query
+from fastapi.responses import HTMLResponse
+
+from tide_lib.config import TideConfig, load_config
+
+__all__ = ["create_app", "dashboard_data", "render_dashboard"]
+
+logger = logging.getLogger(__name__)
+
+_ALIASES = ("champion", "challenger", "previous-champion")
+_MAX_CYCLES = 20
+
+
+def dashboard_data(config: TideConfig, target_id: str) -> dict[str, Any]:
+    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
+
+    registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
+    raws = registry.client.search_model_versions(f"name = '{registry.name}'")
+    versions = sorted(
+        (registry.client.get_model_version(registry.name, raw.version) for raw in raws),
+        key=lambda raw: int(raw.version),
+    )[-_MAX_CYCLES:]
+    cycles: list[dict[str, Any]] = []
+    for raw in versions:
+        tags = dict(raw.tags or {})
+        accept = {
+            key.split(".")[2]: float(value)
+            for key, value in tags.items()
+            if key.startswith("tide.al.") and key.endswith(f".k{config.gate.k}")
+        }
+        cycles.append(
+            {
+                "version": str(raw.version),
+                "aliases": list(getattr(raw, "aliases", []) or []),
+                "cycle_id": tags.get("tide.cycle_id", ""),
+                "decision": tags.get("tide.gate.decision", "pending"),
+                "reason": tags.get("tide.gate.reason", ""),
+                "window_tokens": tags.get("tide.window.tokens", ""),
+                "accept_length": accept,
+                "created": raw.creation_timestamp,
+            }
+        )
+    aliases = {
+        alias: next((c["version"] for c in cycles if alias in c["aliases"]), None)
+        for alias in _ALIASES
+    }
+    return {
+        "target_id": target_id,
+        "model_name": registry.name,
+        "mlflow_url": config.mlflow.tracking_uri.rstrip("/"),
+        "aliases": aliases,
+        "cycles": cycles,
+        "k": config.gate.k,
+    }
+
+
+def _plot(data: dict[str, Any]) -> str:
+    from tide_lib.evaluation.plot import plot_acceptance  # noqa: PLC0415
+
+    history = {f"v{c['version']}": c["accept_length"] for c in data["cycles"] if c["accept_length"]}
+    if not history:
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = plot_acceptance(history, Path(tmp) / "al.png", k=data["k"], title=data["model_name"])
+        return base64.b64encode(path.read_bytes()).decode()
+
+
+def _accept_text(accept: dict[str, float]) -> str:
+    return " · ".join(f"{segment} {value:.2f}" for segment, value in sorted(accept.items()))
+
+
+def render_dashboard(data: dict[str, Any]) -> str:
+    def link(version: str | None) -> str:
+        if version is None:
+            return "<em>none yet</em>"
+        url = f"{data['mlflow_url']}/#/models/{data['model_name']}/versions/{version}"
+        return f'<a href="{html.escape(url)}" target="_blank">v{html.escape(version)}</a>'
+
+    alias_rows = "".join(
+        f"<tr><th>{alias}</th><td>{link(version)}</td></tr>"
+        for alias, version in data["aliases"].items()
+    )
+    cycle_rows = "".join(
+        "<tr>"
+        f"<td>{link(c['version'])}</td>"
+        f"<td>{html.escape(', '.join(c['aliases']))}</td>"
+        f"<td class='{html.escape(c['decision'])}'>{html.escape(c['decision'])}</td>"
+        f"<td>{html.escape(_accept_text(c['accept_length']))}</td>"
+        f"<td>{html.escape(c['window_tokens'])}</td>"
+        f"<td class='reason'>{html.escape(c['reason'])}</td>"
+        "</tr>"
+        for c in reversed(data["cycles"])
+    )
+    model_url = f"{data['mlflow_url']}/#/models/{data['model_name']}"
+    plot = _plot(data)
+    image = (
+        f'<img alt="acceptance length per version" src="data:image/png;base64,{plot}">'
+        if plot
+        else ""
+    )
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>TIDE · {html.escape(data["target_id"])}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 24px; color: #1f2933; }}
+table {{ border-collapse: collapse; margin-bottom: 20px; }}
+th, td {{ border-bottom: 1px solid #d9e2ec; padding: 6px 12px; text-align: left; }}
+td.promote {{ color: #0b7a3e; font-weight: 600; }} td.reject {{ color: #b42318; font-weight: 600; }}
+td.reason {{ font-size: 0.85em; color: #52606d; max-width: 520px; }}
+img {{ max-width: 720px; border: 1px solid #d9e2ec; }}
+</style></head><body>
+<h1>TIDE — {html.escape(data["target_id"])}</h1>
+<p>Registered model <a href="{html.escape(model_url)}"
+target="_blank">{html.escape(data["model_name"])}</a> in MLflow.</p>
+<h2>Serving</h2><table>{alias_rows}</table>
+<h2>Acceptance length over versions (k={data["k"]})</h2>{image or "<p>No evaluated cycle yet.</p>"}
+<h2>Recent cycles</h2>
+<table><tr><th>version</th><th>aliases</th><th>gate</th><th>acceptance length</th>
+<th>window tokens</th><th>reason</th></tr>{cycle_rows}</table>
+</body></html>"""
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(title="TIDE", description=__doc__)
+
+    @app.get("/", response_class=HTMLResponse)
+    def dashboard(target: str | None = Query(None, description="target id")) -> str:
+        config = load_config()
+        return render_dashboard(dashboard_data(config, target or config.cycle.target_id))
+
+    return app
