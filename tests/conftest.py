@@ -44,7 +44,7 @@ def free_ports(count: int, start: int) -> list[int]:
 
 def stack_config(state_dir: Path, port_base: int, **sections: object) -> TideConfig:
     """A config whose stack runs on free ports under ``state_dir``; the store points at it."""
-    s3, master, volume, filer, admin, mlflow = free_ports(6, port_base)
+    s3, master, volume, filer, admin, mlflow, airflow = free_ports(7, port_base)
     return load_config(
         stack={
             "state_dir": state_dir,
@@ -54,6 +54,8 @@ def stack_config(state_dir: Path, port_base: int, **sections: object) -> TideCon
             "filer_port": filer,
             "admin_port": admin,
             "mlflow_port": mlflow,
+            "airflow_port": airflow,
+            "airflow": False,  # the Airflow processes have a test of their own
         },
         store={"endpoint": f"http://127.0.0.1:{s3}", "timeout_s": 2.0},
         mlflow={"tracking_uri": f"http://127.0.0.1:{mlflow}"},

@@ -100,6 +100,8 @@ class StackConfig(StrictModel):
     filer_port: int = Field(8888, ge=1, le=55535)
     admin_port: int = Field(23646, ge=1, le=55535)
     mlflow_port: int = Field(5000, ge=1, le=65535)
+    airflow_port: int = Field(8080, ge=1, le=65535)
+    airflow: bool = Field(True, description="also run Airflow (api-server, scheduler, ...)")
     start_timeout_s: float = Field(90.0, gt=0)
 
 

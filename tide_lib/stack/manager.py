@@ -69,7 +69,7 @@ class StackManager:
 
     def __init__(self, config: TideConfig, services: tuple[Service, ...] = SERVICES) -> None:
         self.config = config
-        self.services = services
+        self.services = tuple(service for service in services if service.enabled(config))
         self.state_dir = Path(config.stack.state_dir)
 
     def _pid_file(self, service: Service) -> Path:
@@ -125,6 +125,7 @@ class StackManager:
                 "are taken by another process. Stop it (`ss -ltnp` shows which), "
                 "or move TIDE's ports with TIDE_STACK__<NAME>_PORT"
             )
+        service.before_start(self.config)
         command = service.command(self.config, self.state_dir)
         log_path = self._log_file(service)
         logger.info("starting %s: %s", service.name, " ".join(command))

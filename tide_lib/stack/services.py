@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tide_lib.config import TideConfig
 from tide_lib.lake.store import ObjectStore
 
-__all__ = ["SERVICES", "Service", "find_binary"]
+__all__ = ["SERVICES", "Service", "airflow_env", "find_binary", "repo_root"]
 
 _GRPC_PORT_OFFSET = 10000  # SeaweedFS derives each gRPC port as http port + 10000
 
@@ -49,6 +52,8 @@ class Service:
     env: Callable[[TideConfig], dict[str, str]] = lambda _config: {}
     url: Callable[[TideConfig], str] = lambda _config: ""
     after_start: Callable[[TideConfig], None] = lambda _config: None
+    before_start: Callable[[TideConfig], None] = lambda _config: None
+    enabled: Callable[[TideConfig], bool] = lambda _config: True
 
 
 # -- SeaweedFS: a real S3 server in one process ---------------------------------------
@@ -164,6 +169,85 @@ def _http_ok(url: str) -> bool:
         return False
 
 
+# -- Airflow: api-server, scheduler, dag-processor, triggerer (LocalExecutor) --------------
+
+
+def repo_root() -> Path:
+    """The checkout holding dags/, plugins/ and airflow.cfg (editable install), else cwd."""
+    candidate = Path(__file__).resolve().parents[2]
+    return candidate if (candidate / "airflow.cfg").is_file() else Path.cwd()
+
+
+def airflow_env(config: TideConfig) -> dict[str, str]:
+    root = repo_root()
+    home = (config.stack.state_dir / "airflow").resolve()
+    return {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW_CONFIG": str(root / "airflow.cfg"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins"),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__API__PORT": str(config.stack.airflow_port),
+        "AIRFLOW__API__HOST": config.stack.host,
+        "AIRFLOW__API__BASE_URL": f"http://{config.stack.host}:{config.stack.airflow_port}",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": (
+            f"http://{config.stack.host}:{config.stack.airflow_port}/execution/"
+        ),
+        "TIDE_STORE__ENDPOINT": config.store.endpoint,
+        "TIDE_MLFLOW__TRACKING_URI": config.mlflow.tracking_uri,
+    }
+
+
+def _airflow_migrate(config: TideConfig) -> None:
+    env = {**os.environ, **airflow_env(config)}
+    Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
+    airflow = find_binary("airflow", "install it with `pip install apache-airflow==3.3.2`")
+    subprocess.run(
+        [airflow, "db", "migrate"], env=env, check=True, capture_output=True, timeout=600
+    )
+    subprocess.run(
+        [airflow, "pools", "set", "mi250", "1", "EAGLE3 training hosts"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def _airflow_health(config: TideConfig) -> dict[str, Any]:
+    url = f"http://{config.stack.host}:{config.stack.airflow_port}/api/v2/monitor/health"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            health: dict[str, Any] = json.loads(response.read())
+            return health
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+
+
+def _component_healthy(component: str) -> Callable[[TideConfig], bool]:
+    def healthy(config: TideConfig) -> bool:
+        status = _airflow_health(config).get(component, {}).get("status")
+        return bool(status == "healthy")
+
+    return healthy
+
+
+def _airflow_service(name: str, command: list[str], component: str) -> Service:
+    return Service(
+        name=f"airflow-{name}",
+        command=lambda _config, _state: [
+            find_binary("airflow", "install it with `pip install apache-airflow==3.3.2`"),
+            *command,
+        ],
+        ports=lambda config: [config.stack.airflow_port] if name == "api-server" else [],
+        healthy=_component_healthy(component),
+        env=airflow_env,
+        url=lambda config: f"http://{config.stack.host}:{config.stack.airflow_port}",
+        before_start=_airflow_migrate if name == "api-server" else lambda _config: None,
+        enabled=lambda config: config.stack.airflow,
+    )
+
+
 SERVICES: tuple[Service, ...] = (
     Service(
         name="seaweedfs",
@@ -181,4 +265,8 @@ SERVICES: tuple[Service, ...] = (
         env=_mlflow_env,
         url=_mlflow_url,
     ),
+    _airflow_service("api-server", ["api-server"], "metadatabase"),
+    _airflow_service("scheduler", ["scheduler"], "scheduler"),
+    _airflow_service("dag-processor", ["dag-processor"], "dag_processor"),
+    _airflow_service("triggerer", ["triggerer"], "triggerer"),
 )
