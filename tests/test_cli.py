@@ -20,6 +20,7 @@ def _env(monkeypatch: pytest.MonkeyPatch, config: TideConfig) -> None:
     monkeypatch.setenv("TIDE_STACK__STATE_DIR", str(config.stack.state_dir))
     monkeypatch.setenv("TIDE_STACK__S3_PORT", str(config.stack.s3_port))
     monkeypatch.setenv("TIDE_STACK__MLFLOW_PORT", str(config.stack.mlflow_port))
+    monkeypatch.setenv("TIDE_STACK__AIRFLOW", "false")  # the session stack runs without Airflow
 
 
 def test_help_explains_every_command() -> None:

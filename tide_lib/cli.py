@@ -249,6 +249,32 @@ def _eval(args: argparse.Namespace, config: TideConfig) -> int:
     return 0
 
 
+def _bench_adaptation(args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.orchestration.bench import run_adaptation_bench  # noqa: PLC0415
+
+    result = run_adaptation_bench(
+        config,
+        args.workload,
+        args.json,
+        target_dir=args.target or DEFAULT_TARGETS / "demo",
+        cycle_tokens=args.cycle_tokens,
+        max_new_tokens=args.max_new_tokens,
+    )
+    _out(json.dumps({k: result[k] for k in ("al_ratio_adapted_static", "al_ratio_adapted_oracle")}))
+    static, adapted = result["tokens_per_s_static"], result["tokens_per_s_adapted"]
+    _out(f"tokens/s static {static:.1f}, adapted {adapted:.1f}")
+    if args.json:
+        _out(f"wrote {args.json}")
+    return 0
+
+
+def _workload_demo(args: argparse.Namespace, _config: TideConfig) -> int:
+    from tide_lib.orchestration.bench import demo_workload  # noqa: PLC0415
+
+    _out(str(demo_workload(args.out, english=args.english, korean=args.korean)))
+    return 0
+
+
 # -- target and training ------------------------------------------------------------------
 
 
@@ -543,6 +569,33 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--prompts", type=Path, required=True, help="text file, one prompt a line")
     online.add_argument("--max-new-tokens", type=int, default=64)
     online.set_defaults(handler=_eval)
+
+    bench_adaptation = bench.add_parser(
+        "adaptation",
+        help="the TIDE loop headless on a workload: AL per draft/segment/k, ratios, tokens/s",
+        description=(
+            "Workload: JSONL, one request per line in arrival order, "
+            '{"prompt": ..., "segment": ..., "max_new_tokens": ...}; the last segment to appear '
+            "is the new traffic. Needs the S3 and MLflow servers up (`tide stack up`)."
+        ),
+    )
+    bench_adaptation.add_argument("--workload", type=Path, required=True)
+    bench_adaptation.add_argument("--json", type=Path, help="write the results to this file")
+    bench_adaptation.add_argument("--target", type=Path, help="default: .tide/targets/demo")
+    bench_adaptation.add_argument(
+        "--cycle-tokens", type=int, default=1500, help="new tokens per cycle"
+    )
+    bench_adaptation.add_argument("--max-new-tokens", type=int, default=48)
+    bench_adaptation.set_defaults(handler=_bench_adaptation)
+
+    workload = commands.add_parser("workload", help="workload files").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    workload_demo = workload.add_parser("demo", help="English then Korean conversation (JSONL)")
+    workload_demo.add_argument("--out", type=Path, required=True)
+    workload_demo.add_argument("--english", type=int, default=60)
+    workload_demo.add_argument("--korean", type=int, default=120)
+    workload_demo.set_defaults(handler=_workload_demo)
 
     demo = commands.add_parser("demo", help="run what exists of the TIDE loop on this machine")
     demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")

@@ -138,8 +138,9 @@ def _export(config: TideConfig, snapshot: dict[str, Any], work: Path) -> dict[st
     dirs = {name: work / name for name in ("train", "recent", "older")}
     percent = config.cycle.held_out_percent
     count = 0
-    for sample in reader.iter_samples(_markers(reader, snapshot["window"])):
-        _save(sample, dirs["recent" if _held_out(sample, percent) else "train"], count)
+    stride = max(2, 100 // percent)  # every stride-th window request, the first included
+    for position, sample in enumerate(reader.iter_samples(_markers(reader, snapshot["window"]))):
+        _save(sample, dirs["recent" if position % stride == 0 else "train"], count)
         count += 1
     older_kept = 0
     for sample in reader.iter_samples(_markers(reader, snapshot["older"])):

@@ -1,0 +1,71 @@
+"""``tide bench adaptation`` on a workload it has never seen (generated here, tiny target)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tide_lib.config import TideConfig, TrainConfig
+from tide_lib.orchestration.bench import WorkloadError, load_workload, run_adaptation_bench
+from tide_lib.target import load_corpus, render_prompt
+
+
+def test_malformed_workload_lines_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "a", "segment": "x"}\n{"prompt": "b"}\n')
+    with pytest.raises(WorkloadError, match=r"w.jsonl:2: needs a non-empty \"segment\""):
+        load_workload(path)
+    path.write_text('{"prompt": "a", "segment": "x"}\n')
+    with pytest.raises(WorkloadError, match="at least two segments"):
+        load_workload(path)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_adaptation_bench_on_a_generated_workload(
+    stack: TideConfig, tiny_target: Path, tmp_path: Path
+) -> None:
+    corpus = load_corpus()
+    rng = random.Random(5)
+    english = rng.sample(corpus.domain("en_chat"), 14)
+    korean = rng.sample(corpus.domain("ko_chat"), 24)
+    workload = tmp_path / "unseen.jsonl"
+    workload.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": render_prompt(doc.turns[-1]), "segment": segment, "max_new_tokens": 12}
+            )
+            + "\n"
+            for segment, docs in (("old", english), ("new", korean))
+            for doc in docs
+        )
+    )
+    out = tmp_path / "adaptation.json"
+    # The tiny target's drafts often tie; force promotion so that the adapted path is exercised.
+    forced = stack.model_copy(
+        update={"cycle": stack.cycle.model_copy(update={"force_promote": True})}
+    )
+    result = run_adaptation_bench(
+        forced,
+        workload,
+        out,
+        target_dir=tiny_target,
+        preset="tiny",
+        cycle_tokens=120,
+        max_new_tokens=12,
+        train=TrainConfig(
+            steps=8, batch_size=2, ttt_length=3, draft_vocab_size=512, learning_rate=3e-3
+        ),
+    )
+    written = json.loads(out.read_text())
+    assert written["new_segment"] == "new" and written == json.loads(json.dumps(result))
+    assert {"static", "oracle"} <= set(written["accept_length"])
+    assert any(name.startswith("adapted-") for name in written["accept_length"])
+    for figures in written["accept_length"].values():
+        assert set(figures) == {"old", "new"} and set(figures["new"]) == {"k3", "k5"}
+    assert set(written["al_ratio_adapted_static"]) == {"k3", "k5"}
+    assert written["tokens_per_s_static"] > 0 and written["tokens_per_s_adapted"] > 0
+    assert written["threshold_to_serving_s"] and min(written["threshold_to_serving_s"]) > 0
