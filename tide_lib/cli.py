@@ -355,19 +355,35 @@ def _add_config_options(parser: argparse.ArgumentParser, model: type[StrictModel
 
 
 def _demo(args: argparse.Namespace, config: TideConfig) -> int:
-    from tide_lib.lake.bench import LakeBenchParams, run_lake_bench  # noqa: PLC0415
+    from tide_lib.evaluation.plot import plot_acceptance  # noqa: PLC0415
+    from tide_lib.orchestration.bench import demo_workload, run_adaptation_bench  # noqa: PLC0415
     from tide_lib.stack import StackManager  # noqa: PLC0415
 
     manager = StackManager(config)
     _print_status(manager.up())
     try:
-        _out("\nwriting and reading captured hidden states through the lake ...")
-        run_lake_bench(config, LakeBenchParams(records=64), Path("bench/demo-lake.json"))
-        _out("wrote bench/demo-lake.json")
-        _out(f"\nMLflow: http://{config.stack.host}:{config.stack.mlflow_port}")
-        _out(f"S3:     {config.store.endpoint} (bucket {config.store.lake_bucket})")
+        workload = demo_workload(Path("bench/demo-workload.jsonl"))
+        _out("\nrunning the adaptation loop on English, then Korean traffic (minutes) ...")
+        result = run_adaptation_bench(
+            config,
+            workload,
+            Path("bench/demo-adaptation.json"),
+            target_dir=DEFAULT_TARGETS / "demo",
+        )
+        k = "k3"
+        history = {
+            name: {segment: figures[k] for segment, figures in by_segment.items()}
+            for name, by_segment in result["accept_length"].items()
+        }
+        plot = plot_acceptance(history, Path("bench/demo-adaptation.png"), k=3, title="TIDE demo")
+        _out(f"\n{'draft':<20}" + "".join(f"{segment:>12}" for segment in result["segments"]))
+        for name, figures in history.items():
+            _out(f"{name:<20}" + "".join(f"{figures[s]:>12.2f}" for s in result["segments"]))
+        _out(f"\nwrote bench/demo-adaptation.json and {plot}")
+        _out(f"Airflow: http://{config.stack.host}:{config.stack.airflow_port}")
+        _out(f"MLflow:  http://{config.stack.host}:{config.stack.mlflow_port}")
         if args.keep_up:
-            _out("stack stays up until Ctrl-C")
+            _out("the UIs stay up until Ctrl-C")
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
             while True:
                 time.sleep(3600)
