@@ -68,8 +68,9 @@ def test_missing_binary_names_the_fix() -> None:
         find_binary("no-such-tool-xyz", "install it with `pip install no-such-tool`")
 
 
-def test_down_stops_processes(tmp_path: Path) -> None:
-    config = stack_config(tmp_path, port_base=48000)
+def test_down_stops_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = stack_config(Path("relative/state"), port_base=48000)  # as the default .tide/stack
     manager = StackManager(config, services=tuple(s for s in SERVICES if s.name == "seaweedfs"))
     manager.up()
     pid = manager.status()[0].pid

@@ -70,7 +70,8 @@ class StackManager:
     def __init__(self, config: TideConfig, services: tuple[Service, ...] = SERVICES) -> None:
         self.config = config
         self.services = tuple(service for service in services if service.enabled(config))
-        self.state_dir = Path(config.stack.state_dir)
+        # Absolute: services run with the state dir as their working directory.
+        self.state_dir = Path(config.stack.state_dir).resolve()
 
     def _pid_file(self, service: Service) -> Path:
         return self.state_dir / f"{service.name}.pid"
