@@ -180,6 +180,7 @@ def _fleet(args: argparse.Namespace, _config: TideConfig) -> int:
 
 
 def _bench_serve(args: argparse.Namespace, config: TideConfig) -> int:
+    from tide_lib.serving.bench import HEADLINE_KEYS as SERVE_HEADLINE_KEYS  # noqa: PLC0415
     from tide_lib.serving.bench import run_serve_bench  # noqa: PLC0415
 
     result = run_serve_bench(
@@ -191,15 +192,7 @@ def _bench_serve(args: argparse.Namespace, config: TideConfig) -> int:
         max_new_tokens=args.max_new_tokens,
         num_steps=args.speculative_num_steps,
     )
-    for key in (
-        "capture_on_tokens_per_s",
-        "capture_off_tokens_per_s",
-        "spec_tokens_per_s",
-        "plain_tokens_per_s",
-        "accept_length",
-        "swap_seconds",
-        "failed_requests",
-    ):
+    for key in SERVE_HEADLINE_KEYS:
         _out(f"{key:<28}{result[key]:>14.2f}")
     if args.json:
         _out(f"wrote {args.json}")

@@ -30,9 +30,19 @@ from tide_lib.serving.speculative import SpeculativeDecoder
 from tide_lib.target import build_target, load_corpus, render_prompt
 from tide_lib.training.trainer import train_draft
 
-__all__ = ["bootstrap_draft", "run_serve_bench"]
+__all__ = ["HEADLINE_KEYS", "bootstrap_draft", "run_serve_bench"]
 
 logger = logging.getLogger(__name__)
+
+HEADLINE_KEYS = (
+    "capture_on_tokens_per_s",
+    "capture_off_tokens_per_s",
+    "spec_tokens_per_s",
+    "plain_tokens_per_s",
+    "accept_length",
+    "swap_seconds",
+    "failed_requests",
+)
 
 
 def bootstrap_draft(
