@@ -357,11 +357,16 @@ def _demo(args: argparse.Namespace, config: TideConfig) -> int:
     try:
         workload = demo_workload(Path("bench/demo-workload.jsonl"))
         _out("\nrunning the adaptation loop on English, then Korean traffic (minutes) ...")
+        # Demo-sized training per cycle: minutes on 2 cores, not hours.
+        train = config.training.model_copy(
+            update={"steps": 120, "ttt_length": 4, "learning_rate": 2e-3}
+        )
         result = run_adaptation_bench(
             config,
             workload,
             Path("bench/demo-adaptation.json"),
             target_dir=DEFAULT_TARGETS / "demo",
+            train=train,
         )
         k = "k3"
         history = {
