@@ -99,7 +99,7 @@ class LakeReader:
         for info in self.store.list(commit_prefix(self.config.prefix, slug), start_after=after):
             if not info.key.endswith(".json"):
                 continue
-            marker = self._marker(info.key)
+            marker = self.marker(info.key)
             if marker is None:
                 continue
             if start is not None and marker.max_finished_at < start:
@@ -121,7 +121,8 @@ class LakeReader:
         }
         return sorted(slugs)
 
-    def _marker(self, key: str) -> CommitMarker | None:
+    def marker(self, key: str) -> CommitMarker | None:
+        """The commit marker at ``key`` (cached: markers are immutable); None if unreadable."""
         if key not in self._markers:
             try:
                 self._markers[key] = CommitMarker.from_json(self.store.get_bytes(key), key=key)

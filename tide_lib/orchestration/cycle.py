@@ -117,7 +117,7 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> dict[str, Any]:
 def _markers(reader: LakeReader, keys: list[str]) -> list[CommitMarker]:
     markers = []
     for key in keys:
-        marker = reader._marker(key)
+        marker = reader.marker(key)
         if marker is not None:
             markers.append(marker)
     return markers
