@@ -21,11 +21,11 @@ from tide_lib.training.draft import (
 )
 from tide_lib.training.trainer import (
     TrainResult,
-    _load_sample,
     _remap_vocabulary,
     _TargetFeatures,
     evaluate_draft,
     list_samples,
+    load_sample,
     train_draft,
 )
 
@@ -54,7 +54,7 @@ def test_trained_draft_beats_a_random_one_on_held_out_data(
     english_draft: TrainResult, tiny_target: Path, captured: dict[str, Path]
 ) -> None:
     trained = evaluate_draft(english_draft.draft_dir, tiny_target, captured["en_heldout"], CONFIG)
-    samples = [_load_sample(p) for p in list_samples(captured["en_train"])]
+    samples = [load_sample(p) for p in list_samples(captured["en_train"])]
     random_draft = new_draft(tiny_target, CONFIG.draft_vocab_size, count_output_tokens(samples))
     random = evaluate_draft(None, tiny_target, captured["en_heldout"], CONFIG, draft=random_draft)
     logger.info("held-out top-1 per TTT position: trained %s, random %s", trained, random)
@@ -144,7 +144,7 @@ def test_export_loads_into_specforge_class_with_equal_outputs(
     )
     assert missing == ["embed_tokens.weight"] and not unexpected
     reloaded.embed_tokens.weight.data.copy_(in_memory.embed_tokens.weight.data)
-    sample = _load_sample(list_samples(captured["en_heldout"])[0])
+    sample = load_sample(list_samples(captured["en_heldout"])[0])
     aux = sample["aux_hidden_state"][None].float()
     ids = sample["input_ids"][None]
     outputs = []
@@ -224,7 +224,7 @@ def test_window_vocabulary_keeps_rows_of_shared_tokens(
 def test_recomputed_features_equal_captured_ones(
     tiny_target: Path, captured: dict[str, Path]
 ) -> None:
-    sample = _load_sample(list_samples(captured["en_heldout"])[0])
+    sample = load_sample(list_samples(captured["en_heldout"])[0])
     recomputed = _TargetFeatures(tiny_target, torch.device("cpu"))(sample)
     assert torch.allclose(
         recomputed["hidden_state"].half().float(), sample["hidden_state"].float(), atol=1e-2

@@ -102,9 +102,9 @@ def offline_acceptance(
     ks: Sequence[int],
 ) -> dict[str, dict[int, AcceptanceCount]]:
     """Acceptance length of ``draft`` per segment and per k, from captured states only."""
-    from tide_lib.training.trainer import _TargetHead  # noqa: PLC0415
+    from tide_lib.training.trainer import TargetHead  # noqa: PLC0415
 
-    lm_head = _TargetHead(target_dir)
+    lm_head = TargetHead(target_dir)
     runner = DraftRunner(draft)
     results: dict[str, dict[int, AcceptanceCount]] = {}
     for name, samples in segments.items():

@@ -122,20 +122,7 @@ def _held_out_samples(
         generation = decoder.generate(
             ids, int(item.get("max_new_tokens", default_max)), speculative=False
         )
-        length = generation.final_states.shape[0]
-        samples.append(
-            TrainingSample(
-                request_id=f"held-out-{index}",
-                draft_version="",
-                finished_at=datetime.now(UTC),
-                input_ids=torch.tensor((generation.prompt_ids + generation.output_ids)[:length]),
-                loss_mask=torch.tensor([0] * len(ids) + [1] * (length - len(ids))),
-                hidden_state=generation.final_states.half(),
-                aux_hidden_state=generation.aux_states.half(),
-                spec_verify_ct=0,
-                spec_accept_tokens=0,
-            )
-        )
+        samples.append(generation.training_sample(f"held-out-{index}"))
     return samples
 
 

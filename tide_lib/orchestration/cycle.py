@@ -232,7 +232,7 @@ def evaluate_and_gate(
     from tide_lib.registry import CHAMPION, DraftRegistry  # noqa: PLC0415
     from tide_lib.training.draft import load_draft  # noqa: PLC0415
     from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
-    from tide_lib.training.trainer import _load_sample, list_samples  # noqa: PLC0415
+    from tide_lib.training.trainer import list_samples, load_sample  # noqa: PLC0415
 
     prepare_specforge("cpu")
     data = Path(trained["data_dir"])
@@ -244,7 +244,7 @@ def evaluate_and_gate(
         for name in ("recent", "older"):
             if (data / name).is_dir() and any((data / name).glob("*.ckpt")):
                 result[name] = [
-                    _as_sample(_load_sample(p), p.name) for p in list_samples(data / name)
+                    _as_sample(load_sample(p), p.name) for p in list_samples(data / name)
                 ]
         return result
 

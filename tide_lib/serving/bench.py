@@ -64,17 +64,8 @@ def bootstrap_draft(
     for index, prompt in enumerate(tqdm(prompts, desc="bootstrap answers", unit="req")):
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         generation = decoder.generate(ids, max_new_tokens, speculative=False)
-        length = generation.final_states.shape[0]
-        tokens = (generation.prompt_ids + generation.output_ids)[:length]
-        torch.save(
-            {
-                "input_ids": torch.tensor(tokens),
-                "loss_mask": torch.tensor([0] * len(ids) + [1] * (length - len(ids))),
-                "hidden_state": generation.final_states.half(),
-                "aux_hidden_state": generation.aux_states.half(),
-            },
-            data / f"data_{index:06d}.ckpt",
-        )
+        sample = generation.training_sample(f"bootstrap-{index}")
+        torch.save(sample.to_specforge(), data / f"data_{index:06d}.ckpt")
     return train_draft(data, target_dir, out_dir / "bootstrap-run", train).draft_dir
 
 

@@ -240,18 +240,17 @@ class Engine:
             with self._lock:
                 self.counters.capture_skipped += 1
             return
-        tokens = (generation.prompt_ids + generation.output_ids)[: generation.final_states.shape[0]]
-        mask = [0] * len(generation.prompt_ids) + [1] * (len(tokens) - len(generation.prompt_ids))
+        sample = generation.training_sample(request.rid, version)
         record = CapturedRecord(
             request_id=request.rid,
             target_id=self.target_id,
             draft_version=version,
             started_at=started_at,
-            finished_at=datetime.now(UTC),
-            input_ids=torch.tensor(tokens, dtype=torch.int32),
-            loss_mask=torch.tensor(mask, dtype=torch.int8),
-            hidden_states=generation.final_states.to(torch.float16),
-            aux_hidden_states=generation.aux_states.to(torch.float16),
+            finished_at=sample.finished_at,
+            input_ids=sample.input_ids.to(torch.int32),
+            loss_mask=sample.loss_mask.to(torch.int8),
+            hidden_states=sample.hidden_state,
+            aux_hidden_states=sample.aux_hidden_state,
             spec_verify_ct=generation.verify_steps,
             spec_accept_tokens=generation.accepted_draft_tokens,
             completion_tokens=len(generation.output_ids),

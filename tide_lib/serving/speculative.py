@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
 
+from tide_lib.lake.reader import TrainingSample
 from tide_lib.target.hidden import HiddenStateCapture
 
 __all__ = ["DraftRunner", "Generation", "SpeculativeDecoder"]
@@ -39,6 +41,22 @@ class Generation:
     drafted_tokens: int
     final_states: torch.Tensor  # [T, H], T = prompt + output tokens the target has read
     aux_states: torch.Tensor  # [T, 3H]
+
+    def training_sample(self, request_id: str, draft_version: str = "") -> TrainingSample:
+        """The tokens the target read, their loss mask (1 on output) and float16 states."""
+        length = int(self.final_states.shape[0])
+        prompt = len(self.prompt_ids)
+        return TrainingSample(
+            request_id=request_id,
+            draft_version=draft_version,
+            finished_at=datetime.now(UTC),
+            input_ids=torch.tensor((self.prompt_ids + self.output_ids)[:length]),
+            loss_mask=torch.tensor([0] * prompt + [1] * (length - prompt)),
+            hidden_state=self.final_states.to(torch.float16),
+            aux_hidden_state=self.aux_states.to(torch.float16),
+            spec_verify_ct=self.verify_steps,
+            spec_accept_tokens=self.accepted_draft_tokens,
+        )
 
     @property
     def accept_length(self) -> float:

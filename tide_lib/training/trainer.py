@@ -46,7 +46,15 @@ from tide_lib.training.draft import (
 from tide_lib.training.schedule import warmup_cosine
 from tide_lib.training.specforge_runtime import prepare_specforge
 
-__all__ = ["MetricSink", "TrainResult", "evaluate_draft", "list_samples", "train_draft"]
+__all__ = [
+    "MetricSink",
+    "TargetHead",
+    "TrainResult",
+    "evaluate_draft",
+    "list_samples",
+    "load_sample",
+    "train_draft",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +92,12 @@ def list_samples(data_dir: Path) -> list[Path]:
     return paths
 
 
-def _load_sample(path: Path) -> dict[str, torch.Tensor]:
+def load_sample(path: Path) -> dict[str, torch.Tensor]:
     sample: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
     return sample
 
 
-class _TargetHead(torch.nn.Module):
+class TargetHead(torch.nn.Module):
     """The target's frozen ``lm_head`` with SpecForge's ``TargetHead`` interface."""
 
     def __init__(self, target_dir: Path) -> None:
@@ -156,7 +164,7 @@ class _Eagle3Objective:
         )
         if torch.distributed.is_initialized():
             self.model = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.head = _TargetHead(target_dir).to(self.device)
+        self.head = TargetHead(target_dir).to(self.device)
         self.recompute = (
             _TargetFeatures(target_dir, self.device) if config.features == "recompute" else None
         )
@@ -253,7 +261,7 @@ def _initial_draft(
     samples: list[Path], target_dir: Path, config: TrainConfig, parent_dir: Path | None
 ) -> Any:
     def counts() -> Any:
-        return count_output_tokens(_load_sample(path) for path in samples)
+        return count_output_tokens(load_sample(path) for path in samples)
 
     if parent_dir is None:
         logger.info(
@@ -355,7 +363,7 @@ def train_draft(
             index = _sample_index(
                 step * config.batch_size * world + slot, len(samples), config.seed
             )
-            raw = _load_sample(samples[index])
+            raw = load_sample(samples[index])
             output = objective.forward(raw, samples[index].name)
             (output.loss / config.batch_size).backward()
             step_loss += float(output.loss.detach()) / config.batch_size
@@ -431,5 +439,5 @@ def evaluate_draft(
     objective.model.eval()
     accuracy = _Accuracy()
     for path in list_samples(data_dir):
-        accuracy.add(objective.forward(_load_sample(path), path.name).metrics)
+        accuracy.add(objective.forward(load_sample(path), path.name).metrics)
     return accuracy.values()
