@@ -28,6 +28,7 @@ import torch
 
 from tide_lib.config import ServeConfig, TideConfig
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
+from tide_lib.serving.capture import capture_wanted
 from tide_lib.serving.speculative import Generation, SpeculativeDecoder
 from tide_lib.training.draft import InvalidCheckpointError, load_draft
 from tide_lib.training.specforge_runtime import prepare_specforge
@@ -228,15 +229,9 @@ class Engine:
     ) -> None:
         if self.writer is None:
             return
-        threshold = self.serve.capture_skip_accept_rate
-        rate = (
-            generation.accepted_draft_tokens / generation.drafted_tokens
-            if generation.drafted_tokens
-            else 0.0
-        )
-        if (
-            threshold is not None and rate >= threshold
-        ) or self._rng.random() >= self.serve.capture_sample_rate:
+        if not capture_wanted(
+            self.serve, generation.accepted_draft_tokens, generation.drafted_tokens, self._rng
+        ):
             with self._lock:
                 self.counters.capture_skipped += 1
             return

@@ -1,0 +1,210 @@
+"""The SGLang capture plugin, everything of it that runs without a GPU and SGLang.
+
+SGLang itself cannot run here, so its per-request objects are stand-ins carrying the
+attributes of ``sglang.srt.managers.schedule_batch.Req`` (0.5.14) that the plugin
+reads, and its batches are fed in SGLang's layout: prefill rows concatenated in
+request order, verify blocks of ``num_draft_tokens`` rows with the accepted path in
+front. The states are a real forward pass of the tiny target, the lake is the real
+S3 server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tide_lib.config import LakeConfig, TideConfig
+from tide_lib.lake import LakeReader, ObjectStore, target_slug
+from tide_lib.serving import sglang_plugin
+from tide_lib.serving.sglang_plugin import ENABLE_ENV, SGLangCapture
+
+pytestmark = pytest.mark.slow
+NUM_STEPS = 3
+DRAFT_TOKENS = NUM_STEPS + 1
+
+
+@dataclasses.dataclass
+class Req:
+    """The fields of SGLang's ``Req`` the plugin reads."""
+
+    rid: str
+    origin_input_ids: list[int]
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    spec_verify_ct: int = 0
+    spec_num_correct_drafts: int = 0
+    done: bool = False
+
+    def finished(self) -> bool:
+        return self.done
+
+
+@pytest.fixture(scope="module")
+def true_states(tiny_target: Path) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """A 20-token sequence and the tiny target's final and aux states of every token."""
+    from transformers import AutoModelForCausalLM
+
+    from tide_lib.target.hidden import HiddenStateCapture
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    ids = list(range(5, 25))
+    capture = HiddenStateCapture(model)
+    with torch.no_grad(), capture.capturing():
+        model(input_ids=torch.tensor([ids]))
+    final, aux = capture.take()
+    return ids, final[0], aux[0]
+
+
+def _verify_block(final: torch.Tensor, aux: torch.Tensor, start: int, accepted: int) -> Any:
+    """``DRAFT_TOKENS`` rows: the states of the accepted path first, then rejected noise."""
+    noise_final = torch.randn(DRAFT_TOKENS, final.shape[1])
+    noise_aux = torch.randn(DRAFT_TOKENS, aux.shape[1])
+    real = final[start : start + accepted]
+    noise_final[: real.shape[0]] = real
+    noise_aux[: real.shape[0]] = aux[start : start + accepted]
+    return noise_final, noise_aux
+
+
+def _config(stack: TideConfig, lake: LakeConfig, **serve: Any) -> TideConfig:
+    return TideConfig(store=stack.store, lake=lake, serve=serve)
+
+
+def _read_back(store: ObjectStore, lake: LakeConfig, target: str) -> dict[str, Any]:
+    reader = LakeReader(store, lake)
+    return {s.request_id: s for s in reader.iter_samples(reader.list_shards(target_slug(target)))}
+
+
+def test_chunked_prefill_prefix_cache_and_verify_blocks_land_as_the_target_computed(
+    stack: TideConfig, lake_config: LakeConfig, lake_store: ObjectStore, true_states: Any
+) -> None:
+    ids, final, aux = true_states
+    capture = SGLangCapture(_config(stack, lake_config), "sglang/target", "v7", NUM_STEPS)
+    # a: 10-token prompt prefilled in two chunks (6 + 4); b: 8-token prompt whose first 4
+    # tokens hit the radix cache, so SGLang computes (and the plugin sees) 4 rows.
+    a = Req("a", ids[:10])
+    b = Req("b", ids[:8])
+    capture.on_prefill(
+        [a, b], [0, 4], [6, 4], torch.cat([final[0:6], final[4:8]]), torch.cat([aux[0:6], aux[4:8]])
+    )
+    capture.on_prefill([a], [6], [4], final[6:10], aux[6:10])
+    a.output_ids, b.output_ids = [ids[10]], [ids[8]]
+
+    # verify 1: a accepts 3 (2 drafts + bonus), b accepts 2; verify 2: a accepts 1;
+    # verify 3: a accepts 4 but max_new_tokens stops it after 7 outputs in all.
+    blocks = [_verify_block(final, aux, 10, 3), _verify_block(final, aux, 8, 2)]
+    capture.on_verify(
+        [a, b],
+        DRAFT_TOKENS,
+        torch.cat([blocks[0][0], blocks[1][0]]),
+        torch.cat([blocks[0][1], blocks[1][1]]),
+        torch.tensor([3, 2]),
+    )
+    b.output_ids, b.spec_verify_ct, b.spec_num_correct_drafts, b.done = ids[8:11], 1, 1, True
+    capture.on_verify([a], DRAFT_TOKENS, *_verify_block(final, aux, 13, 1), torch.tensor([1]))
+    capture.on_verify([a], DRAFT_TOKENS, *_verify_block(final, aux, 14, 4), torch.tensor([4]))
+    a.output_ids, a.spec_verify_ct, a.spec_num_correct_drafts, a.done = ids[10:17], 3, 5, True
+    capture.close()
+
+    samples = _read_back(lake_store, lake_config, "sglang/target")
+    assert set(samples) == {"a", "b"}
+    # a: every prompt and output token but the last has states (positions 0..16)
+    sample = samples["a"]
+    assert sample.input_ids.tolist() == ids[:17]
+    assert sample.loss_mask.tolist() == [0] * 10 + [1] * 7
+    torch.testing.assert_close(sample.hidden_state, final[:17].half())
+    torch.testing.assert_close(sample.aux_hidden_state, aux[:17].half())
+    assert (sample.spec_verify_ct, sample.spec_accept_tokens) == (3, 5)
+    # b: starts after its cached prefix, positions 4..9
+    sample = samples["b"]
+    assert sample.input_ids.tolist() == ids[4:10]
+    assert sample.loss_mask.tolist() == [0] * 4 + [1] * 2
+    torch.testing.assert_close(sample.hidden_state, final[4:10].half())
+    torch.testing.assert_close(sample.aux_hidden_state, aux[4:10].half())
+    assert (capture.captured, capture.skipped, capture.dropped) == (2, 0, 0)
+
+
+def test_threshold_sampling_retraction_and_aborts_keep_requests_out(
+    stack: TideConfig, lake_config: LakeConfig, lake_store: ObjectStore, true_states: Any
+) -> None:
+    ids, final, aux = true_states
+    config = _config(stack, lake_config, capture_skip_accept_rate=0.5)
+    capture = SGLangCapture(config, "sglang/skips", "v1", NUM_STEPS)
+    served_well, kept, retracted, aborted = (Req(name, ids[:4]) for name in "wkra")
+    reqs = [served_well, kept, retracted, aborted]
+    capture.on_prefill(reqs, [0] * 4, [4] * 4, final[:4].repeat(4, 1), aux[:4].repeat(4, 1))
+    block = _verify_block(final, aux, 4, 2)
+    capture.on_verify(
+        reqs, DRAFT_TOKENS, block[0].repeat(4, 1), block[1].repeat(4, 1), torch.tensor([2] * 4)
+    )
+    capture.on_prefill([retracted], [0], [4], final[:4], aux[:4])  # re-prefill: dropped
+    aborted.finished_reason = type("FINISH_ABORT", (), {})()  # type: ignore[attr-defined]
+    for req in reqs:
+        req.output_ids, req.spec_verify_ct, req.done = ids[4:7], 1, True
+    served_well.spec_num_correct_drafts = 3  # 3 of 3 drafted tokens accepted
+    capture.close()
+
+    assert set(_read_back(lake_store, lake_config, "sglang/skips")) == {"k"}
+    assert (capture.captured, capture.skipped, capture.dropped) == (1, 1, 1)
+
+    unsampled = SGLangCapture(_config(stack, lake_config, capture_sample_rate=0.0), "x", "v", 3)
+    unsampled.on_prefill([Req("u", ids[:4])], [0], [4], final[:4], aux[:4])
+    assert unsampled._open["u"][1] is None  # nothing kept on the GPU for unsampled requests
+    unsampled.close()
+
+
+def test_worker_hook_routes_sglang_batches_and_hides_its_states_from_the_scheduler(
+    stack: TideConfig, lake_config: LakeConfig, true_states: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids, final, aux = true_states
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    capture = SGLangCapture(_config(stack, lake_config), "sglang/hook", "v1", NUM_STEPS)
+    monkeypatch.setattr(sglang_plugin._Process, "capture", capture)
+    worker = SimpleNamespace(tp_rank=0, speculative_num_draft_tokens=DRAFT_TOKENS)
+    req = Req("h", ids[:6])
+
+    def forward(mode: str, rows: torch.Tensor, aux_rows: torch.Tensor, **extra: Any) -> Any:
+        logits = SimpleNamespace(
+            hidden_states=aux_rows,
+            customized_info={sglang_plugin.FINAL_STATES_KEY: rows, "user": [1]},
+        )
+        result = SimpleNamespace(logits_output=logits, **extra)
+        batch = SimpleNamespace(
+            reqs=[req],
+            prefix_lens=[0],
+            extend_lens=[6],
+            is_extend_in_batch=False,
+            forward_mode=SimpleNamespace(is_idle=lambda: False, is_extend=lambda: mode == "extend"),
+        )
+        out = sglang_plugin._capture_batch(lambda _w, _b: result, worker, batch)
+        assert out.logits_output.customized_info == {"user": [1]}
+        return out
+
+    forward("extend", final[:6], aux[:6])
+    forward("verify", *_verify_block(final, aux, 6, 2), accept_lens=torch.tensor([2]))
+    states = capture._open["h"][1]
+    assert states is not None
+    assert (states.prefill_rows, states.verify_steps) == (6, 1)
+    token_ids, got_final, got_aux = states.assemble(ids[:9])
+    assert token_ids == ids[:8]
+    torch.testing.assert_close(got_final, final[:8])
+    torch.testing.assert_close(got_aux, aux[:8])
+    capture.close()
+
+
+def test_plugin_is_declared_to_sglang_and_off_unless_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    points = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    assert [p.value for p in points if p.name == "tide_capture"] == [
+        "tide_lib.serving.sglang_plugin:register"
+    ]
+    monkeypatch.delenv(ENABLE_ENV, raising=False)
+    sglang_plugin.register()  # off: registers nothing, needs no SGLang
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    with pytest.raises(RuntimeError, match=r"sglang==0\.5\.14"):
+        sglang_plugin.register()

@@ -1,0 +1,423 @@
+"""Capture inside a real SGLang server, as a plugin of SGLang's own plugin framework.
+
+Why a plugin and not a fork: SGLang 0.5.14 (the release SpecForge 0.2.0 pins) loads
+the entry points of group ``sglang.srt.plugins`` in every scheduler process and
+applies the hooks they register with its ``HookRegistry``. TIDE's package declares
+``tide_capture`` there, so a GPU host needs ``pip install tide sglang==0.5.14`` and
+``TIDE_SGLANG_CAPTURE=1``; nothing in SGLang is edited.
+
+What is hooked (chain drafting, ``--speculative-eagle-topk 1``, the overlap worker
+``EAGLEWorkerV2`` that 0.5.14 uses for EAGLE3):
+
+- ``LogitsProcessor.forward`` of the *target*: when the batch captures all hidden
+  states (target prefill and target verify), the final-layer states after the final
+  norm are kept in ``customized_info``. That field survives CUDA-graph replay, so
+  verify steps under graphs are captured too. The worker hook removes it again
+  before the scheduler sees it.
+- ``EAGLEWorkerV2.forward_batch_generation``: after each prefill, the aux states
+  (``logits_output.hidden_states``, ``[tokens, 3H]``) and final states of every
+  prompt token; after each verify, the ``[bs * num_draft_tokens]`` blocks and the
+  accept lengths. Only GPU-side copies are made here; nothing waits on the GPU.
+- ``EAGLEWorkerV2.update_weights_from_disk``: the draft version written into records.
+
+A background thread turns each finished request into a ``CapturedRecord``: it waits
+on a CUDA event, keeps the accepted rows of each verify block, applies the same
+sampling rate and selective-capture threshold as the reference engine, and hands
+the record to the ``LakeWriter`` (which batches, uploads and spools).
+
+Limits: the prompt's radix-cached prefix has no states (the record starts at the
+first computed token); a retracted request is dropped; tensor parallelism captures
+on TP rank 0 only; tree drafting (topk > 1) and data-parallel attention are refused.
+This module cannot run on the CPU machine TIDE is tested on (no GPU, no SGLang);
+the assembly of records is tested there on SGLang-shaped blocks, see
+``tests/serving/test_sglang_plugin.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import random
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tide_lib.config import TideConfig
+from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
+from tide_lib.serving.capture import sampled, serves_well
+
+__all__ = [
+    "ENABLE_ENV",
+    "SUPPORTED_SGLANG_VERSION",
+    "RequestStates",
+    "SGLangCapture",
+    "register",
+]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_SGLANG_VERSION = "0.5.14"
+ENABLE_ENV = "TIDE_SGLANG_CAPTURE"
+FINAL_STATES_KEY = "tide_final_hidden"
+_LOGITS_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
+_WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
+_POLL_SECONDS = 0.5
+
+
+def _record_event() -> Any:
+    """A CUDA event after the copies enqueued so far on this thread's stream (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+@dataclasses.dataclass
+class _Block:
+    final: torch.Tensor  # [rows, H]
+    aux: torch.Tensor  # [rows, 3H]
+    accepted: torch.Tensor | None  # verify blocks: accepted rows (bonus included); None: all rows
+
+
+class RequestStates:
+    """The target states one request has produced so far, in SGLang's batch layout.
+
+    ``offset`` is the first token position with states (the radix-cached prefix has
+    none). Verify blocks keep all ``num_draft_tokens`` rows and the accept length as
+    GPU tensors; :meth:`assemble` keeps the accepted front of each block (chain
+    drafting puts the accepted path first), in order.
+    """
+
+    def __init__(self, request_id: str, offset: int) -> None:
+        self.request_id = request_id
+        self.offset = offset
+        self.started_at = datetime.now(UTC)
+        self.prefill_rows = 0
+        self.verify_steps = 0
+        self.ready: Any = None  # CUDA event recorded after the latest copies
+        self._blocks: list[_Block] = []
+
+    def add_prefill(self, final: torch.Tensor, aux: torch.Tensor) -> None:
+        """States of one (chunk of a) prefill, one row per computed prompt token."""
+        if self.verify_steps:
+            raise ValueError(f"request {self.request_id}: prefill after decoding (retracted)")
+        self._blocks.append(_Block(final, aux, None))
+        self.prefill_rows += int(final.shape[0])
+
+    def add_verify(self, final: torch.Tensor, aux: torch.Tensor, accepted: torch.Tensor) -> None:
+        """One verify block: ``num_draft_tokens`` rows and the accept length (bonus included)."""
+        self._blocks.append(_Block(final, aux, accepted))
+        self.verify_steps += 1
+
+    def assemble(self, token_ids: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """``(token ids, final [T, H], aux [T, 3H])`` on the CPU, trimmed to the tokens."""
+        finals: list[torch.Tensor] = []
+        auxes: list[torch.Tensor] = []
+        for block in self._blocks:
+            rows = block.final.shape[0] if block.accepted is None else int(block.accepted.item())
+            finals.append(block.final[:rows])
+            auxes.append(block.aux[:rows])
+        final = torch.cat(finals).cpu()
+        aux = torch.cat(auxes).cpu()
+        length = min(int(final.shape[0]), len(token_ids) - self.offset)
+        if length <= 0:
+            raise ValueError(f"request {self.request_id}: no states for its tokens")
+        return token_ids[self.offset : self.offset + length], final[:length], aux[:length]
+
+
+@dataclasses.dataclass
+class _Finished:
+    states: RequestStates
+    prompt_len: int
+    output_ids: list[int]
+    token_ids: list[int]
+    drafted_tokens: int
+    accepted_draft_tokens: int
+    draft_version: str
+    ready: Any  # torch.cuda.Event or None
+
+
+class SGLangCapture:
+    """Per-process capture state: open requests, the finalizer thread and the lake writer."""
+
+    def __init__(
+        self,
+        config: TideConfig,
+        target_id: str,
+        draft_version: str,
+        num_steps: int,
+        writer: LakeWriter | None = None,
+    ) -> None:
+        self.config = config
+        self.target_id = target_id
+        self.draft_version = draft_version
+        self.num_steps = num_steps
+        self.writer = writer or LakeWriter(
+            ObjectStore(config.store, config.store.lake_bucket), config.lake
+        )
+        self.captured = 0
+        self.skipped = 0
+        self.dropped = 0
+        # None: a request that is not captured (not sampled, or dropped)
+        self._open: dict[str, tuple[Any, RequestStates | None]] = {}
+        self._lock = threading.Lock()
+        self._rng = random.Random()
+        self._finished: queue.Queue[_Finished | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="tide-capture", daemon=True)
+        self._thread.start()
+
+    # -- called from the scheduler's forward path (no GPU waits) -----------------------------
+
+    def on_prefill(
+        self,
+        reqs: list[Any],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        final: torch.Tensor,
+        aux: torch.Tensor,
+    ) -> None:
+        """Rows of one prefill batch: ``sum(extend_lens)`` rows in request order."""
+        start = 0
+        touched: list[RequestStates] = []
+        for req, prefix, rows in zip(reqs, prefix_lens, extend_lens, strict=True):
+            end = start + rows
+            with self._lock:
+                entry = self._open.get(req.rid)
+                if entry is None:
+                    keep = sampled(self.config.serve, self._rng)
+                    entry = (req, RequestStates(req.rid, prefix) if keep else None)
+                    self._open[req.rid] = entry
+                states = entry[1]
+                if states is not None:
+                    try:
+                        if prefix != states.offset + states.prefill_rows:
+                            raise ValueError(f"request {req.rid}: prefill chunk not contiguous")
+                        states.add_prefill(final[start:end].clone(), aux[start:end].clone())
+                        touched.append(states)
+                    except ValueError as error:
+                        logger.debug("capture dropped: %s", error)
+                        self._open[req.rid] = (req, None)
+                        self.dropped += 1
+            start = end
+        ready = _record_event()
+        for states in touched:
+            states.ready = ready
+
+    def on_verify(
+        self,
+        reqs: list[Any],
+        num_draft_tokens: int,
+        final: torch.Tensor,
+        aux: torch.Tensor,
+        accept_lens: torch.Tensor,
+    ) -> None:
+        """One verify batch: a block of ``num_draft_tokens`` rows per request."""
+        touched: list[RequestStates] = []
+        with self._lock:
+            for index, req in enumerate(reqs):
+                states = self._open.get(req.rid, (None, None))[1]
+                if states is None:
+                    continue
+                rows = slice(index * num_draft_tokens, (index + 1) * num_draft_tokens)
+                accepted = accept_lens[index].clone()
+                states.add_verify(final[rows].clone(), aux[rows].clone(), accepted)
+                touched.append(states)
+        ready = _record_event()
+        for states in touched:
+            states.ready = ready
+
+    def sweep(self) -> None:
+        """Hand every finished request to the finalizer thread."""
+        with self._lock:
+            done = [rid for rid, (req, _) in self._open.items() if req.finished()]
+            entries = [self._open.pop(rid) for rid in done]
+        for req, states in entries:
+            if states is None:
+                continue
+            if type(getattr(req, "finished_reason", None)).__name__ == "FINISH_ABORT":
+                continue
+            prompt = list(req.origin_input_ids)
+            output = list(req.output_ids)
+            self._finished.put(
+                _Finished(
+                    states=states,
+                    prompt_len=len(prompt),
+                    output_ids=output,
+                    token_ids=prompt + output,
+                    drafted_tokens=int(req.spec_verify_ct) * self.num_steps,
+                    accepted_draft_tokens=int(req.spec_num_correct_drafts),
+                    draft_version=self.draft_version,
+                    ready=states.ready,
+                )
+            )
+
+    # -- the finalizer thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._finished.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                self.sweep()  # requests that finished while the scheduler idles
+                continue
+            if item is None:
+                return
+            try:
+                self.finalize(item)
+            except Exception:
+                logger.exception("capture of request %s failed", item.states.request_id)
+                self.dropped += 1
+
+    def finalize(self, item: _Finished) -> bool:
+        """Build the record of one finished request and submit it; False when skipped."""
+        if serves_well(self.config.serve, item.accepted_draft_tokens, item.drafted_tokens):
+            self.skipped += 1
+            return False
+        if item.ready is not None:
+            item.ready.synchronize()
+        states = item.states
+        token_ids, final, aux = states.assemble(item.token_ids)
+        positions = range(states.offset, states.offset + len(token_ids))
+        loss_mask = [int(position >= item.prompt_len) for position in positions]
+        record = CapturedRecord(
+            request_id=states.request_id,
+            target_id=self.target_id,
+            draft_version=item.draft_version,
+            started_at=states.started_at,
+            finished_at=datetime.now(UTC),
+            input_ids=torch.tensor(token_ids, dtype=torch.int32),
+            loss_mask=torch.tensor(loss_mask, dtype=torch.int8),
+            hidden_states=final.to(torch.float16),
+            aux_hidden_states=aux.to(torch.float16),
+            spec_verify_ct=states.verify_steps,
+            spec_accept_tokens=item.accepted_draft_tokens,
+            completion_tokens=len(item.output_ids),
+        )
+        if self.writer.submit(record):
+            self.captured += 1
+            return True
+        self.dropped += 1
+        return False
+
+    def close(self) -> None:
+        """Finish what is queued and flush the writer."""
+        self.sweep()
+        self._finished.put(None)
+        self._thread.join()
+        self.writer.close()
+
+
+# -- the SGLang hooks (run only inside an SGLang scheduler process) ------------------------------
+
+
+class _Process:
+    """This scheduler process's capture, started by the first batch TP rank 0 runs."""
+
+    capture: SGLangCapture | None = None
+
+
+def _is_target_processor(processor: Any) -> bool:
+    architectures = getattr(getattr(processor, "config", None), "architectures", None) or []
+    return not any("Eagle" in name for name in architectures)
+
+
+def _keep_final_states(
+    original: Any, processor: Any, input_ids: Any, hidden_states: Any, *args: Any, **kwargs: Any
+) -> Any:
+    output = original(processor, input_ids, hidden_states, *args, **kwargs)
+    metadata = args[1] if len(args) > 1 else kwargs.get("logits_metadata")
+    mode = getattr(metadata, "capture_hidden_mode", None)
+    if mode is not None and mode.is_full() and _is_target_processor(processor):
+        output.customized_info = {**(output.customized_info or {}), FINAL_STATES_KEY: hidden_states}
+    return output
+
+
+def _take_final_states(logits_output: Any) -> torch.Tensor | None:
+    info = logits_output.customized_info
+    if not info or FINAL_STATES_KEY not in info:
+        return None
+    rest = {key: value for key, value in info.items() if key != FINAL_STATES_KEY}
+    logits_output.customized_info = rest or None
+    final: torch.Tensor = info[FINAL_STATES_KEY]
+    return final
+
+
+def _start_capture(worker: Any) -> SGLangCapture | None:
+    if _Process.capture is not None or worker.tp_rank != 0:
+        return _Process.capture
+    args = worker.server_args
+    if worker.topk != 1 or getattr(args, "enable_dp_attention", False):
+        logger.error("TIDE capture supports chain drafting without DP attention; capture is off")
+        os.environ[ENABLE_ENV] = "0"
+        return None
+    config = TideConfig()
+    target_id = config.serve.served_model_name or Path(args.model_path).name
+    draft = args.speculative_draft_model_path or ""
+    version = getattr(args, "weight_version", None) or Path(draft).name or "initial"
+    _Process.capture = SGLangCapture(config, target_id, version, worker.speculative_num_steps)
+    logger.info("TIDE capture on: target %s, draft %s, lake %s", target_id, version, config.lake)
+    return _Process.capture
+
+
+def _capture_batch(original: Any, worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(worker, batch, *args, **kwargs)
+    logits_output = getattr(result, "logits_output", None)
+    if logits_output is None:
+        return result
+    final = _take_final_states(logits_output)
+    capture = _start_capture(worker) if os.environ.get(ENABLE_ENV) == "1" else None
+    if capture is None or final is None or batch.forward_mode.is_idle():
+        return result
+    capture.sweep()
+    aux = logits_output.hidden_states
+    if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+        capture.on_prefill(batch.reqs, batch.prefix_lens, batch.extend_lens, final, aux)
+    elif result.accept_lens is not None:
+        capture.on_verify(
+            batch.reqs, worker.speculative_num_draft_tokens, final, aux, result.accept_lens
+        )
+    return result
+
+
+def _note_draft_version(result: Any, worker: Any, recv_req: Any) -> Any:
+    success = result[0] if isinstance(result, tuple) else False
+    if success and _Process.capture is not None:
+        _Process.capture.draft_version = (
+            getattr(recv_req, "weight_version", None) or Path(recv_req.model_path).name
+        )
+    return result
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: registers the hooks when capture is asked for."""
+    if os.environ.get(ENABLE_ENV) != "1":
+        logger.info("TIDE capture plugin loaded but off (set %s=1 to capture)", ENABLE_ENV)
+        return
+    try:
+        import sglang  # noqa: PLC0415
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: PLC0415
+    except ImportError as error:
+        raise RuntimeError(
+            f"{ENABLE_ENV}=1 but SGLang's plugin framework is not importable ({error}); "
+            f"install sglang=={SUPPORTED_SGLANG_VERSION}"
+        ) from error
+    version = getattr(sglang, "__version__", "unknown")
+    if version != SUPPORTED_SGLANG_VERSION:
+        logger.error(
+            "TIDE capture is written against sglang %s, found %s: capture is off "
+            "(serving is unaffected); pin sglang==%s",
+            SUPPORTED_SGLANG_VERSION,
+            version,
+            SUPPORTED_SGLANG_VERSION,
+        )
+        return
+    worker = _WORKER
+    HookRegistry.register(_LOGITS_TARGET, _keep_final_states, HookType.AROUND)
+    HookRegistry.register(f"{worker}.forward_batch_generation", _capture_batch, HookType.AROUND)
+    HookRegistry.register(f"{worker}.update_weights_from_disk", _note_draft_version, HookType.AFTER)
