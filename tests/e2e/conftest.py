@@ -16,8 +16,12 @@ DAGS = Path(__file__).resolve().parents[2] / "dags"
 _DAG_TEST = """
 import json, sys
 from airflow.dag_processing.dagbag import DagBag
+from datetime import datetime
 dag = DagBag(dag_folder=sys.argv[1]).dags[sys.argv[2]]
-run = dag.test(run_conf=json.loads(sys.argv[3]))
+options = json.loads(sys.argv[4])
+if "logical_date" in options:  # run_after too: the run id is made from it
+    options["logical_date"] = options["run_after"] = datetime.fromisoformat(options["logical_date"])
+run = dag.test(run_conf=json.loads(sys.argv[3]), **options)
 print(json.dumps({"state": str(run.state), "run_id": run.run_id}))
 """
 
@@ -43,11 +47,28 @@ def airflow_env(stack: TideConfig, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def dag_test(
-    env: dict[str, str], dag_id: str, cwd: Path, conf: dict[str, object] | None = None
+    env: dict[str, str],
+    dag_id: str,
+    cwd: Path,
+    conf: dict[str, object] | None = None,
+    logical_date: str | None = None,
 ) -> dict:
-    """Run ``dag.test()`` in a fresh interpreter (Airflow reads its config at import)."""
+    """Run ``dag.test()`` in a fresh interpreter (Airflow reads its config at import).
+
+    The same ``logical_date`` twice reruns the same run: the same run id, its task
+    instances cleared (what "Clear" does in the UI).
+    """
+    options = {"logical_date": logical_date} if logical_date else {}
     result = subprocess.run(
-        [sys.executable, "-c", _DAG_TEST, str(DAGS), dag_id, json.dumps(conf or {})],
+        [
+            sys.executable,
+            "-c",
+            _DAG_TEST,
+            str(DAGS),
+            dag_id,
+            json.dumps(conf or {}),
+            json.dumps(options),
+        ],
         env=env,
         cwd=cwd,
         capture_output=True,

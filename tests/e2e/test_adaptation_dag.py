@@ -2,7 +2,8 @@
 
 Captured Korean traffic -> sensor -> snapshot -> train (queue/pool mi250) -> register
 -> evaluate + gate -> promote to both engines -> watermark. Then a rerun of the
-finished cycle registers and promotes nothing new.
+finished cycle (dag.test on the same logical date) trains, registers and promotes
+nothing new.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def test_adaptation_cycle_promotes_a_new_champion(
             "TIDE_TRAINING__LEARNING_RATE": "0.003",
             "TIDE_GATE__K": "3",
         }
-        outcome = dag_test(env, "tide_adaptation", tmp_path)
+        logical_date = "2026-11-01T00:00:00+00:00"
+        outcome = dag_test(env, "tide_adaptation", tmp_path, logical_date=logical_date)
 
         config = load_config(
             store=stack.store.model_dump(),
@@ -99,13 +101,26 @@ def test_adaptation_cycle_promotes_a_new_champion(
         assert cycle.read_watermark(config) == snapshot["watermark_after"]
         assert cycle.new_tokens(config) == 0
 
-        # A rerun of the finished cycle: same snapshot, same version, no second promotion.
-        trained = {"draft_dir": "unused", "run_id": champion.run_id, "parent_version": None}
-        assert cycle.register(config, snapshot, trained) == champion.version
-        again = cycle.promote(config, champion.version, {"promote": True, "reason": "rerun"})
-        assert again == {"promoted": False, "reason": f"v{champion.version} is already champion"}
+        experiment = registry.client.get_experiment_by_name(registry.name)
+        runs_before = registry.client.search_runs([experiment.experiment_id])
+
+        # Rerun the finished cycle (what "Clear" does in the UI): same run, same window,
+        # no new training run, no second version, no second promotion.
+        rerun = dag_test(env, "tide_adaptation", tmp_path, logical_date=logical_date)
+        assert rerun["run_id"] == outcome["run_id"]
         versions = registry.client.search_model_versions(f"name = '{registry.name}'")
-        assert len(versions) == 1
+        assert [v.version for v in versions] == [champion.version]
+        assert registry.alias(CHAMPION) == champion  # same version, same tags
+        assert len(registry.client.search_runs([experiment.experiment_id])) == len(runs_before)
+        for engine in engines:
+            served = httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"]
+            assert served == f"{registry.name}-v{champion.version}"
+        assert cycle.read_watermark(config) == snapshot["watermark_after"]
+
+        # Once a later cycle has moved on, the old version is not promoted again.
+        registry.client.delete_registered_model_alias(registry.name, CHAMPION)
+        again = cycle.promote(config, champion.version, {"promote": True, "reason": "rerun"})
+        assert again["promoted"] is False and "promoted before" in again["reason"]
     finally:
         for engine in engines:
             engine.stop()

@@ -71,6 +71,18 @@ def new_tokens(config: TideConfig) -> int:
     return _reader(config).count_tokens(slug, after=read_watermark(config))
 
 
+def cycle_tokens(config: TideConfig, cycle_id: str) -> int:
+    """What the sensor compares with ``min_new_tokens``.
+
+    A cycle that already froze its window (a rerun) has its window's tokens: the
+    data it consumes no longer counts as new once the watermark moved past it.
+    """
+    store, key = _store(config), _state_key(config, f"cycles/{cycle_id}.json")
+    if store.exists(key):
+        return int(json.loads(store.get_bytes(key))["window_tokens"])
+    return new_tokens(config)
+
+
 def snapshot_window(config: TideConfig, cycle_id: str) -> dict[str, Any]:
     """Freeze the shards of this cycle: the new window, and older shards for replay."""
     store, key = _store(config), _state_key(config, f"cycles/{cycle_id}.json")
@@ -166,6 +178,16 @@ def train(config: TideConfig, snapshot: dict[str, Any], work_dir: Path) -> dict[
     work = work_dir / snapshot["cycle_id"]
     dirs = _export(config, snapshot, work / "data")
     registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    registered = registry.find_by_tag("tide.cycle_id", snapshot["cycle_id"])
+    if registered is not None and registered.run_id:
+        cycle_id = snapshot["cycle_id"]
+        logger.info("cycle %s trained v%s before: reusing it", cycle_id, registered.version)
+        return {
+            "run_id": registered.run_id,
+            "draft_dir": str(registry.download(registered.version, work / "registered")),
+            "data_dir": str(work / "data"),
+            "parent_version": registered.tags.get("tide.parent_version") or None,
+        }
     champion = registry.alias(CHAMPION)
     parent = registry.download(champion.version, work / "parent") if champion else None
     client = mlflow.MlflowClient(config.mlflow.tracking_uri)
@@ -253,6 +275,10 @@ def evaluate_and_gate(
         return {segment: by_k[k].accept_length for segment, by_k in counts.items()}
 
     registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    judged = registry.get(version)
+    if "tide.gate.decision" in judged.tags:
+        logger.info("v%s was judged before: %s", version, judged.tags["tide.gate.reason"])
+        return _recorded_decision(judged.tags, k, config.cycle.force_promote)
     challenger = figures(Path(trained["draft_dir"]))
     champion_version = registry.alias(CHAMPION)
     champion = None
@@ -266,6 +292,26 @@ def evaluate_and_gate(
         "reason": decision.reason,
         "challenger": challenger,
         "champion": champion,
+    }
+
+
+def _recorded_decision(tags: dict[str, str], k: int, force_promote: bool) -> dict[str, Any]:
+    """The decision ``evaluate_and_gate`` returned, read back from the version's tags."""
+
+    def figures(prefix: str) -> dict[str, float]:
+        suffix = f".k{k}"
+        return {
+            key[len(prefix) : -len(suffix)]: float(value)
+            for key, value in tags.items()
+            if key.startswith(prefix) and key.endswith(suffix)
+        }
+
+    champion = figures("tide.gate.champion_al.")
+    return {
+        "promote": tags["tide.gate.decision"] == "promote" or force_promote,
+        "reason": tags["tide.gate.reason"],
+        "challenger": figures("tide.al."),
+        "champion": champion or None,
     }
 
 
@@ -298,6 +344,10 @@ def promote(config: TideConfig, version: str, decision: dict[str, Any]) -> dict[
     current = registry.alias(CHAMPION)
     if current is not None and current.version == version:
         return {"promoted": False, "reason": f"v{version} is already champion"}
+    if registry.get(version).tags.get("tide.promoted") == "true":
+        why = f"v{version} was promoted before; serve it again with tide_rollback"
+        logger.info("not promoting: %s", why)
+        return {"promoted": False, "reason": why}
     if config.cycle.servers:
         drafts = (DEFAULT_HOME / "drafts" / registry.name).resolve()
         local = registry.download(version, drafts / f"v{version}")

@@ -20,17 +20,20 @@ __all__ = ["LakeTokensSensor", "LakeTokensTrigger"]
 logger = logging.getLogger(__name__)
 
 
-def _count(params: dict[str, Any]) -> int:
-    from tide_lib.orchestration.cycle import new_tokens  # noqa: PLC0415
+def _count(params: dict[str, Any], run_id: str) -> int:
+    from tide_lib.orchestration.cycle import cycle_tokens  # noqa: PLC0415
     from tide_lib.orchestration.params import config_from_params  # noqa: PLC0415
 
-    return new_tokens(config_from_params(params))
+    return cycle_tokens(config_from_params(params), run_id)
 
 
 class LakeTokensTrigger(BaseTrigger):  # type: ignore[misc]  # untyped base class
-    def __init__(self, params: dict[str, Any], min_tokens: int, poke_interval: float) -> None:
+    def __init__(
+        self, params: dict[str, Any], run_id: str, min_tokens: int, poke_interval: float
+    ) -> None:
         super().__init__()
         self.params = params
+        self.run_id = run_id
         self.min_tokens = min_tokens
         self.poke_interval = poke_interval
 
@@ -39,6 +42,7 @@ class LakeTokensTrigger(BaseTrigger):  # type: ignore[misc]  # untyped base clas
             f"{type(self).__module__}.{type(self).__qualname__}",
             {
                 "params": self.params,
+                "run_id": self.run_id,
                 "min_tokens": self.min_tokens,
                 "poke_interval": self.poke_interval,
             },
@@ -46,7 +50,7 @@ class LakeTokensTrigger(BaseTrigger):  # type: ignore[misc]  # untyped base clas
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         while True:
-            tokens = await asyncio.to_thread(_count, self.params)
+            tokens = await asyncio.to_thread(_count, self.params, self.run_id)
             if tokens >= self.min_tokens:
                 yield TriggerEvent({"tokens": tokens})
                 return
@@ -55,24 +59,31 @@ class LakeTokensTrigger(BaseTrigger):  # type: ignore[misc]  # untyped base clas
 
 
 class LakeTokensSensor(BaseSensorOperator):
-    """Succeeds once ``min_new_tokens`` (a DAG param) tokens arrived since the watermark."""
+    """Succeeds once ``min_new_tokens`` (a DAG param) tokens arrived since the watermark.
+
+    A rerun of a cycle that already froze its window passes at once (its data is
+    behind the watermark by then, yet it is still the cycle's data).
+    """
 
     def __init__(self, *, deferrable: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.deferrable = deferrable
 
     def poke(self, context: Any) -> bool:
-        return _count(dict(context["params"])) >= int(context["params"]["min_new_tokens"])
+        tokens = _count(dict(context["params"]), context["run_id"])
+        return tokens >= int(context["params"]["min_new_tokens"])
 
     def execute(self, context: Any) -> Any:
         params = dict(context["params"])
-        tokens = _count(params)
+        tokens = _count(params, context["run_id"])
         if tokens >= int(params["min_new_tokens"]):
             return tokens
         if not self.deferrable:
             return super().execute(context)
         self.defer(
-            trigger=LakeTokensTrigger(params, int(params["min_new_tokens"]), self.poke_interval),
+            trigger=LakeTokensTrigger(
+                params, context["run_id"], int(params["min_new_tokens"]), self.poke_interval
+            ),
             method_name="execute_complete",
             timeout=timedelta(seconds=self.timeout),
         )

@@ -85,7 +85,7 @@ class DraftRegistry:
     def find_by_tag(self, key: str, value: str) -> DraftVersion | None:
         for raw in self.client.search_model_versions(f"name = '{self.name}'"):
             if (raw.tags or {}).get(key) == value:
-                return self._version(self.client.get_model_version(self.name, raw.version))
+                return self.get(raw.version)
         return None
 
     def register(
@@ -105,7 +105,10 @@ class DraftRegistry:
         )
         self.client.set_registered_model_alias(self.name, CHALLENGER, raw.version)
         logger.info("registered %s v%s (challenger) from run %s", self.name, raw.version, run_id)
-        return self._version(self.client.get_model_version(self.name, raw.version))
+        return self.get(raw.version)
+
+    def get(self, version: str) -> DraftVersion:
+        return self._version(self.client.get_model_version(self.name, version))
 
     def alias(self, alias: str) -> DraftVersion | None:
         from mlflow.exceptions import MlflowException  # noqa: PLC0415
