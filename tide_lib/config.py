@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -102,7 +102,33 @@ class StackConfig(StrictModel):
     mlflow_port: int = Field(5000, ge=1, le=65535)
     airflow_port: int = Field(8080, ge=1, le=65535)
     airflow: bool = Field(True, description="also run Airflow (api-server, scheduler, ...)")
+    executor: Literal["LocalExecutor", "CeleryExecutor"] = Field(
+        "LocalExecutor",
+        description="CeleryExecutor also starts one Celery worker per queue (default, mi250)",
+    )
+    airflow_database_url: str | None = Field(
+        None,
+        description="Airflow metadata DB as a SQLAlchemy URL (default: SQLite in the state "
+        "dir); CeleryExecutor needs PostgreSQL, e.g. postgresql+psycopg2://postgres@127.0.0.1/airflow",
+    )
+    celery_broker_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="Celery broker (Redis or RabbitMQ)"
+    )
+    worker_log_port: int = Field(
+        8793, ge=1, le=65534, description="log server of the first Celery worker (next: +1)"
+    )
     start_timeout_s: float = Field(90.0, gt=0)
+
+    @model_validator(mode="after")
+    def _celery_needs_a_server_database(self) -> StackConfig:
+        url = self.airflow_database_url or ""
+        if self.executor == "CeleryExecutor" and not url.startswith("postgresql"):
+            raise ValueError(
+                "CeleryExecutor needs a PostgreSQL metadata DB: set stack.airflow_database_url "
+                "(TIDE_STACK__AIRFLOW_DATABASE_URL), e.g. "
+                "postgresql+psycopg2://postgres@127.0.0.1:5432/airflow"
+            )
+        return self
 
 
 class LakeConfig(StrictModel):

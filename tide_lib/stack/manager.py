@@ -76,7 +76,8 @@ class StackManager:
     def _pid_file(self, service: Service) -> Path:
         return self.state_dir / f"{service.name}.pid"
 
-    def _log_file(self, service: Service) -> Path:
+    def log_file(self, service: Service) -> Path:
+        """Where the service's stdout and stderr go."""
         return self.state_dir / f"{service.name}.log"
 
     def _pid(self, service: Service) -> int | None:
@@ -97,7 +98,7 @@ class StackManager:
                     running=pid is not None,
                     healthy=pid is not None and service.healthy(self.config),
                     url=service.url(self.config),
-                    log=self._log_file(service),
+                    log=self.log_file(service),
                 )
             )
         return statuses
@@ -128,7 +129,7 @@ class StackManager:
             )
         service.before_start(self.config)
         command = service.command(self.config, self.state_dir)
-        log_path = self._log_file(service)
+        log_path = self.log_file(service)
         logger.info("starting %s: %s", service.name, " ".join(command))
         with log_path.open("ab") as log:
             process = subprocess.Popen(

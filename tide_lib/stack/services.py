@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -19,6 +21,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from tide_lib.config import TideConfig
 from tide_lib.lake.store import ObjectStore
@@ -169,7 +172,7 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-# -- Airflow: api-server, scheduler, dag-processor, triggerer (LocalExecutor) --------------
+# -- Airflow: api-server, scheduler, dag-processor, triggerer ---------------------------------
 
 
 def repo_root() -> Path:
@@ -178,15 +181,44 @@ def repo_root() -> Path:
     return candidate if (candidate / "airflow.cfg").is_file() else Path.cwd()
 
 
+_EXECUTORS = {
+    "LocalExecutor": "LocalExecutor",
+    "CeleryExecutor": "airflow.providers.celery.executors.celery_executor.CeleryExecutor",
+}
+
+
+def _stack_secret(home: Path, name: str) -> str:
+    """A random secret kept in the Airflow home, the same for every process of the stack."""
+    path = home / f".{name}"
+    if not path.is_file():
+        home.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(32))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
 def airflow_env(config: TideConfig) -> dict[str, str]:
     root = repo_root()
-    home = (config.stack.state_dir / "airflow").resolve()
+    stack = config.stack
+    home = (stack.state_dir / "airflow").resolve()
+    database = stack.airflow_database_url or f"sqlite:///{home / 'airflow.db'}"
+    celery = {}
+    if stack.executor == "CeleryExecutor":
+        celery = {
+            "AIRFLOW__CELERY__BROKER_URL": stack.celery_broker_url,
+            "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + database,
+        }
     return {
+        **celery,
         "AIRFLOW_HOME": str(home),
         "AIRFLOW_CONFIG": str(root / "airflow.cfg"),
+        "AIRFLOW__CORE__EXECUTOR": _EXECUTORS[stack.executor],
         "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins"),
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database,
+        # Workers call the execution API with tokens the scheduler signs: one key for all.
+        "AIRFLOW__API_AUTH__JWT_SECRET": _stack_secret(home, "jwt_secret"),
+        "AIRFLOW__API__SECRET_KEY": _stack_secret(home, "api_secret_key"),
         "AIRFLOW__API__PORT": str(config.stack.airflow_port),
         "AIRFLOW__API__HOST": config.stack.host,
         "AIRFLOW__API__BASE_URL": f"http://{config.stack.host}:{config.stack.airflow_port}",
@@ -198,13 +230,50 @@ def airflow_env(config: TideConfig) -> dict[str, str]:
     }
 
 
+def _ensure_postgres_database(url: str) -> None:
+    """Create the database a PostgreSQL URL names, if the server lacks it."""
+    import psycopg2  # noqa: PLC0415
+    from psycopg2 import sql  # noqa: PLC0415
+
+    parsed = urlparse(url.replace("+psycopg2", ""))
+    name = parsed.path.lstrip("/")
+    server = parsed._replace(path="/postgres").geturl()
+    try:
+        connection = psycopg2.connect(server)
+    except psycopg2.OperationalError as error:
+        raise RuntimeError(
+            f"cannot reach the Airflow metadata DB server {parsed.hostname}:{parsed.port or 5432} "
+            f"({error}); start PostgreSQL or fix stack.airflow_database_url"
+        ) from error
+    connection.autocommit = True  # CREATE DATABASE cannot run in a transaction
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
+            if cursor.fetchone() is None:
+                cursor.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    finally:
+        connection.close()
+
+
 def _airflow_migrate(config: TideConfig) -> None:
+    if (config.stack.airflow_database_url or "").startswith("postgresql"):
+        _ensure_postgres_database(str(config.stack.airflow_database_url))
     env = {**os.environ, **airflow_env(config)}
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
     airflow = find_binary("airflow", "install it with `pip install apache-airflow==3.3.2`")
-    subprocess.run(
-        [airflow, "db", "migrate"], env=env, check=True, capture_output=True, timeout=600
+    migrated = subprocess.run(
+        [airflow, "db", "migrate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
+    if migrated.returncode != 0:
+        raise RuntimeError(
+            f"`airflow db migrate` failed on {env['AIRFLOW__DATABASE__SQL_ALCHEMY_CONN']}:\n"
+            + migrated.stderr[-2000:]
+        )
     subprocess.run(
         [airflow, "pools", "set", "mi250", "1", "EAGLE3 training hosts"],
         env=env,
@@ -248,6 +317,44 @@ def _airflow_service(name: str, command: list[str], component: str) -> Service:
     )
 
 
+# -- Celery workers, one per queue (CeleryExecutor only) -------------------------------------
+
+WORKER_QUEUES = ("default", "mi250")
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(1.0)
+        return probe.connect_ex((host, port)) == 0
+
+
+def _airflow_worker(queue: str) -> Service:
+    def log_port(config: TideConfig) -> int:
+        return config.stack.worker_log_port + WORKER_QUEUES.index(queue)
+
+    return Service(
+        name=f"airflow-worker-{queue}",
+        command=lambda _config, _state: [
+            find_binary("airflow", "install it with `pip install apache-airflow==3.3.2`"),
+            "celery",
+            "worker",
+            "--queues",
+            queue,
+            "--concurrency",
+            "1",
+            "--celery-hostname",
+            f"{queue}@%h",
+        ],
+        ports=lambda config: [log_port(config)],
+        healthy=lambda config: _listening(config.stack.host, log_port(config)),
+        env=lambda config: {
+            **airflow_env(config),
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(log_port(config)),
+        },
+        enabled=lambda config: config.stack.airflow and config.stack.executor == "CeleryExecutor",
+    )
+
+
 SERVICES: tuple[Service, ...] = (
     Service(
         name="seaweedfs",
@@ -269,4 +376,5 @@ SERVICES: tuple[Service, ...] = (
     _airflow_service("scheduler", ["scheduler"], "scheduler"),
     _airflow_service("dag-processor", ["dag-processor"], "dag_processor"),
     _airflow_service("triggerer", ["triggerer"], "triggerer"),
+    *(_airflow_worker(queue) for queue in WORKER_QUEUES),
 )
