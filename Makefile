@@ -20,7 +20,7 @@ $(STAMP): requirements.txt requirements-nodeps.txt constraints.txt pyproject.tom
 	@touch $(STAMP)
 
 demo: venv
-	$(BIN)/tide demo
+	$(BIN)/tide demo --keep-up
 
 test: venv
 	$(BIN)/python -m pytest

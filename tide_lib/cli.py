@@ -348,38 +348,36 @@ def _add_config_options(parser: argparse.ArgumentParser, model: type[StrictModel
 
 
 def _demo(args: argparse.Namespace, config: TideConfig) -> int:
-    from tide_lib.evaluation.plot import plot_acceptance  # noqa: PLC0415
-    from tide_lib.orchestration.bench import demo_workload, run_adaptation_bench  # noqa: PLC0415
+    from tide_lib.orchestration.demo import DemoSettings, run_demo  # noqa: PLC0415
     from tide_lib.stack import StackManager  # noqa: PLC0415
 
+    settings = _config_from_args(args, DemoSettings())
     manager = StackManager(config)
-    _print_status(manager.up())
     try:
-        workload = demo_workload(Path("bench/demo-workload.jsonl"))
-        _out("\nrunning the adaptation loop on English, then Korean traffic (minutes) ...")
-        # Demo-sized training per cycle: minutes on 2 cores, not hours.
-        train = config.training.model_copy(
-            update={"steps": 120, "ttt_length": 4, "learning_rate": 2e-3}
-        )
-        result = run_adaptation_bench(
+        summary = run_demo(
             config,
-            workload,
-            Path("bench/demo-adaptation.json"),
-            target_dir=DEFAULT_TARGETS / "demo",
-            train=train,
+            settings,
+            target_dir=DEFAULT_TARGETS / settings.preset,
+            work_dir=Path(".tide/demo"),
+            out_json=args.json,
+            out_png=args.plot,
+            say=_out,
         )
-        k = "k3"
-        history = {
-            name: {segment: figures[k] for segment, figures in by_segment.items()}
-            for name, by_segment in result["accept_length"].items()
-        }
-        plot = plot_acceptance(history, Path("bench/demo-adaptation.png"), k=3, title="TIDE demo")
-        _out(f"\n{'draft':<20}" + "".join(f"{segment:>12}" for segment in result["segments"]))
-        for name, figures in history.items():
-            _out(f"{name:<20}" + "".join(f"{figures[s]:>12.2f}" for s in result["segments"]))
-        _out(f"\nwrote bench/demo-adaptation.json and {plot}")
-        _out(f"Airflow: http://{config.stack.host}:{config.stack.airflow_port}")
-        _out(f"MLflow:  http://{config.stack.host}:{config.stack.mlflow_port}")
+        final = summary["final"]
+        _out(
+            f"\n{len(summary['cycles'])} cycles in {summary['minutes_total']:.1f} min; promotions:"
+        )
+        for promotion in summary["promotions"]:
+            _out(f"  {promotion['minutes']:5.1f} min  {promotion['version']}")
+        if final.get("ratio_serving_static"):
+            _out(
+                f"acceptance length on Korean traffic (k={summary['k']}): serving "
+                f"{final['accept_length_serving']:.2f}, static "
+                f"{final['accept_length_static']:.2f} ({final['ratio_serving_static']:.2f}x)"
+            )
+        _out(f"wrote {args.json} and {args.plot}")
+        _out(f"Airflow: {summary['urls']['airflow']}  (DAG tide_adaptation)")
+        _out(f"MLflow:  {summary['urls']['mlflow']}  (model tide-draft-{summary['target_id']})")
         if args.keep_up:
             _out("the UIs stay up until Ctrl-C")
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -611,7 +609,22 @@ def build_parser() -> argparse.ArgumentParser:
     workload_demo.add_argument("--korean", type=int, default=120)
     workload_demo.set_defaults(handler=_workload_demo)
 
-    demo = commands.add_parser("demo", help="run what exists of the TIDE loop on this machine")
+    demo = commands.add_parser(
+        "demo",
+        help="the TIDE loop on this machine, driven by the Airflow scheduler",
+        description=(
+            "Starts the stack and a fleet of reference engines serving a static English "
+            "draft with capture on, replays Korean conversations against it, and lets "
+            "the Airflow scheduler run tide_adaptation cycle after cycle while a live "
+            "table shows the acceptance length of the serving draft and of the static "
+            "draft on the same traffic. Writes a JSON summary and a PNG at the end."
+        ),
+    )
+    from tide_lib.orchestration.demo import DemoSettings  # noqa: PLC0415
+
+    _add_config_options(demo, DemoSettings)
+    demo.add_argument("--json", type=Path, default=Path("bench/demo.json"), help="summary")
+    demo.add_argument("--plot", type=Path, default=Path("bench/demo.png"), help="PNG plot")
     demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")
     demo.add_argument("--keep-running", action="store_true", help="leave the stack running on exit")
     demo.set_defaults(handler=_demo)

@@ -16,10 +16,11 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import dag_test
-from tests.serving.conftest import EngineProcess, start_engine
+from tests.serving.conftest import start_engine
 from tide_lib.config import TideConfig, load_config
 from tide_lib.orchestration import cycle
 from tide_lib.registry import CHAMPION, DraftRegistry
+from tide_lib.serving.process import EngineProcess
 from tide_lib.target import load_corpus, render_prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

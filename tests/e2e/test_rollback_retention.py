@@ -13,11 +13,12 @@ import pytest
 
 from tests.conftest import make_record
 from tests.e2e.conftest import dag_test
-from tests.serving.conftest import EngineProcess, start_engine
+from tests.serving.conftest import start_engine
 from tide_lib.config import LakeConfig, TideConfig, load_config
 from tide_lib.lake import LakeReader, LakeWriter, ObjectStore, target_slug
 from tide_lib.orchestration import cycle
 from tide_lib.registry import CHAMPION, PREVIOUS_CHAMPION, DraftRegistry
+from tide_lib.serving.process import EngineProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 

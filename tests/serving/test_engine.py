@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from tests.serving.conftest import EngineProcess
 from tide_lib.config import TideConfig
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.serving.fleet import FleetError, FleetManager, sglang_launch_args
+from tide_lib.serving.process import EngineProcess
 from tide_lib.target import HiddenStateCapture, load_corpus, render_prompt
 
 pytestmark = pytest.mark.slow

@@ -183,11 +183,7 @@ def run_adaptation_bench(
             target_dir, older_prompts, work / "static", max_new_tokens=max_new_tokens, train=train
         )
         registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
-        import mlflow  # noqa: PLC0415
-
-        client = mlflow.MlflowClient(config.mlflow.tracking_uri)
-        run_id = client.create_run(client.create_experiment(registry.name)).info.run_id
-        registry.promote(registry.register(static_dir, run_id, cycle_id="static").version)
+        registry.seed_champion(static_dir)
 
         engine = _engine(
             run_config, target_dir, static_dir, capture=True, served_model_name=target_id

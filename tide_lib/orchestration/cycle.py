@@ -191,12 +191,8 @@ def train(config: TideConfig, snapshot: dict[str, Any], work_dir: Path) -> dict[
     champion = registry.alias(CHAMPION)
     parent = registry.download(champion.version, work / "parent") if champion else None
     client = mlflow.MlflowClient(config.mlflow.tracking_uri)
-    experiment = client.get_experiment_by_name(registry.name)
-    experiment_id = (
-        experiment.experiment_id if experiment else client.create_experiment(registry.name)
-    )
     run = client.create_run(
-        experiment_id,
+        registry.experiment_id(),
         run_name=f"cycle-{snapshot['cycle_id']}",
         tags={
             "tide.cycle_id": snapshot["cycle_id"],

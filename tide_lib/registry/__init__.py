@@ -107,6 +107,20 @@ class DraftRegistry:
         logger.info("registered %s v%s (challenger) from run %s", self.name, raw.version, run_id)
         return self.get(raw.version)
 
+    def experiment_id(self) -> str:
+        """The MLflow experiment of this target's runs (named like the model), created once."""
+        experiment = self.client.get_experiment_by_name(self.name)
+        return str(
+            experiment.experiment_id if experiment else self.client.create_experiment(self.name)
+        )
+
+    def seed_champion(self, draft_dir: Path, cycle_id: str = "static") -> DraftVersion:
+        """Register a draft trained outside any cycle (a static draft) and make it champion."""
+        run_id = self.client.create_run(self.experiment_id(), run_name=cycle_id).info.run_id
+        version = self.register(draft_dir, run_id, cycle_id=cycle_id)
+        self.promote(version.version)
+        return version
+
     def get(self, version: str) -> DraftVersion:
         return self._version(self.client.get_model_version(self.name, version))
 

@@ -104,17 +104,26 @@ class StackManager:
         return statuses
 
     def up(self) -> list[ServiceStatus]:
+        """Start every service not yet running; if one fails, stop those this call started."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        for service in self.services:
-            self._start(service)
+        started: list[Service] = []
+        try:
+            for service in self.services:
+                if self._start(service):
+                    started.append(service)
+        except BaseException:
+            for service in reversed(started):
+                self._stop(service)
+            raise
         return self.status()
 
-    def _start(self, service: Service) -> None:
+    def _start(self, service: Service) -> bool:
+        """Start ``service`` unless it is already running and healthy; True when started."""
         pid = self._pid(service)
         if pid is not None:
             if service.healthy(self.config):
                 logger.info("%s already running (pid %d)", service.name, pid)
-                return
+                return False
             self._stop(service)
         busy = [
             port
@@ -158,6 +167,7 @@ class StackManager:
             time.sleep(0.25)
         service.after_start(self.config)
         logger.info("%s is up at %s (pid %d)", service.name, service.url(self.config), process.pid)
+        return True
 
     def down(self) -> None:
         for service in reversed(self.services):

@@ -1,0 +1,498 @@
+"""``tide demo``: TIDE's loop on one machine, run by the real Airflow scheduler.
+
+1. Build (or reuse) the demo target and a static draft trained on the target's
+   own answers to English prompts; register the static draft as champion.
+2. Start the stack (S3, MLflow, Airflow) with this demo's cycle settings, and a
+   fleet of reference engines serving the static draft with capture on.
+3. Replay Korean conversation prompts against the fleet, round robin.
+4. Trigger ``tide_adaptation`` runs; the scheduler runs them: the deferrable
+   sensor waits until enough new tokens are captured, then snapshot, train on
+   the ``mi250`` pool, register, gate and promote to every engine.
+5. Every few seconds print a row: cycle, tokens captured, the acceptance length
+   of the serving draft on live traffic, and that of the static draft on the
+   same requests (replayed offline from the captured states: exact for greedy).
+6. At the end write a JSON summary and a PNG of acceptance length over time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import Field
+
+from tide_lib.config import StrictModel, TideConfig, TrainConfig
+
+__all__ = ["DemoSettings", "run_demo"]
+
+logger = logging.getLogger(__name__)
+DAG_ID = "tide_adaptation"
+_AIRFLOW_SERVICES = ("airflow-scheduler", "airflow-dag-processor", "airflow-triggerer")
+
+
+class DemoSettings(StrictModel):
+    """What one demo run does; ``tide demo --help`` lists them as flags."""
+
+    preset: Literal["demo", "tiny"] = Field("demo", description="target size (tiny: a test run)")
+    cycles: int = Field(3, ge=1, description="adaptation cycles to run")
+    engines: int = Field(2, ge=1, le=4, description="reference engines in the fleet")
+    num_steps: int = Field(3, ge=1, le=8, description="draft tokens per verify (k)")
+    max_new_tokens: int = Field(32, gt=0, description="tokens generated per request")
+    tokens_per_cycle: int = Field(4000, gt=0, description="new captured tokens a cycle waits for")
+    static_prompts: int = Field(120, gt=0, description="English prompts the static draft learns")
+    train_steps: int = Field(120, gt=0, description="training steps per cycle")
+    ttt_length: int = Field(4, ge=1, description="test-time-training unroll length")
+    learning_rate: float = Field(2e-3, gt=0)
+    draft_vocab_size: int = Field(2048, gt=0, description="draft vocabulary (<= the target's)")
+    refresh_s: float = Field(15.0, gt=0, description="seconds between table rows")
+    request_pause_s: float = Field(0.2, ge=0, description="pause between replayed requests")
+    force_promote: bool = Field(False, description="promote even when the gate rejects")
+    engine_port: int = Field(30100, ge=1, le=65000, description="first engine port")
+    timeout_s: float = Field(3600.0, gt=0, description="give up after this long")
+
+    def training(self, base: TrainConfig) -> TrainConfig:
+        return base.model_copy(
+            update={
+                "steps": self.train_steps,
+                "ttt_length": self.ttt_length,
+                "learning_rate": self.learning_rate,
+                "draft_vocab_size": self.draft_vocab_size,
+            }
+        )
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for what this process starts; restore them afterwards."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _free_ports(count: int, start: int) -> list[int]:
+    ports: list[int] = []
+    port = start
+    while len(ports) < count:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) != 0:
+                ports.append(port)
+        port += 1
+    return ports
+
+
+def _static_draft(
+    target_dir: Path, work_dir: Path, settings: DemoSettings, train: TrainConfig
+) -> Path:
+    """The draft trained on English only, cached: TIDE starts from it."""
+    from tide_lib.serving.bench import bootstrap_draft  # noqa: PLC0415
+    from tide_lib.target import load_corpus, render_prompt  # noqa: PLC0415
+    from tide_lib.training.draft import InvalidCheckpointError, validate_draft_dir  # noqa: PLC0415
+
+    cached = work_dir / f"static-{settings.preset}" / "bootstrap-run" / "draft"
+    with contextlib.suppress(InvalidCheckpointError, FileNotFoundError):
+        validate_draft_dir(cached)
+        logger.info("reusing the static English draft in %s", cached)
+        return cached
+    documents = load_corpus().domain("en_chat", held_out=False)[: settings.static_prompts]
+    prompts = [render_prompt(document.turns[0]) for document in documents]
+    return bootstrap_draft(
+        target_dir,
+        prompts,
+        work_dir / f"static-{settings.preset}",
+        max_new_tokens=settings.max_new_tokens,
+        train=train,
+    )
+
+
+class _Traffic(threading.Thread):
+    """Korean conversation prompts, one request at a time, round robin over the fleet."""
+
+    def __init__(self, servers: list[str], prompts: list[str], settings: DemoSettings) -> None:
+        super().__init__(name="tide-demo-traffic", daemon=True)
+        self.servers = servers
+        self.prompts = prompts
+        self.settings = settings
+        self.stop = threading.Event()
+        self.served = 0
+        self.failed = 0
+
+    def run(self) -> None:
+        order = list(range(len(self.prompts)))
+        random.Random(0).shuffle(order)
+        with httpx.Client(timeout=300) as client:
+            while not self.stop.is_set():
+                prompt = self.prompts[order[self.served % len(order)]]
+                server = self.servers[self.served % len(self.servers)]
+                body = {
+                    "text": prompt,
+                    "sampling_params": {"max_new_tokens": self.settings.max_new_tokens},
+                }
+                try:
+                    client.post(f"{server}/generate", json=body).raise_for_status()
+                    self.served += 1
+                except httpx.HTTPError as error:
+                    self.failed += 1
+                    logger.warning("request to %s failed: %s", server, error)
+                    self.served += 1
+                self.stop.wait(self.settings.request_pause_s)
+
+
+class _Airflow:
+    """The few REST calls the demo makes (no login: the local stack runs all-admins)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base = f"{base_url}/api/v2/dags/{DAG_ID}"
+        self.client = httpx.Client(timeout=30)
+
+    def wait_for_dag(self, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if self.client.get(self.base).status_code == 200:
+                    return
+            time.sleep(3)
+        raise TimeoutError(f"Airflow did not load {DAG_ID} in {timeout_s:.0f} s")
+
+    def runs(self) -> list[dict[str, Any]]:
+        response = self.client.get(f"{self.base}/dagRuns", params={"limit": 50, "order_by": "-id"})
+        response.raise_for_status()
+        runs: list[dict[str, Any]] = response.json()["dag_runs"]
+        return runs
+
+    def trigger(self, conf: dict[str, Any]) -> str:
+        response = self.client.post(
+            f"{self.base}/dagRuns", json={"logical_date": None, "conf": conf}
+        )
+        response.raise_for_status()
+        run_id: str = response.json()["dag_run_id"]
+        return run_id
+
+    def fail(self, run_id: str) -> None:
+        self.client.patch(f"{self.base}/dagRuns/{run_id}", json={"state": "failed"})
+
+    def current_task(self, run_id: str) -> str:
+        response = self.client.get(f"{self.base}/dagRuns/{run_id}/taskInstances")
+        if response.status_code != 200:
+            return "?"
+        active = [
+            f"{ti['task_id']} ({ti['state']})"
+            for ti in response.json()["task_instances"]
+            if ti["state"] in ("running", "deferred", "queued", "scheduled", "up_for_retry")
+        ]
+        return ", ".join(active) or "starting"
+
+
+class _Meter:
+    """Acceptance lengths of newly captured requests: live (serving) and offline (static)."""
+
+    def __init__(
+        self, config: TideConfig, target_id: str, target_dir: Path, static_dir: Path, k: int
+    ) -> None:
+        from tide_lib.lake import LakeReader, ObjectStore, target_slug  # noqa: PLC0415
+        from tide_lib.training.draft import load_draft  # noqa: PLC0415
+
+        self.reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), config.lake)
+        self.slug = target_slug(target_id)
+        self.target_dir = target_dir
+        self.static = load_draft(static_dir, target_dir)
+        self.k = k
+        self.after: str | None = None
+
+    def tokens(self) -> int:
+        return self.reader.count_tokens(self.slug)
+
+    def measure(self) -> dict[str, Any] | None:
+        """Figures of the requests captured since the last call (None when there are none)."""
+        from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
+
+        shards = self.reader.list_shards(self.slug, after=self.after)
+        if not shards:
+            return None
+        self.after = shards[-1].key
+        samples = list(self.reader.iter_samples(shards))
+        verify = sum(sample.spec_verify_ct for sample in samples)
+        if not verify:
+            return None
+        accepted = sum(sample.spec_accept_tokens for sample in samples)
+        static = offline_acceptance(self.static, self.target_dir, {"new": samples}, [self.k])
+        return {
+            "requests": len(samples),
+            "serving": (accepted + verify) / verify,
+            "static": static["new"][self.k].accept_length,
+            "versions": sorted({sample.draft_version for sample in samples}),
+        }
+
+
+def _restart_airflow(manager: Any) -> None:
+    """Airflow processes already running read other settings: restart them with the demo's."""
+    running = {status.name for status in manager.status() if status.running}
+    for name in _AIRFLOW_SERVICES:
+        if name in running:
+            logger.info("restarting %s with the demo's settings", name)
+            manager.stop_service(name)
+
+
+def run_demo(
+    config: TideConfig,
+    settings: DemoSettings,
+    *,
+    target_dir: Path,
+    work_dir: Path,
+    out_json: Path,
+    out_png: Path,
+    say: Any = print,
+) -> dict[str, Any]:
+    """Run the demo to the end (``settings.cycles`` cycles); returns the JSON summary.
+
+    The stack is left running (the caller stops it); the engines are stopped.
+    """
+    from tide_lib.evaluation.plot import plot_timeline  # noqa: PLC0415
+    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
+    from tide_lib.serving.process import EngineProcess  # noqa: PLC0415
+    from tide_lib.stack import StackManager  # noqa: PLC0415
+    from tide_lib.target import build_target, load_corpus, render_prompt  # noqa: PLC0415
+
+    started = time.monotonic()
+    build_target(target_dir, preset_name=settings.preset)
+    train = settings.training(config.training)
+    say("static draft: trained on the target's answers to English prompts (cached) ...")
+    static_dir = _static_draft(target_dir, work_dir, settings, train)
+
+    target_id = f"demo-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    ports = _free_ports(settings.engines, settings.engine_port)
+    servers = [f"http://127.0.0.1:{port}" for port in ports]
+    cycle_conf: dict[str, Any] = {
+        "target_id": target_id,
+        "target_path": str(target_dir.resolve()),
+        "servers": servers,
+        "min_new_tokens": settings.tokens_per_cycle,
+        "force_promote": settings.force_promote,
+    }
+    environment = {
+        "TIDE_CYCLE__TARGET_ID": target_id,
+        "TIDE_CYCLE__TARGET_PATH": str(target_dir.resolve()),
+        "TIDE_CYCLE__SERVERS": json.dumps(servers),
+        "TIDE_CYCLE__MIN_NEW_TOKENS": str(settings.tokens_per_cycle),
+        "TIDE_TRAINING__STEPS": str(train.steps),
+        "TIDE_TRAINING__TTT_LENGTH": str(train.ttt_length),
+        "TIDE_TRAINING__LEARNING_RATE": str(train.learning_rate),
+        "TIDE_TRAINING__DRAFT_VOCAB_SIZE": str(train.draft_vocab_size),
+        "TIDE_GATE__K": str(settings.num_steps),
+        "TIDE_LAKE__SHARD_MAX_AGE_S": "2",
+    }
+    engines: list[EngineProcess] = []
+    traffic: _Traffic | None = None
+    with _environment(environment):
+        manager = StackManager(config)
+        _restart_airflow(manager)
+        manager.up()
+        airflow_url = f"http://{config.stack.host}:{config.stack.airflow_port}"
+        mlflow_url = config.mlflow.tracking_uri
+        registry = DraftRegistry(mlflow_url, target_id)
+        static = registry.seed_champion(static_dir)
+        static_version = f"{registry.name}-v{static.version}"
+        try:
+            say(f"starting {settings.engines} engines serving {static_version} with capture ...")
+            for port in ports:
+                engines.append(
+                    EngineProcess.start(
+                        target_dir,
+                        port,
+                        [
+                            "--speculative-draft-model-path",
+                            str(static_dir),
+                            "--speculative-num-steps",
+                            str(settings.num_steps),
+                            "--served-model-name",
+                            target_id,
+                            "--weight-version",
+                            static_version,
+                        ],
+                        work_dir / "logs" / f"engine-{port}.log",
+                        {
+                            "TIDE_STORE__ENDPOINT": config.store.endpoint,
+                            "TIDE_LAKE__SPOOL_DIR": str(work_dir / "spool" / str(port)),
+                        },
+                    )
+                )
+            airflow = _Airflow(airflow_url)
+            airflow.wait_for_dag()
+            for run in airflow.runs():
+                if run["state"] in ("queued", "running"):
+                    say(f"failing leftover run {run['dag_run_id']} (another demo's)")
+                    airflow.fail(run["dag_run_id"])
+            korean = load_corpus().domain("ko_chat", held_out=False)
+            traffic = _Traffic(servers, [render_prompt(d.turns[0]) for d in korean], settings)
+            traffic.start()
+            traffic_started = time.monotonic()
+            meter = _Meter(config, target_id, target_dir, static_dir, settings.num_steps)
+            driver = _Driver(settings, airflow, meter, registry)
+            summary = driver.run(servers, cycle_conf, traffic_started, say)
+        finally:
+            if traffic is not None:
+                traffic.stop.set()
+                traffic.join(timeout=300)
+            for engine in engines:
+                engine.stop()
+    summary.update(
+        {
+            "target_id": target_id,
+            "preset": settings.preset,
+            "k": settings.num_steps,
+            "static_version": static_version,
+            "requests_served": traffic.served if traffic else 0,
+            "requests_failed": traffic.failed if traffic else 0,
+            "minutes_total": (time.monotonic() - started) / 60,
+            "settings": settings.model_dump(),
+            "urls": {"airflow": airflow_url, "mlflow": mlflow_url},
+        }
+    )
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(summary, indent=2) + "\n")
+    promotions = [(p["minutes"], p["version"].rsplit("-", 1)[-1]) for p in summary["promotions"]]
+    plot_timeline(
+        summary["rows"],
+        promotions,
+        out_png,
+        k=settings.num_steps,
+        title=f"TIDE demo: Korean traffic on an English draft ({settings.preset} target)",
+    )
+    return summary
+
+
+_COLUMNS = (("min", 5), ("cycle", 5), ("airflow", 34), ("tokens", 7), ("serving draft", 28))
+_HEADER = " ".join(f"{name:>{width}}" for name, width in _COLUMNS) + "  AL serving  AL static"
+
+
+class _Driver:
+    """Triggers cycles until ``settings.cycles`` have finished and prints the live table."""
+
+    def __init__(
+        self, settings: DemoSettings, airflow: _Airflow, meter: _Meter, registry: Any
+    ) -> None:
+        self.settings = settings
+        self.airflow = airflow
+        self.meter = meter
+        self.registry = registry
+        self.rows: list[dict[str, Any]] = []
+        self.promotions: list[dict[str, Any]] = []
+        self.cycles: list[dict[str, Any]] = []
+        self.mine: set[str] = set()
+
+    def _finished_cycles(self, runs: dict[str, dict[str, Any]]) -> None:
+        recorded = {cycle["run_id"] for cycle in self.cycles}
+        for run_id in sorted(self.mine - recorded):
+            run = runs.get(run_id)
+            if run and run["state"] in ("success", "failed"):
+                self.cycles.append(_cycle_record(self.registry, run))
+
+    def _airflow_step(self, conf: dict[str, Any]) -> tuple[str, bool]:
+        """Trigger the next cycle when none is active; ``(what Airflow is doing, active)``."""
+        runs = {run["dag_run_id"]: run for run in self.airflow.runs()}
+        self._finished_cycles(runs)
+        active = [run for run in runs.values() if run["state"] in ("queued", "running")]
+        if active:
+            self.mine.add(active[0]["dag_run_id"])
+            return self.airflow.current_task(active[0]["dag_run_id"]), True
+        if len(self.cycles) < self.settings.cycles:
+            self.mine.add(self.airflow.trigger(conf))
+            return "triggered a cycle", True
+        return "done", False
+
+    def run(
+        self, servers: list[str], conf: dict[str, Any], traffic_started: float, say: Any
+    ) -> dict[str, Any]:
+        say(_HEADER)
+        say("-" * len(_HEADER))
+        serving = _weight_version(servers[0])
+        rows_after_last_cycle = 2  # measure the last draft before stopping
+        deadline = time.monotonic() + self.settings.timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(self.settings.refresh_s)
+            minutes = (time.monotonic() - traffic_started) / 60
+            state, active = self._airflow_step(conf)
+            now_serving = _weight_version(servers[0])
+            if now_serving != serving:
+                self.promotions.append({"minutes": round(minutes, 2), "version": now_serving})
+                serving = now_serving
+            figures = self.meter.measure()
+            row: dict[str, Any] = {
+                "minutes": round(minutes, 2),
+                "cycle": len(self.cycles),
+                "tokens": self.meter.tokens(),
+                "serving_version": serving,
+            }
+            al = f"{'-':>10} {'-':>10}"
+            if figures is not None:
+                row |= figures
+                self.rows.append(row)
+                al = f"{figures['serving']:>10.2f} {figures['static']:>10.2f}"
+            cells = (f"{minutes:.1f}", len(self.cycles), state[:34], row["tokens"], serving[-28:])
+            line = " ".join(
+                f"{cell:>{width}}" for cell, (_, width) in zip(cells, _COLUMNS, strict=True)
+            )
+            say(f"{line}  {al}")
+            if len(self.cycles) >= self.settings.cycles and not active:
+                rows_after_last_cycle -= 1
+                if rows_after_last_cycle <= 0:
+                    break
+        else:
+            say(f"stopped after {self.settings.timeout_s:.0f} s, {len(self.cycles)} cycles done")
+        return {
+            "rows": self.rows,
+            "promotions": self.promotions,
+            "cycles": self.cycles,
+            "final": _final(self.rows, serving),
+        }
+
+
+def _weight_version(server: str) -> str:
+    version: str = httpx.get(f"{server}/get_weight_version", timeout=10).json()["weight_version"]
+    return version
+
+
+def _final(rows: list[dict[str, Any]], serving: str) -> dict[str, Any]:
+    """Acceptance length of the last draft on the requests it alone served, and of static."""
+    last = [row for row in rows if row["versions"] == [serving]]
+    requests = sum(row["requests"] for row in last)
+    final: dict[str, Any] = {"serving_version": serving, "requests": requests}
+    if requests:
+        serving_al = sum(row["serving"] * row["requests"] for row in last) / requests
+        static_al = sum(row["static"] * row["requests"] for row in last) / requests
+        final |= {
+            "accept_length_serving": serving_al,
+            "accept_length_static": static_al,
+            "ratio_serving_static": serving_al / static_al,
+        }
+    return final
+
+
+def _cycle_record(registry: Any, run: dict[str, Any]) -> dict[str, Any]:
+    record: dict[str, Any] = {"run_id": run["dag_run_id"], "state": run["state"]}
+    version = registry.find_by_tag("tide.cycle_id", run["dag_run_id"])
+    if version is not None:
+        record |= {
+            "version": version.version,
+            "decision": version.tags.get("tide.gate.decision"),
+            "reason": version.tags.get("tide.gate.reason"),
+            "promoted": version.tags.get("tide.promoted") == "true",
+        }
+    return record
