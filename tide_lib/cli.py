@@ -640,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request otherwise
     handler: Handler = args.handler
     try:
         config = load_config()

@@ -276,7 +276,8 @@ def run_demo(
     say("static draft: trained on the target's answers to English prompts (cached) ...")
     static_dir = _static_draft(target_dir, work_dir, settings, train)
 
-    target_id = f"demo-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    demo_started = datetime.now(UTC)
+    target_id = f"demo-{demo_started:%Y%m%d-%H%M%S}"
     ports = _free_ports(settings.engines, settings.engine_port)
     servers = [f"http://127.0.0.1:{port}" for port in ports]
     cycle_conf: dict[str, Any] = {
@@ -336,8 +337,9 @@ def run_demo(
             airflow = _Airflow(airflow_url)
             airflow.wait_for_dag()
             for run in airflow.runs():
-                if run["state"] in ("queued", "running"):
-                    say(f"failing leftover run {run['dag_run_id']} (another demo's)")
+                leftover = datetime.fromisoformat(run["run_after"]) < demo_started
+                if run["state"] in ("queued", "running") and leftover:
+                    say(f"failing {run['dag_run_id']}, left running by an earlier demo")
                     airflow.fail(run["dag_run_id"])
             korean = load_corpus().domain("ko_chat", held_out=False)
             traffic = _Traffic(servers, [render_prompt(d.turns[0]) for d in korean], settings)
@@ -378,7 +380,7 @@ def run_demo(
     return summary
 
 
-_COLUMNS = (("min", 5), ("cycle", 5), ("airflow", 34), ("tokens", 7), ("serving draft", 28))
+_COLUMNS = (("min", 5), ("cycle", 5), ("airflow", 34), ("tokens", 7), ("serving", 8))
 _HEADER = " ".join(f"{name:>{width}}" for name, width in _COLUMNS) + "  AL serving  AL static"
 
 
@@ -445,7 +447,8 @@ class _Driver:
                 row |= figures
                 self.rows.append(row)
                 al = f"{figures['serving']:>10.2f} {figures['static']:>10.2f}"
-            cells = (f"{minutes:.1f}", len(self.cycles), state[:34], row["tokens"], serving[-28:])
+            short = "v" + serving.rsplit("-v", 1)[-1]
+            cells = (f"{minutes:.1f}", len(self.cycles), state[:34], row["tokens"], short)
             line = " ".join(
                 f"{cell:>{width}}" for cell, (_, width) in zip(cells, _COLUMNS, strict=True)
             )
