@@ -287,11 +287,14 @@ def run_demo(
         "min_new_tokens": settings.tokens_per_cycle,
         "force_promote": settings.force_promote,
     }
+    # The same cycle settings as the environment of Airflow's processes: a run the
+    # schedule starts (from these defaults) and a triggered one (conf) do the same.
     environment = {
         "TIDE_CYCLE__TARGET_ID": target_id,
         "TIDE_CYCLE__TARGET_PATH": str(target_dir.resolve()),
         "TIDE_CYCLE__SERVERS": json.dumps(servers),
         "TIDE_CYCLE__MIN_NEW_TOKENS": str(settings.tokens_per_cycle),
+        "TIDE_CYCLE__FORCE_PROMOTE": str(settings.force_promote).lower(),
         "TIDE_TRAINING__STEPS": str(train.steps),
         "TIDE_TRAINING__TTT_LENGTH": str(train.ttt_length),
         "TIDE_TRAINING__LEARNING_RATE": str(train.learning_rate),
@@ -430,8 +433,16 @@ class _Driver:
         while time.monotonic() < deadline:
             time.sleep(self.settings.refresh_s)
             minutes = (time.monotonic() - traffic_started) / 60
-            state, active = self._airflow_step(conf)
-            now_serving = _weight_version(servers[0])
+            try:
+                state, active = self._airflow_step(conf)
+            except httpx.HTTPError as error:  # e.g. SQLite busy: try again next row
+                logger.warning("Airflow API call failed: %s", error)
+                state, active = f"Airflow API: {type(error).__name__}", True
+            try:
+                now_serving = _weight_version(servers[0])
+            except httpx.HTTPError as error:
+                logger.warning("engine %s did not answer: %s", servers[0], error)
+                now_serving = serving
             if now_serving != serving:
                 self.promotions.append({"minutes": round(minutes, 2), "version": now_serving})
                 serving = now_serving
