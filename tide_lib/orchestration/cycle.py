@@ -77,19 +77,25 @@ def cycle_tokens(config: TideConfig, cycle_id: str) -> int:
     A cycle that already froze its window (a rerun) has its window's tokens: the
     data it consumes no longer counts as new once the watermark moved past it.
     """
+    saved = _saved_snapshot(config, cycle_id)
+    return int(saved["window_tokens"]) if saved is not None else new_tokens(config)
+
+
+def _saved_snapshot(config: TideConfig, cycle_id: str) -> dict[str, Any] | None:
     store, key = _store(config), _state_key(config, f"cycles/{cycle_id}.json")
-    if store.exists(key):
-        return int(json.loads(store.get_bytes(key))["window_tokens"])
-    return new_tokens(config)
+    if not store.exists(key):
+        return None
+    snapshot: dict[str, Any] = json.loads(store.get_bytes(key))
+    return snapshot
 
 
 def snapshot_window(config: TideConfig, cycle_id: str) -> dict[str, Any]:
     """Freeze the shards of this cycle: the new window, and older shards for replay."""
+    saved = _saved_snapshot(config, cycle_id)
+    if saved is not None:
+        logger.info("cycle %s: reusing its snapshot (%d shards)", cycle_id, len(saved["window"]))
+        return saved
     store, key = _store(config), _state_key(config, f"cycles/{cycle_id}.json")
-    if store.exists(key):
-        snapshot: dict[str, Any] = json.loads(store.get_bytes(key))
-        logger.info("cycle %s: reusing its snapshot (%d shards)", cycle_id, len(snapshot["window"]))
-        return snapshot
     slug = target_slug(config.cycle.target_id)
     reader = _reader(config)
     before = read_watermark(config)
