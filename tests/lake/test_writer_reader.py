@@ -251,6 +251,35 @@ def test_memory_bound_drops_oversized_backlog(
     assert stats.records_uploaded == results.count(True)
 
 
+class _SpoolListedBeforeLastShard(type(Path())):  # type: ignore[misc]
+    """A spool dir whose uploader-side listing comes back only after the batcher has finished.
+
+    It forces the interleaving that lost a shard: the uploader lists an empty spool, the
+    batcher writes its last shard and says it is done, then the uploader looks at that flag.
+    """
+
+    writer: LakeWriter
+
+    def glob(self, pattern: str):  # type: ignore[no-untyped-def, override]
+        listed = list(super().glob(pattern))
+        if threading.current_thread().name == "tide-lake-uploader" and not listed:
+            self.writer._batcher_done.wait(timeout=10)
+        return iter(listed)
+
+
+def test_close_uploads_the_shard_written_while_the_uploader_was_listing(
+    lake_store: ObjectStore, lake_config: LakeConfig
+) -> None:
+    writer = LakeWriter(lake_store, lake_config)
+    spool = _SpoolListedBeforeLastShard(writer._spool)
+    spool.writer = writer
+    writer._spool = spool
+    assert writer.submit(make_record(0))
+    stats = writer.close(timeout=30)
+    assert (stats.records_uploaded, stats.spooled_shards) == (1, 0)
+    assert sum(m.num_records for m in LakeReader(lake_store, lake_config).list_shards(SLUG)) == 1
+
+
 def test_time_window_filters_records_not_only_shards(
     lake_store: ObjectStore, lake_config: LakeConfig
 ) -> None:

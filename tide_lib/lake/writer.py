@@ -189,10 +189,12 @@ class LakeWriter:
         if not uploaded:
             logger.warning(
                 "lake writer closed with %d shard(s) (%d bytes) still spooled in %s: the store "
-                "was unreachable; a writer started with the same spool_dir uploads them",
+                "could not take them within %.0f s; a writer started with the same spool_dir "
+                "uploads them",
                 stats.spooled_shards,
                 stats.spooled_bytes,
                 self._spool,
+                timeout,
             )
         self._spool_lock.close()
         return stats
@@ -333,9 +335,11 @@ class LakeWriter:
 
     def _upload_loop(self) -> None:
         while not self._abandon_uploads.is_set():
+            # Read before listing: the batcher's last shard is on disk once it says it is done.
+            batcher_done = self._batcher_done.is_set()
             pending = sorted(self._spool.glob("*.parquet"))
             if not pending:
-                if self._batcher_done.is_set():
+                if batcher_done:
                     return
                 self._spool_changed.wait(timeout=_POLL_S)
                 self._spool_changed.clear()
