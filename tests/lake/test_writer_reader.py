@@ -6,6 +6,7 @@ import dataclasses
 import io
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from tide_lib.lake import (
     target_slug,
     watermark,
 )
-from tide_lib.lake.layout import shard_key
+from tide_lib.lake.layout import CommitMarker, commit_key, shard_key
 from tide_lib.lake.schema import RECORD_SCHEMA
 
 pytestmark = pytest.mark.slow
@@ -185,7 +186,8 @@ def test_age_flush_commits_without_close(lake_store: ObjectStore, lake_config: L
 
 def test_size_flush_splits_shards(lake_store: ObjectStore, lake_config: LakeConfig) -> None:
     config = lake_config.model_copy(update={"shard_max_bytes": 3000, "shard_max_age_s": 60})
-    _write(lake_store, config, [make_record(i, tokens=8) for i in range(6)])  # ~1.1 kB raw each
+    hour = datetime(2026, 11, 1, 12, 30, tzinfo=UTC)  # one partition, whenever this runs
+    _write(lake_store, config, [make_record(i, tokens=8, finished_at=hour) for i in range(6)])
     shards = LakeReader(lake_store, config).list_shards(SLUG)
     assert len(shards) == 2
     assert [m.num_records for m in shards] == [3, 3]
@@ -196,7 +198,7 @@ def test_unreachable_store_spools_then_a_new_writer_uploads(
 ) -> None:
     dead = stack.store.model_copy(update={"endpoint": "http://127.0.0.1:9", "timeout_s": 0.5})
     dead_store = ObjectStore(dead, stack.store.lake_bucket)
-    writer = LakeWriter(dead_store, lake_config)
+    writer = LakeWriter(dead_store, lake_config.model_copy(update={"shard_max_age_s": 60}))
     for index in range(4):
         assert writer.submit(make_record(index))
     stats = writer.close(timeout=3)
@@ -251,33 +253,87 @@ def test_memory_bound_drops_oversized_backlog(
     assert stats.records_uploaded == results.count(True)
 
 
-class _SpoolListedBeforeLastShard(type(Path())):  # type: ignore[misc]
-    """A spool dir whose uploader-side listing comes back only after the batcher has finished.
+class _HookedSpool(type(Path())):  # type: ignore[misc]
+    """A spool dir whose listings pass through ``on_glob``: forces thread interleavings."""
 
-    It forces the interleaving that lost a shard: the uploader lists an empty spool, the
-    batcher writes its last shard and says it is done, then the uploader looks at that flag.
-    """
-
-    writer: LakeWriter
+    on_glob: Callable[[list[Path]], list[Path]]
 
     def glob(self, pattern: str):  # type: ignore[no-untyped-def, override]
-        listed = list(super().glob(pattern))
-        if threading.current_thread().name == "tide-lake-uploader" and not listed:
-            self.writer._batcher_done.wait(timeout=10)
-        return iter(listed)
+        return iter(self.on_glob(list(super().glob(pattern))))
+
+
+def _hook_spool(writer: LakeWriter, on_glob: Callable[[list[Path]], list[Path]]) -> None:
+    spool = _HookedSpool(writer._spool)
+    spool.on_glob = on_glob
+    writer._spool = spool
 
 
 def test_close_uploads_the_shard_written_while_the_uploader_was_listing(
     lake_store: ObjectStore, lake_config: LakeConfig
 ) -> None:
     writer = LakeWriter(lake_store, lake_config)
-    spool = _SpoolListedBeforeLastShard(writer._spool)
-    spool.writer = writer
-    writer._spool = spool
+
+    def listed_before_the_last_shard(listed: list[Path]) -> list[Path]:
+        # the uploader lists an empty spool; the batcher writes its last shard and says done
+        if threading.current_thread().name == "tide-lake-uploader" and not listed:
+            writer._batcher_done.wait(timeout=10)
+        return listed
+
+    _hook_spool(writer, listed_before_the_last_shard)
     assert writer.submit(make_record(0))
     stats = writer.close(timeout=30)
     assert (stats.records_uploaded, stats.spooled_shards) == (1, 0)
     assert sum(m.num_records for m in LakeReader(lake_store, lake_config).list_shards(SLUG)) == 1
+
+
+def test_a_shard_uploaded_while_the_spool_is_sized_does_not_stop_capture(
+    lake_store: ObjectStore, lake_config: LakeConfig
+) -> None:
+    writer = LakeWriter(lake_store, lake_config)
+    ghost = writer._spool / "uploaded-meanwhile.parquet"
+    _hook_spool(  # the batcher sizes the spool and finds a shard gone by the time it looks
+        writer,
+        lambda listed: (
+            [*listed, ghost] if threading.current_thread().name == "tide-lake-batcher" else listed
+        ),
+    )
+    for i in range(3):
+        assert writer.submit(make_record(i))
+        assert writer.flush(timeout=30)
+    assert writer.stats().spooled_bytes == 0
+    stats = writer.close(timeout=30)
+    assert (stats.records_uploaded, stats.dropped_records) == (3, 0)
+
+
+def test_settled_readers_do_not_jump_over_a_marker_that_lands_late(
+    lake_store: ObjectStore, lake_config: LakeConfig
+) -> None:
+    """Writer A stamps its marker before writer B but B's PUT lands first."""
+    _write(lake_store, lake_config, [make_record(0)])
+    _write(lake_store, lake_config, [make_record(1)])
+    written = LakeReader(lake_store, lake_config).list_shards(SLUG)
+    for marker in written:
+        lake_store.remove(marker.key)
+    now = datetime.now(UTC)
+
+    def land(marker: CommitMarker, age_s: float) -> None:
+        stamped = now - timedelta(seconds=age_s)
+        shard_id = marker.shard_key.rsplit("part-", 1)[1].removesuffix(".parquet")
+        key = commit_key(lake_config.prefix, SLUG, stamped, shard_id)
+        lake_store.put_bytes(key, dataclasses.replace(marker, committed_at=stamped).to_json())
+
+    land(written[1], age_s=5)  # B: stamped later, landed first
+    eager = LakeReader(lake_store, lake_config.model_copy(update={"commit_settle_s": 0}))
+    settled = LakeReader(lake_store, lake_config.model_copy(update={"commit_settle_s": 10}))
+    eager_watermark = watermark(eager.list_shards(SLUG, settled=True))
+    assert settled.list_shards(SLUG, settled=True) == []  # B is too fresh to move a watermark
+    land(written[0], age_s=20)  # A lands now
+    assert eager.list_shards(SLUG, after=eager_watermark) == []  # the eager watermark skipped A
+    first = settled.list_shards(SLUG, settled=True)
+    assert [m.shard_key for m in first] == [written[0].shard_key]
+    assert settled.count_tokens(SLUG, settled=True) == first[0].num_tokens
+    later = eager.list_shards(SLUG, after=watermark(first), settled=True)  # once B settled
+    assert [m.shard_key for m in later] == [written[1].shard_key]
 
 
 def test_time_window_filters_records_not_only_shards(

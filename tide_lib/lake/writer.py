@@ -145,7 +145,7 @@ class LakeWriter:
         return True
 
     def stats(self) -> WriterStats:
-        spooled = list(self._spool.glob("*.parquet"))
+        spooled = self._spooled_sizes()
         with self._counter_lock:
             return WriterStats(
                 submitted_records=self._submitted,
@@ -155,7 +155,7 @@ class LakeWriter:
                 records_uploaded=self._records_uploaded,
                 tokens_uploaded=self._tokens_uploaded,
                 spooled_shards=len(spooled),
-                spooled_bytes=sum(path.stat().st_size for path in spooled if path.exists()),
+                spooled_bytes=sum(spooled),
                 upload_errors=self._upload_errors,
                 store_reachable=self._store_reachable,
             )
@@ -258,12 +258,15 @@ class LakeWriter:
         estimated = sum(record_nbytes(record) for record in records)
         try:
             self._spool_records(records, estimated)
+        except Exception:  # a bad shard costs its records, never the capture thread
+            logger.exception("could not spool %d captured records as a shard", len(records))
+            self._count_drops(len(records), "writing the shard to the spool failed")
         finally:
             with self._counter_lock:
                 self._held_bytes -= estimated
 
     def _spool_records(self, records: list[CapturedRecord], estimated: int) -> None:
-        spooled_bytes = sum(path.stat().st_size for path in self._spool.glob("*.parquet"))
+        spooled_bytes = sum(self._spooled_sizes())
         if spooled_bytes + estimated > self.config.spool_max_bytes:
             self._count_drops(
                 len(records),
@@ -271,12 +274,7 @@ class LakeWriter:
                 f"{self.config.spool_max_bytes}); the store has been unreachable too long",
             )
             return
-        try:
-            self._encode_to_spool(records)
-        except Exception:
-            logger.exception("could not encode %d captured records into a shard", len(records))
-            self._count_drops(len(records), "shard encoding failed")
-            return
+        self._encode_to_spool(records)
         with self._counter_lock:
             self._shards_written += 1
         self._spool_changed.set()
@@ -394,9 +392,7 @@ class LakeWriter:
                 writer_id=self.writer_id,
             )
             self.store.put_bytes(key, marker.to_json(), content_type="application/json")
-        path.unlink()
-        sidecar_path.unlink()
-        with self._counter_lock:
+        with self._counter_lock:  # counted before the spool empties: flush() then sees them
             if not self._store_reachable:
                 logger.info(
                     "S3 store %s is reachable again; uploading spool", self.store.config.endpoint
@@ -405,6 +401,8 @@ class LakeWriter:
             self._shards_uploaded += 1
             self._records_uploaded += sidecar["num_records"]
             self._tokens_uploaded += sidecar["num_tokens"]
+        path.unlink()
+        sidecar_path.unlink()
         logger.debug("committed shard %s (%d tokens)", sidecar["shard_key"], sidecar["num_tokens"])
 
     # -- spool housekeeping ----------------------------------------------------------
@@ -434,6 +432,16 @@ class LakeWriter:
             logger.info(
                 "found %d spooled shard(s) in %s; uploading them", len(recovered), self._spool
             )
+
+    def _spooled_sizes(self) -> list[int]:
+        """Sizes of the spooled shards; one the uploader removes meanwhile is skipped."""
+        sizes = []
+        for path in self._spool.glob("*.parquet"):
+            try:
+                sizes.append(path.stat().st_size)
+            except FileNotFoundError:
+                continue
+        return sizes
 
     def _wait_spool_empty(self, deadline: float) -> bool:
         while any(self._spool.glob("*.parquet")):
