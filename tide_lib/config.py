@@ -144,6 +144,15 @@ class LakeConfig(StrictModel):
     spool_dir: Path = DEFAULT_HOME / "spool"
     spool_max_bytes: int = Field(4 * 2**30, gt=0, description="local disk kept for outages")
     retry_interval_s: float = Field(1.0, gt=0, description="wait between upload retries")
+    commit_settle_s: float = Field(
+        10.0,
+        ge=0,
+        description=(
+            "a commit is taken past a watermark only once this old: with several writers a "
+            "marker stamped earlier can land later, and a watermark must not jump over it "
+            "(cover the slowest marker PUT plus clock skew between capture hosts)"
+        ),
+    )
     retention_days: float = Field(
         30.0, gt=0, description="shards older than this are deleted once consumed"
     )

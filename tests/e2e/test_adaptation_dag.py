@@ -9,6 +9,7 @@ nothing new.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import pytest
 
 from tests.e2e.conftest import dag_test
 from tests.serving.conftest import start_engine
-from tide_lib.config import TideConfig, load_config
+from tide_lib.config import LakeConfig, TideConfig, load_config
+from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.orchestration import cycle
 from tide_lib.registry import CHAMPION, DraftRegistry
 from tide_lib.serving.process import EngineProcess
@@ -26,6 +28,31 @@ from tide_lib.target import load_corpus, render_prompt
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
+def _metric(engine: EngineProcess, name: str) -> float:
+    for line in httpx.get(f"{engine.url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(f"{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{engine.url}/metrics has no {name}")
+
+
+def _wait_until_captures_are_committed(
+    engines: list[EngineProcess], stack: TideConfig, prefix: str, requests: int
+) -> None:
+    """Every request is captured or skipped, and every capture is committed to the lake."""
+    store = ObjectStore(stack.store, stack.store.lake_bucket)
+    reader = LakeReader(store, LakeConfig(prefix=prefix))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        captured = sum(_metric(e, "tide:capture_records_total") for e in engines)
+        skipped = sum(_metric(e, "tide:capture_skipped_total") for e in engines)
+        committed = sum(m.num_records for m in reader.list_shards(target_slug("tiny")))
+        if captured + skipped >= requests and committed >= captured:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"captures not committed: {captured=} {skipped=} {committed=}")
+
+
+@pytest.mark.timeout(1800)  # first user of the session's stack: its setup counts here too
 def test_adaptation_cycle_promotes_a_new_champion(
     stack: TideConfig,
     tiny_target: Path,
@@ -63,11 +90,13 @@ def test_adaptation_cycle_promotes_a_new_champion(
                 timeout=120,
             )
             assert response.status_code == 200
+        _wait_until_captures_are_committed(engines, stack, prefix, requests=len(prompts))
 
         env = {
             **airflow_env,
             "TIDE_LAKE__PREFIX": prefix,
             "TIDE_LAKE__SPOOL_DIR": str(tmp_path / "dag-spool"),
+            "TIDE_LAKE__COMMIT_SETTLE_S": "1",
             "TIDE_CYCLE__TARGET_ID": "tiny",
             "TIDE_CYCLE__TARGET_PATH": str(tiny_target),
             "TIDE_CYCLE__MIN_NEW_TOKENS": "200",
@@ -84,7 +113,7 @@ def test_adaptation_cycle_promotes_a_new_champion(
         config = load_config(
             store=stack.store.model_dump(),
             mlflow={"tracking_uri": stack.mlflow.tracking_uri},
-            lake={"prefix": prefix, "spool_dir": tmp_path / "check-spool"},
+            lake={"prefix": prefix, "spool_dir": tmp_path / "check-spool", "commit_settle_s": 1},
             cycle={
                 "target_id": "tiny",
                 "target_path": tiny_target,

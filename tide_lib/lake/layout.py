@@ -10,7 +10,10 @@ A shard exists for readers only once its commit marker is written::
 
 Commit keys sort by commit time, so "everything committed after a watermark" is a
 single ``ListObjects(start_after=...)`` call, and a window snapshot is a frozen
-list of commit keys. Markers are small and immutable; they hold the shard's token
+list of commit keys. A marker is stamped before its PUT, so with several writers
+one stamped earlier can land after one stamped later; readers that move a
+watermark take only commits older than ``lake.commit_settle_s`` (``settled``).
+Markers are small and immutable; they hold the shard's token
 count so that sensors sum tokens without opening a shard. Directories starting
 with ``_`` are skipped by Hive-style readers (pyarrow, DuckDB, Spark), so the
 marker log does not pollute queries over the shards.

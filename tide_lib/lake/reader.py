@@ -14,7 +14,7 @@ import hashlib
 import logging
 import tempfile
 from collections.abc import Iterable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,13 +88,16 @@ class LakeReader:
         after: str | None = None,
         start: datetime | None = None,
         end: datetime | None = None,
+        settled: bool = False,
     ) -> list[CommitMarker]:
         """Committed shards in commit order.
 
         ``after`` is a watermark (a marker key, see :func:`watermark`): only shards
         committed after it. ``start``/``end`` keep shards holding requests that
-        finished in ``[start, end)``.
+        finished in ``[start, end)``. ``settled`` keeps only commits at least
+        ``commit_settle_s`` old: use it where the result moves a watermark.
         """
+        settled_before = datetime.now(UTC) - timedelta(seconds=self.config.commit_settle_s)
         markers = []
         for info in self.store.list(commit_prefix(self.config.prefix, slug), start_after=after):
             if not info.key.endswith(".json"):
@@ -102,6 +105,8 @@ class LakeReader:
             marker = self.marker(info.key)
             if marker is None:
                 continue
+            if settled and marker.committed_at > settled_before:
+                break  # commit keys sort by time: the rest are newer still
             if start is not None and marker.max_finished_at < start:
                 continue
             if end is not None and marker.min_finished_at >= end:
@@ -109,9 +114,10 @@ class LakeReader:
             markers.append(marker)
         return markers
 
-    def count_tokens(self, slug: str, *, after: str | None = None) -> int:
+    def count_tokens(self, slug: str, *, after: str | None = None, settled: bool = False) -> int:
         """Tokens in shards committed after the watermark, without opening any shard."""
-        return sum(marker.num_tokens for marker in self.list_shards(slug, after=after))
+        shards = self.list_shards(slug, after=after, settled=settled)
+        return sum(marker.num_tokens for marker in shards)
 
     def list_targets(self) -> list[str]:
         prefix = f"{self.config.prefix}/_commits/"

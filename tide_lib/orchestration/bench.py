@@ -165,6 +165,7 @@ def run_adaptation_bench(
                         "prefix": f"bench-{target_id}",
                         "spool_dir": work / "spool",
                         "shard_max_age_s": 0.5,
+                        "commit_settle_s": 0.0,  # one writer, flushed before each read
                     }
                 ),
                 "cycle": config.cycle.model_copy(
