@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tide_lib.config import GateConfig
-from tide_lib.evaluation.gate import decide, decision_report, decision_tags
+from tide_lib.evaluation.gate import decide, decision_from_tags, decision_report, decision_tags
 
 CONFIG = GateConfig(margin=0.1, tolerance=0.2)
 CHAMPION = {"recent": 2.0, "older": 3.0}
@@ -61,6 +61,23 @@ def test_tags_and_report_carry_the_figures() -> None:
     assert tags["tide.gate.champion_al.older.k4"] == "3.0000"
     report = decision_report(decision, k=4, names={"challenger": "v7"})
     assert report.startswith("# Gate: PROMOTE v7") and "| older | 1.00 | 2.900 | 3.000 |" in report
+
+
+@pytest.mark.parametrize(
+    ("challenger", "champion", "weights"),
+    [
+        ({"recent": 2.5, "older": 2.75}, CHAMPION, {"recent": 0.25, "older": 0.75}),
+        ({"recent": 2.5, "older": 1.5}, CHAMPION, None),
+        ({"recent": 1.5}, None, None),
+    ],
+)
+def test_recorded_decision_reads_back_equal(
+    challenger: dict[str, float], champion: dict[str, float] | None, weights: dict | None
+) -> None:
+    decision = decide(challenger, champion, CONFIG, weights)
+    tags = {"mlflow.user": "someone", **decision_tags(decision, k=4)}
+    assert decision_from_tags(tags, k=4) == decision
+    assert decision_from_tags({"mlflow.user": "someone"}, k=4) is None
 
 
 def test_figures_exactly_at_the_thresholds_pass() -> None:

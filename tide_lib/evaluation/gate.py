@@ -10,8 +10,9 @@ Rules, in order:
    pay for a loss on most of it.
 
 The decision carries its figures; :func:`decision_tags` turns it into MLflow
-version tags (``tide.gate.*``) and :func:`decision_report` into a short
-readable report.
+version tags (``tide.gate.*``), :func:`decision_from_tags` reads it back (a
+rerun of a cycle reuses it) and :func:`decision_report` makes a short readable
+report.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from tide_lib.config import GateConfig
 
-__all__ = ["GateDecision", "decide", "decision_report", "decision_tags"]
+__all__ = ["GateDecision", "decide", "decision_from_tags", "decision_report", "decision_tags"]
 
 _EPSILON = 1e-9  # figures at a threshold pass it, whatever float rounding did to them
 
@@ -116,12 +117,41 @@ def decision_tags(decision: GateDecision, k: int) -> dict[str, str]:
         "tide.gate.reason": decision.reason,
         "tide.gate.weighted_accept_length": f"{decision.weighted_challenger:.4f}",
     }
+    if decision.weighted_champion is not None:
+        tags["tide.gate.weighted_champion_accept_length"] = f"{decision.weighted_champion:.4f}"
     for segment, value in decision.challenger.items():
         tags[f"tide.al.{segment}.k{k}"] = f"{value:.4f}"
     if decision.champion:
         for segment, value in decision.champion.items():
             tags[f"tide.gate.champion_al.{segment}.k{k}"] = f"{value:.4f}"
+    for segment, share in decision.weights.items():
+        tags[f"tide.gate.weight.{segment}"] = f"{share:.4f}"
     return tags
+
+
+def decision_from_tags(tags: dict[str, str], k: int) -> GateDecision | None:
+    """The decision :func:`decision_tags` recorded, read back; ``None`` if none was recorded."""
+    if "tide.gate.decision" not in tags:
+        return None
+
+    def by_segment(prefix: str, suffix: str = "") -> dict[str, float]:
+        return {
+            key[len(prefix) : len(key) - len(suffix)]: float(value)
+            for key, value in tags.items()
+            if key.startswith(prefix) and key.endswith(suffix)
+        }
+
+    challenger = by_segment("tide.al.", f".k{k}")
+    weighted_champion = tags.get("tide.gate.weighted_champion_accept_length")
+    return GateDecision(
+        promote=tags["tide.gate.decision"] == "promote",
+        reason=tags["tide.gate.reason"],
+        challenger=challenger,
+        champion=by_segment("tide.gate.champion_al.", f".k{k}") or None,
+        weights=by_segment("tide.gate.weight.") or dict.fromkeys(challenger, 1.0),
+        weighted_challenger=float(tags["tide.gate.weighted_accept_length"]),
+        weighted_champion=float(weighted_champion) if weighted_champion is not None else None,
+    )
 
 
 def decision_report(decision: GateDecision, k: int, names: dict[str, Any] | None = None) -> str:

@@ -68,7 +68,7 @@ def read_watermark(config: TideConfig) -> str | None:
 def new_tokens(config: TideConfig) -> int:
     """Captured tokens committed after the watermark (what the sensor waits on)."""
     slug = target_slug(config.cycle.target_id)
-    return _reader(config).count_tokens(slug, after=read_watermark(config))
+    return _reader(config).count_tokens(slug, after=read_watermark(config), settled=True)
 
 
 def cycle_tokens(config: TideConfig, cycle_id: str) -> int:
@@ -99,9 +99,12 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> dict[str, Any]:
     slug = target_slug(config.cycle.target_id)
     reader = _reader(config)
     before = read_watermark(config)
-    window = reader.list_shards(slug, after=before)
+    window = reader.list_shards(slug, after=before, settled=True)
     if not window:
-        raise RuntimeError(f"no new committed shards for {slug} after watermark {before}")
+        raise RuntimeError(
+            f"no committed shards for {slug} after watermark {before} that are at least "
+            f"{config.lake.commit_settle_s:g} s old (lake.commit_settle_s)"
+        )
     older = [m for m in reader.list_shards(slug) if before is not None and m.key <= before]
     window_tokens = sum(m.num_tokens for m in window)
     budget = config.cycle.replay_share * window_tokens
@@ -250,7 +253,7 @@ def evaluate_and_gate(
     config: TideConfig, snapshot: dict[str, Any], trained: dict[str, Any], version: str
 ) -> dict[str, Any]:
     """Offline acceptance of challenger and champion per segment; the gate's decision."""
-    from tide_lib.evaluation.gate import decide  # noqa: PLC0415
+    from tide_lib.evaluation.gate import decide, decision_from_tags  # noqa: PLC0415
     from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
     from tide_lib.evaluation.tracking import log_decision  # noqa: PLC0415
     from tide_lib.registry import CHAMPION, DraftRegistry  # noqa: PLC0415
@@ -277,43 +280,24 @@ def evaluate_and_gate(
         return {segment: by_k[k].accept_length for segment, by_k in counts.items()}
 
     registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
-    judged = registry.get(version)
-    if "tide.gate.decision" in judged.tags:
-        logger.info("v%s was judged before: %s", version, judged.tags["tide.gate.reason"])
-        return _recorded_decision(judged.tags, k, config.cycle.force_promote)
-    challenger = figures(Path(trained["draft_dir"]))
-    champion_version = registry.alias(CHAMPION)
-    champion = None
-    if champion_version is not None and champion_version.version != version:
-        champion = figures(registry.download(champion_version.version, data.parent / "champion"))
-    weights = {"recent": 1.0, "older": 1.0}
-    decision = decide(challenger, champion, config.gate, weights)
-    log_decision(config.mlflow.tracking_uri, registry.name, version, decision, k)
+    decision = decision_from_tags(registry.get(version).tags, k)
+    if decision is not None:
+        logger.info("v%s was judged before: %s", version, decision.reason)
+    else:
+        challenger = figures(Path(trained["draft_dir"]))
+        champion_version = registry.alias(CHAMPION)
+        champion = None
+        if champion_version is not None and champion_version.version != version:
+            champion_dir = registry.download(champion_version.version, data.parent / "champion")
+            champion = figures(champion_dir)
+        weights = {"recent": 1.0, "older": 1.0}
+        decision = decide(challenger, champion, config.gate, weights)
+        log_decision(config.mlflow.tracking_uri, registry.name, version, decision, k)
     return {
         "promote": decision.promote or config.cycle.force_promote,
         "reason": decision.reason,
-        "challenger": challenger,
-        "champion": champion,
-    }
-
-
-def _recorded_decision(tags: dict[str, str], k: int, force_promote: bool) -> dict[str, Any]:
-    """The decision ``evaluate_and_gate`` returned, read back from the version's tags."""
-
-    def figures(prefix: str) -> dict[str, float]:
-        suffix = f".k{k}"
-        return {
-            key[len(prefix) : -len(suffix)]: float(value)
-            for key, value in tags.items()
-            if key.startswith(prefix) and key.endswith(suffix)
-        }
-
-    champion = figures("tide.gate.champion_al.")
-    return {
-        "promote": tags["tide.gate.decision"] == "promote" or force_promote,
-        "reason": tags["tide.gate.reason"],
-        "challenger": figures("tide.al."),
-        "champion": champion or None,
+        "challenger": decision.challenger,
+        "champion": decision.champion,
     }
 
 
