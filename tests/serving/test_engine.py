@@ -110,7 +110,9 @@ def test_swap_under_load_fails_no_request(
     threads = [threading.Thread(target=load) for _ in range(3)]
     for thread in threads:
         thread.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 120
+    while not versions and time.monotonic() < deadline:  # the old draft has served under load
+        time.sleep(0.1)
     swap = httpx.post(
         f"{engine.url}/update_weights_from_disk",
         json={
@@ -169,6 +171,52 @@ def test_draft_from_s3_uri(
     )
     assert response.status_code == 200, response.text
     assert _generate(engine, PROMPTS[0], max_new_tokens=4)["meta_info"]["weight_version"] == "en-s3"
+
+
+def _queued(engine: EngineProcess) -> str:
+    """The ``num_queue_reqs`` line of /metrics when requests wait, else ''."""
+    for line in httpx.get(f"{engine.url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("sglang:num_queue_reqs{") and float(line.rsplit(" ", 1)[1]) > 0:
+            return line
+    return ""
+
+
+def test_concurrent_swaps_both_apply_in_turn(
+    engines: dict[str, EngineProcess], tiny_drafts: dict[str, Path]
+) -> None:
+    engine = engines["spec2"]
+    responses: dict[str, httpx.Response] = {}
+
+    def swap(language: str) -> None:
+        responses[language] = httpx.post(
+            f"{engine.url}/update_weights_from_disk",
+            json={
+                "model_path": str(tiny_drafts[language]),
+                "is_draft_model": True,
+                "weight_version": f"both-{language}",
+            },
+            timeout=120,
+        )
+
+    def busy() -> None:
+        _generate(engine, PROMPTS[2], max_new_tokens=200)
+
+    # Both swaps wait behind queued requests, so both are pending at once.
+    load = [threading.Thread(target=busy) for _ in range(6)]
+    for thread in load:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "sglang:num_queue_reqs{" not in _queued(engine):
+        time.sleep(0.05)
+    threads = [threading.Thread(target=swap, args=(language,)) for language in ("en", "ko")]
+    for thread in threads:
+        thread.start()
+    for thread in [*threads, *load]:
+        thread.join()
+    assert {language: r.status_code for language, r in responses.items()} == {"en": 200, "ko": 200}
+    serving = httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"]
+    assert serving in {"both-en", "both-ko"}
+    assert _generate(engine, PROMPTS[0], max_new_tokens=4)["meta_info"]["weight_version"] == serving
 
 
 def test_fleet_of_two_is_promoted_and_rolled_back(

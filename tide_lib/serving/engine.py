@@ -85,9 +85,6 @@ class _PendingSwap:
     applied: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
-_SWAP = object()  # queue marker: apply the pending draft swap now
-
-
 class Engine:
     """Owns the target, the draft, the request queue and the capture writer."""
 
@@ -120,7 +117,6 @@ class Engine:
         self.counters = _Counters()
         self._lock = threading.Lock()
         self._queue: queue.Queue[Any] = queue.Queue()
-        self._pending_swap: _PendingSwap | None = None
         self._running = 0
         self._rng = random.Random(0)
         self._worker = threading.Thread(target=self._work, name="tide-engine", daemon=True)
@@ -167,8 +163,8 @@ class Engine:
             item = self._queue.get()
             if item is None:
                 return
-            if item is _SWAP:
-                self._apply_pending_swap()
+            if isinstance(item, _PendingSwap):
+                self._apply_swap(item)
                 continue
             request, future = item
             if not future.set_running_or_notify_cancel():
@@ -295,17 +291,11 @@ class Engine:
         """Validate and load a draft here, then let the worker swap it in between requests."""
         draft = self._load_draft(path)  # raises InvalidCheckpointError: old draft keeps serving
         pending = _PendingSwap(draft=draft, path=path, version=version)
-        with self._lock:
-            self._pending_swap = pending
-        self._queue.put(_SWAP)  # requests queued before it finish on the old draft
+        self._queue.put(pending)  # requests queued before it finish on the old draft
         if not pending.applied.wait(timeout):
             raise TimeoutError(f"draft swap to {version} was not applied within {timeout:.0f}s")
 
-    def _apply_pending_swap(self) -> None:
-        with self._lock:
-            pending, self._pending_swap = self._pending_swap, None
-        if pending is None:
-            return
+    def _apply_swap(self, pending: _PendingSwap) -> None:
         self.decoder = SpeculativeDecoder(
             self.target,
             pending.draft,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -85,11 +86,17 @@ class EngineClient:
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=timeout)
 
-    def health(self) -> bool:
-        try:
-            return self._http.get("/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
+    def health(self, attempts: int = 3) -> bool:
+        """``/health`` answers 200; a busy server gets ``attempts`` tries of 10 s."""
+        for attempt in range(attempts):
+            try:
+                if self._http.get("/health", timeout=10).status_code == 200:
+                    return True
+            except httpx.HTTPError as error:
+                logger.debug("%s /health: %s", self.url, error)
+            if attempt + 1 < attempts:
+                time.sleep(1.0)
+        return False
 
     def server_info(self) -> dict[str, Any]:
         response = self._http.get("/get_server_info")
@@ -133,7 +140,7 @@ class EngineClient:
             info = self.server_info()
             return ServerState(
                 url=self.url,
-                healthy=self.health(),
+                healthy=self.health(attempts=1),
                 draft_path=info.get("speculative_draft_model_path"),
                 weight_version=self.weight_version(),
                 avg_accept_length=(info.get("internal_states") or [{}])[0].get(

@@ -154,6 +154,16 @@ def create_app(engine: Engine) -> FastAPI:
                 status_code=400,
                 content={"success": False, "message": f"refused draft {body.model_path}: {error}"},
             )
+        except TimeoutError as error:
+            logger.warning("draft swap to %s is late: %s", version, error)
+            return JSONResponse(
+                status_code=503,
+                content={
+                    "success": False,
+                    "message": f"{error}: the requests queued before it are still running; it "
+                    "applies once they finish (watch /get_weight_version)",
+                },
+            )
         return {"success": True, "message": f"serving {body.model_path}", "weight_version": version}
 
     @app.get("/metrics")

@@ -264,7 +264,10 @@ class SGLangCapture:
             try:
                 item = self._finished.get(timeout=_POLL_SECONDS)
             except queue.Empty:
-                self.sweep()  # requests that finished while the scheduler idles
+                try:
+                    self.sweep()  # requests that finished while the scheduler idles
+                except Exception:  # a bad request costs its capture, never the finalizer
+                    logger.exception("sweeping finished requests failed")
                 continue
             if item is None:
                 return
@@ -272,7 +275,7 @@ class SGLangCapture:
                 self.finalize(item)
             except Exception:
                 logger.exception("capture of request %s failed", item.states.request_id)
-                self.dropped += 1
+                self._count_drop()
 
     def finalize(self, item: _Finished) -> bool:
         """Build the record of one finished request and submit it; False when skipped."""
@@ -302,8 +305,12 @@ class SGLangCapture:
         if self.writer.submit(record):
             self.captured += 1
             return True
-        self.dropped += 1
+        self._count_drop()
         return False
+
+    def _count_drop(self) -> None:
+        with self._lock:  # the scheduler thread counts drops too
+            self.dropped += 1
 
     def close(self) -> None:
         """Finish what is queued and flush the writer."""
