@@ -88,12 +88,16 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 def _free_ports(count: int, start: int) -> list[int]:
+    """The first ``count`` ports from ``start`` that can be bound (listening or not)."""
     ports: list[int] = []
     port = start
     while len(ports) < count:
         with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) != 0:
+            try:
+                probe.bind(("127.0.0.1", port))
                 ports.append(port)
+            except OSError:
+                pass
         port += 1
     return ports
 
@@ -131,6 +135,7 @@ class _Traffic(threading.Thread):
         self.prompts = prompts
         self.settings = settings
         self.stop = threading.Event()
+        self.sent = 0
         self.served = 0
         self.failed = 0
 
@@ -139,8 +144,9 @@ class _Traffic(threading.Thread):
         random.Random(0).shuffle(order)
         with httpx.Client(timeout=300) as client:
             while not self.stop.is_set():
-                prompt = self.prompts[order[self.served % len(order)]]
-                server = self.servers[self.served % len(self.servers)]
+                prompt = self.prompts[order[self.sent % len(order)]]
+                server = self.servers[self.sent % len(self.servers)]
+                self.sent += 1
                 body = {
                     "text": prompt,
                     "sampling_params": {"max_new_tokens": self.settings.max_new_tokens},
@@ -151,7 +157,6 @@ class _Traffic(threading.Thread):
                 except httpx.HTTPError as error:
                     self.failed += 1
                     logger.warning("request to %s failed: %s", server, error)
-                    self.served += 1
                 self.stop.wait(self.settings.request_pause_s)
 
 
@@ -223,11 +228,11 @@ class _Meter:
         """Figures of the requests captured since the last call (None when there are none)."""
         from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
 
-        shards = self.reader.list_shards(self.slug, after=self.after)
+        shards = self.reader.list_shards(self.slug, after=self.after, settled=True)
         if not shards:
             return None
-        self.after = shards[-1].key
         samples = list(self.reader.iter_samples(shards))
+        self.after = shards[-1].key  # only once read: a store hiccup retries them next time
         verify = sum(sample.spec_verify_ct for sample in samples)
         if not verify:
             return None
@@ -414,6 +419,9 @@ class _Driver:
         runs = {run["dag_run_id"]: run for run in self.airflow.runs()}
         self._finished_cycles(runs)
         active = [run for run in runs.values() if run["state"] in ("queued", "running")]
+        if len(self.mine) >= self.settings.cycles:  # a late scheduled run is not one of ours
+            active = [run for run in active if run["dag_run_id"] in self.mine]
+        active.sort(key=lambda run: run["state"] != "running")
         if active:
             self.mine.add(active[0]["dag_run_id"])
             return self.airflow.current_task(active[0]["dag_run_id"]), True
@@ -446,11 +454,16 @@ class _Driver:
             if now_serving != serving:
                 self.promotions.append({"minutes": round(minutes, 2), "version": now_serving})
                 serving = now_serving
-            figures = self.meter.measure()
+            tokens: int | str
+            try:
+                figures, tokens = self.meter.measure(), self.meter.tokens()
+            except ConnectionError as error:  # the lake's store hiccuped: measure next row
+                logger.warning("reading the lake failed: %s", error)
+                figures, tokens = None, "?"
             row: dict[str, Any] = {
                 "minutes": round(minutes, 2),
                 "cycle": len(self.cycles),
-                "tokens": self.meter.tokens(),
+                "tokens": tokens,
                 "serving_version": serving,
             }
             al = f"{'-':>10} {'-':>10}"
