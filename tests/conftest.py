@@ -20,6 +20,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 _GRPC_OFFSET = 10000
+# Port bases stay below Linux's ephemeral range (32768-60999), gRPC twins included: an
+# outgoing connection can never take a port between its probe and its bind.
+STACK_PORTS = 20000  # the session's stack
+DEMO_STACK_PORTS = 20100
+SPARE_PORTS = 20200
+ENGINE_PORTS = 21000  # + up to 1000 by pid: engine processes
+DEMO_ENGINE_PORTS = 22000
 
 
 def _free(port: int) -> bool:
@@ -56,6 +63,7 @@ def stack_config(state_dir: Path, port_base: int, **sections: object) -> TideCon
             "mlflow_port": mlflow,
             "airflow_port": airflow,
             "airflow": False,  # the Airflow processes have a test of their own
+            "start_timeout_s": 300,  # services share 2 loaded cores with the tests
         },
         store={"endpoint": f"http://127.0.0.1:{s3}", "timeout_s": 2.0},
         mlflow={"tracking_uri": f"http://127.0.0.1:{mlflow}"},
@@ -66,7 +74,7 @@ def stack_config(state_dir: Path, port_base: int, **sections: object) -> TideCon
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TideConfig]:
     """The real stack, started once per session; yields its configuration."""
-    config = stack_config(tmp_path_factory.mktemp("stack"), port_base=41000)
+    config = stack_config(tmp_path_factory.mktemp("stack"), port_base=STACK_PORTS)
     manager = StackManager(config)
     manager.up()
     yield config

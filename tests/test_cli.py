@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from tests.conftest import make_record
 from tide_lib.cli import main
 from tide_lib.config import LakeConfig, TideConfig
 from tide_lib.lake import LakeWriter, ObjectStore
+
+ONE_HOUR = datetime(2026, 11, 1, 12, 30, tzinfo=UTC)  # records in one partition, whenever run
 
 
 def _env(monkeypatch: pytest.MonkeyPatch, config: TideConfig) -> None:
@@ -64,7 +67,9 @@ def test_stack_status_and_lake_stats(
     store = ObjectStore(stack.store, stack.store.lake_bucket)
     with LakeWriter(store, LakeConfig(prefix=prefix, spool_dir=tmp_path / "spool")) as writer:
         for index in range(3):
-            writer.submit(make_record(index, tokens=10, target_id="org/Model-7B"))
+            writer.submit(
+                make_record(index, tokens=10, target_id="org/Model-7B", finished_at=ONE_HOUR)
+            )
     assert main(["lake", "stats", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["target_slug"], r["records"], r["tokens"]) for r in rows] == [

@@ -8,17 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import stack_config
+from tests.conftest import DEMO_ENGINE_PORTS, DEMO_STACK_PORTS, stack_config
 from tide_lib.orchestration.demo import DemoSettings, run_demo
 from tide_lib.stack import StackManager
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
+@pytest.mark.timeout(1800)  # the demo's own deadline (timeout_s) starts after its setup
 def test_demo_runs_a_scheduled_cycle_and_promotes_on_live_traffic(
     tiny_target: Path, tmp_path: Path
 ) -> None:
-    base = stack_config(tmp_path / "stack", port_base=45000)
+    base = stack_config(tmp_path / "stack", port_base=DEMO_STACK_PORTS)
     config = base.model_copy(update={"stack": base.stack.model_copy(update={"airflow": True})})
     settings = DemoSettings(
         preset="tiny",
@@ -32,8 +33,8 @@ def test_demo_runs_a_scheduled_cycle_and_promotes_on_live_traffic(
         refresh_s=5,
         request_pause_s=0.1,
         force_promote=True,
-        engine_port=44600,
-        timeout_s=900,
+        engine_port=DEMO_ENGINE_PORTS,
+        timeout_s=600,
     )
     lines: list[str] = []
     try:

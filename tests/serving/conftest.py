@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_ports
+from tests.conftest import ENGINE_PORTS, free_ports
 from tide_lib.config import TideConfig
 from tide_lib.serving.process import EngineProcess
 
@@ -21,7 +21,7 @@ def start_engine(
     capture: bool = False,
     prefix: str = "serving",
 ) -> EngineProcess:
-    (port,) = free_ports(1, start=43000 + (os.getpid() % 500) * 2)
+    (port,) = free_ports(1, start=ENGINE_PORTS + (os.getpid() % 500) * 2)
     env = {
         "TIDE_LAKE__SPOOL_DIR": str(tmp / f"spool-{port}"),
         "TIDE_STORE__ENDPOINT": stack.store.endpoint,

@@ -7,6 +7,7 @@ captured traffic; the training task goes through the ``mi250`` queue to the
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.conftest import SPARE_PORTS, free_ports
 from tide_lib.config import TideConfig
 from tide_lib.lake import LakeWriter, ObjectStore
 from tide_lib.registry import CHAMPION, DraftRegistry
@@ -43,8 +45,9 @@ def _wait_for_run(base: str, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     runs: list[dict] = []
     while time.monotonic() < deadline:
-        response = httpx.get(f"{base}/api/v2/dags/tide_adaptation/dagRuns", timeout=10)
-        runs = response.json().get("dag_runs", []) if response.status_code == 200 else []
+        with contextlib.suppress(httpx.HTTPError):  # a busy API server: ask again
+            response = httpx.get(f"{base}/api/v2/dags/tide_adaptation/dagRuns", timeout=30)
+            runs = response.json().get("dag_runs", []) if response.status_code == 200 else []
         finished = [run for run in runs if run["state"] in ("success", "failed")]
         if finished:
             return finished[0]
@@ -52,6 +55,7 @@ def _wait_for_run(base: str, timeout_s: float) -> dict:
     raise AssertionError(f"no tide_adaptation run finished in {timeout_s:.0f} s: {runs}")
 
 
+@pytest.mark.timeout(1800)  # stack start, traffic capture and a whole cycle on 2 cores
 def test_scheduler_runs_a_cycle_with_training_on_the_mi250_worker(
     stack: TideConfig, tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -67,7 +71,7 @@ def test_scheduler_runs_a_cycle_with_training_on_the_mi250_worker(
                     "executor": "CeleryExecutor",
                     "airflow_database_url": f"{POSTGRES}/{database}",
                     "celery_broker_url": f"redis://127.0.0.1:6379/{BROKER_DB}",
-                    "worker_log_port": stack.stack.airflow_port + 50,
+                    "worker_log_port": free_ports(1, SPARE_PORTS + 50)[0],
                 }
             ),
             "lake": stack.lake.model_copy(

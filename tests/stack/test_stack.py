@@ -8,7 +8,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from tests.conftest import free_ports, stack_config
+from tests.conftest import SPARE_PORTS, free_ports, stack_config
 from tide_lib.config import TideConfig
 from tide_lib.lake import ObjectStore
 from tide_lib.stack import SERVICES, StackError, StackManager
@@ -111,7 +111,7 @@ def test_mlflow_runs_on_postgres(stack: TideConfig, tmp_path: Path) -> None:
         update={
             "mlflow": stack.mlflow.model_copy(update={"backend_store_uri": backend}),
             "stack": stack.stack.model_copy(
-                update={"state_dir": tmp_path, "mlflow_port": free_ports(1, 49000)[0]}
+                update={"state_dir": tmp_path, "mlflow_port": free_ports(1, SPARE_PORTS)[0]}
             ),
         }
     )
