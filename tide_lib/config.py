@@ -145,12 +145,14 @@ class LakeConfig(StrictModel):
     spool_max_bytes: int = Field(4 * 2**30, gt=0, description="local disk kept for outages")
     retry_interval_s: float = Field(1.0, gt=0, description="wait between upload retries")
     commit_settle_s: float = Field(
-        10.0,
+        120.0,
         ge=0,
         description=(
             "a commit is taken past a watermark only once this old: with several writers a "
-            "marker stamped earlier can land later, and a watermark must not jump over it "
-            "(cover the slowest marker PUT plus clock skew between capture hosts)"
+            "marker stamped earlier can land later, and a watermark must not jump over it. "
+            "Cover the slowest marker PUT (3 tries of store.timeout_s x 7: 105 s at the "
+            "default 5 s) plus clock skew between capture hosts; writers log a marker that "
+            "lands later than this"
         ),
     )
     retention_days: float = Field(

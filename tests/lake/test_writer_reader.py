@@ -322,12 +322,12 @@ def test_settled_readers_do_not_jump_over_a_marker_that_lands_late(
         key = commit_key(lake_config.prefix, SLUG, stamped, shard_id)
         lake_store.put_bytes(key, dataclasses.replace(marker, committed_at=stamped).to_json())
 
-    land(written[1], age_s=5)  # B: stamped later, landed first
+    land(written[1], age_s=30)  # B: stamped later, landed first
     eager = LakeReader(lake_store, lake_config.model_copy(update={"commit_settle_s": 0}))
-    settled = LakeReader(lake_store, lake_config.model_copy(update={"commit_settle_s": 10}))
+    settled = LakeReader(lake_store, lake_config.model_copy(update={"commit_settle_s": 60}))
     eager_watermark = watermark(eager.list_shards(SLUG, settled=True))
     assert settled.list_shards(SLUG, settled=True) == []  # B is too fresh to move a watermark
-    land(written[0], age_s=20)  # A lands now
+    land(written[0], age_s=120)  # A lands now
     assert eager.list_shards(SLUG, after=eager_watermark) == []  # the eager watermark skipped A
     first = settled.list_shards(SLUG, settled=True)
     assert [m.shard_key for m in first] == [written[0].shard_key]

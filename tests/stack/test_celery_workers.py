@@ -84,6 +84,7 @@ def test_scheduler_runs_a_cycle_with_training_on_the_mi250_worker(
     for key, value in {
         "TIDE_LAKE__PREFIX": prefix,
         "TIDE_LAKE__SPOOL_DIR": str(tmp_path / "task-spool"),
+        "TIDE_LAKE__COMMIT_SETTLE_S": "5",
         "TIDE_CYCLE__TARGET_ID": "tiny-celery",
         "TIDE_CYCLE__TARGET_PATH": str(tiny_target),
         "TIDE_CYCLE__MIN_NEW_TOKENS": "200",

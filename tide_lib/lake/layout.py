@@ -32,6 +32,7 @@ __all__ = [
     "CommitMarker",
     "commit_key",
     "commit_prefix",
+    "commit_time",
     "new_shard_id",
     "quarantine_key",
     "shard_key",
@@ -76,6 +77,12 @@ def commit_prefix(prefix: str, slug: str) -> str:
 def commit_key(prefix: str, slug: str, committed_at: datetime, shard_id: str) -> str:
     moment = committed_at.astimezone(UTC)
     return f"{commit_prefix(prefix, slug)}{moment:%Y%m%dT%H%M%S%f}Z-{shard_id}.json"
+
+
+def commit_time(key: str) -> datetime:
+    """When the marker at ``key`` was stamped: the time its key sorts by."""
+    stamp = key.rsplit("/", 1)[-1].split("Z-", 1)[0]
+    return datetime.strptime(stamp, "%Y%m%dT%H%M%S%f").replace(tzinfo=UTC)
 
 
 def quarantine_key(prefix: str, key: str) -> str:

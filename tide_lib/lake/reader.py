@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tide_lib.config import LakeConfig
-from tide_lib.lake.layout import CommitMarker, commit_prefix, quarantine_key
+from tide_lib.lake.layout import CommitMarker, commit_prefix, commit_time, quarantine_key
 from tide_lib.lake.schema import NUM_AUX_LAYERS, RECORD_SCHEMA
 from tide_lib.lake.store import ObjectStore
 
@@ -102,11 +102,11 @@ class LakeReader:
         for info in self.store.list(commit_prefix(self.config.prefix, slug), start_after=after):
             if not info.key.endswith(".json"):
                 continue
+            if settled and commit_time(info.key) > settled_before:
+                break  # the listing is in key order, which is stamp order: the rest are newer
             marker = self.marker(info.key)
             if marker is None:
                 continue
-            if settled and marker.committed_at > settled_before:
-                break  # commit keys sort by time: the rest are newer still
             if start is not None and marker.max_finished_at < start:
                 continue
             if end is not None and marker.min_finished_at >= end:

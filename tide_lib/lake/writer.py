@@ -86,6 +86,7 @@ class LakeWriter:
         self._recover_spool()
 
         self._counter_lock = threading.Lock()
+        self._submit_lock = threading.Lock()
         self._submitted = 0
         self._dropped = 0
         self._shards_written = 0
@@ -120,28 +121,30 @@ class LakeWriter:
 
         Raises :class:`~tide_lib.lake.schema.InvalidRecordError` for a malformed record.
         """
-        if self._stopping.is_set():
-            raise RuntimeError("LakeWriter is closed; records can no longer be submitted")
         validate_record(record)
         nbytes = record_nbytes(record)
-        with self._counter_lock:
-            if self._held_bytes + nbytes > self.config.memory_max_bytes:
-                full = f"capture memory is full ({self._held_bytes} bytes held)"
-            else:
-                full = ""
-                self._held_bytes += nbytes
+        with self._submit_lock:  # close() cannot slip between the check and the put
+            if self._stopping.is_set():
+                raise RuntimeError("LakeWriter is closed; records can no longer be submitted")
+            with self._counter_lock:
+                if self._held_bytes + nbytes > self.config.memory_max_bytes:
+                    full = f"capture memory is full ({self._held_bytes} bytes held)"
+                else:
+                    full = ""
+                    self._held_bytes += nbytes
+            if not full:
+                try:
+                    self._queue.put_nowait(record)
+                except queue.Full:
+                    with self._counter_lock:
+                        self._held_bytes -= nbytes
+                    full = "capture queue is full"
+                else:
+                    with self._counter_lock:
+                        self._submitted += 1
         if full:
             self._count_drops(1, full)
             return False
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
-            with self._counter_lock:
-                self._held_bytes -= nbytes
-            self._count_drops(1, "capture queue is full")
-            return False
-        with self._counter_lock:
-            self._submitted += 1
         return True
 
     def stats(self) -> WriterStats:
@@ -179,7 +182,8 @@ class LakeWriter:
         if self._stopping.is_set():
             return self.stats()
         deadline = time.monotonic() + timeout
-        self._stopping.set()
+        with self._submit_lock:
+            self._stopping.set()
         self._batcher.join()
         uploaded = self._wait_spool_empty(deadline)
         self._abandon_uploads.set()
@@ -392,6 +396,16 @@ class LakeWriter:
                 writer_id=self.writer_id,
             )
             self.store.put_bytes(key, marker.to_json(), content_type="application/json")
+            late = (datetime.now(UTC) - committed_at).total_seconds()
+            if late > self.config.commit_settle_s:
+                logger.warning(
+                    "commit marker %s landed %.0f s after its stamp, beyond lake.commit_settle_s "
+                    "(%.0f s): a cycle may have moved its watermark past it; raise "
+                    "commit_settle_s above the slowest marker PUT",
+                    key,
+                    late,
+                    self.config.commit_settle_s,
+                )
         with self._counter_lock:  # counted before the spool empties: flush() then sees them
             if not self._store_reachable:
                 logger.info(

@@ -37,6 +37,7 @@ from tide_lib.config import StrictModel, TideConfig, TrainConfig
 __all__ = ["DemoSettings", "run_demo"]
 
 logger = logging.getLogger(__name__)
+_COMMIT_SETTLE_S = 15.0  # one local store: markers land in milliseconds, not minutes
 DAG_ID = "tide_adaptation"
 _AIRFLOW_SERVICES = ("airflow-scheduler", "airflow-dag-processor", "airflow-triggerer")
 
@@ -214,7 +215,8 @@ class _Meter:
         from tide_lib.lake import LakeReader, ObjectStore, target_slug  # noqa: PLC0415
         from tide_lib.training.draft import load_draft  # noqa: PLC0415
 
-        self.reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), config.lake)
+        lake = config.lake.model_copy(update={"commit_settle_s": _COMMIT_SETTLE_S})
+        self.reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), lake)
         self.slug = target_slug(target_id)
         self.target_dir = target_dir
         self.static = load_draft(static_dir, target_dir)
@@ -306,6 +308,7 @@ def run_demo(
         "TIDE_TRAINING__DRAFT_VOCAB_SIZE": str(train.draft_vocab_size),
         "TIDE_GATE__K": str(settings.num_steps),
         "TIDE_LAKE__SHARD_MAX_AGE_S": "2",
+        "TIDE_LAKE__COMMIT_SETTLE_S": str(_COMMIT_SETTLE_S),
     }
     engines: list[EngineProcess] = []
     traffic: _Traffic | None = None
@@ -454,12 +457,13 @@ class _Driver:
             if now_serving != serving:
                 self.promotions.append({"minutes": round(minutes, 2), "version": now_serving})
                 serving = now_serving
-            tokens: int | str
-            try:
-                figures, tokens = self.meter.measure(), self.meter.tokens()
-            except ConnectionError as error:  # the lake's store hiccuped: measure next row
+            figures: dict[str, Any] | None = None
+            tokens: int | str = "?"
+            try:  # a hiccup of the lake's store: this row says "?", the next one measures
+                figures = self.meter.measure()
+                tokens = self.meter.tokens()
+            except ConnectionError as error:
                 logger.warning("reading the lake failed: %s", error)
-                figures, tokens = None, "?"
             row: dict[str, Any] = {
                 "minutes": round(minutes, 2),
                 "cycle": len(self.cycles),
