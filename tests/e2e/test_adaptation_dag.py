@@ -44,7 +44,11 @@ def _wait_until_captures_are_committed(
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         captured = sum(_metric(e, "tide:capture_records_total") for e in engines)
-        skipped = sum(_metric(e, "tide:capture_skipped_total") for e in engines)
+        skipped = sum(
+            _metric(e, "tide:capture_skipped_total")
+            + _metric(e, "tide:capture_dropped_records_total")
+            for e in engines
+        )
         committed = sum(m.num_records for m in reader.list_shards(target_slug("tiny")))
         if captured + skipped >= requests and committed >= captured:
             return

@@ -78,6 +78,13 @@ def test_recorded_decision_reads_back_equal(
     tags = {"mlflow.user": "someone", **decision_tags(decision, k=4)}
     assert decision_from_tags(tags, k=4) == decision
     assert decision_from_tags({"mlflow.user": "someone"}, k=4) is None
+    assert list(decision_tags(decision, k=4))[-1] == "tide.gate.decision"  # written last
+
+
+def test_a_decision_recorded_halfway_is_not_read_back() -> None:
+    tags = decision_tags(decide({"recent": 2.5}, CHAMPION, CONFIG), k=4)
+    written_before_a_crash = dict(list(tags.items())[:2])
+    assert decision_from_tags(written_before_a_crash, k=4) is None
 
 
 def test_figures_exactly_at_the_thresholds_pass() -> None:

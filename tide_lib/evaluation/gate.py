@@ -113,7 +113,6 @@ def decide(
 def decision_tags(decision: GateDecision, k: int) -> dict[str, str]:
     """MLflow version tags of a decision (``tide.gate.*``, ``tide.al.<segment>.k<k>``)."""
     tags = {
-        "tide.gate.decision": "promote" if decision.promote else "reject",
         "tide.gate.reason": decision.reason,
         "tide.gate.weighted_accept_length": f"{decision.weighted_challenger:.4f}",
     }
@@ -126,11 +125,16 @@ def decision_tags(decision: GateDecision, k: int) -> dict[str, str]:
             tags[f"tide.gate.champion_al.{segment}.k{k}"] = f"{value:.4f}"
     for segment, share in decision.weights.items():
         tags[f"tide.gate.weight.{segment}"] = f"{share:.4f}"
-    return tags
+    tags["tide.gate.decision"] = "promote" if decision.promote else "reject"  # last: it marks
+    return tags  # the record complete for decision_from_tags
 
 
 def decision_from_tags(tags: dict[str, str], k: int) -> GateDecision | None:
-    """The decision :func:`decision_tags` recorded, read back; ``None`` if none was recorded."""
+    """The decision :func:`decision_tags` recorded, read back; ``None`` if none was recorded.
+
+    Tags are written in order with ``tide.gate.decision`` last, so a version that has it
+    holds the whole record; one without (never judged, or judging died midway) is judged anew.
+    """
     if "tide.gate.decision" not in tags:
         return None
 

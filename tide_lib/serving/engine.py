@@ -287,7 +287,7 @@ class Engine:
             raise InvalidCheckpointError(f"no objects under {path}")
         return target
 
-    def swap_draft(self, path: str, version: str, timeout: float = 600.0) -> None:
+    def swap_draft(self, path: str, version: str, timeout: float = 540.0) -> None:
         """Validate and load a draft here, then let the worker swap it in between requests."""
         draft = self._load_draft(path)  # raises InvalidCheckpointError: old draft keeps serving
         pending = _PendingSwap(draft=draft, path=path, version=version)

@@ -31,6 +31,7 @@ _MAX_CYCLES = 20
 
 
 def dashboard_data(config: TideConfig, target_id: str) -> dict[str, Any]:
+    from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
 
     registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
@@ -42,20 +43,16 @@ def dashboard_data(config: TideConfig, target_id: str) -> dict[str, Any]:
     cycles: list[dict[str, Any]] = []
     for raw in versions:
         tags = dict(raw.tags or {})
-        accept = {
-            key.split(".")[2]: float(value)
-            for key, value in tags.items()
-            if key.startswith("tide.al.") and key.endswith(f".k{config.gate.k}")
-        }
+        decision = decision_from_tags(tags, config.gate.k)
         cycles.append(
             {
                 "version": str(raw.version),
                 "aliases": list(getattr(raw, "aliases", []) or []),
                 "cycle_id": tags.get("tide.cycle_id", ""),
                 "decision": tags.get("tide.gate.decision", "pending"),
-                "reason": tags.get("tide.gate.reason", ""),
+                "reason": decision.reason if decision else "",
                 "window_tokens": tags.get("tide.window.tokens", ""),
-                "accept_length": accept,
+                "accept_length": decision.challenger if decision else {},
                 "created": raw.creation_timestamp,
             }
         )
