@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -14,7 +13,7 @@ import pytest
 
 from tide_lib.config import LakeConfig, TideConfig, load_config
 from tide_lib.lake import CapturedRecord, ObjectStore
-from tide_lib.stack import StackManager
+from tide_lib.stack import StackManager, free_ports
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -29,29 +28,13 @@ ENGINE_PORTS = 21000  # + up to 1000 by pid: engine processes
 DEMO_ENGINE_PORTS = 22000
 
 
-def _free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(count: int, start: int) -> list[int]:
-    """``count`` ports p, free along with p + 10000 (SeaweedFS's gRPC twins)."""
-    ports: list[int] = []
-    port = start
-    while len(ports) < count:
-        if _free(port) and _free(port + _GRPC_OFFSET):
-            ports.append(port)
-        port += 1
-    return ports
-
-
 def stack_config(state_dir: Path, port_base: int, **sections: object) -> TideConfig:
     """A config whose stack runs on free ports under ``state_dir``; the store points at it."""
-    s3, master, volume, filer, admin, mlflow, airflow = free_ports(7, port_base)
+    s3, master, volume, filer, admin, mlflow, airflow = free_ports(
+        7,
+        port_base,
+        twin_offset=_GRPC_OFFSET,  # SeaweedFS binds gRPC at port + 10000
+    )
     return load_config(
         stack={
             "state_dir": state_dir,

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import dag_test
-from tests.serving.conftest import start_engine
+from tests.serving.conftest import engine_metric, start_engine
 from tide_lib.config import LakeConfig, TideConfig, load_config
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.orchestration import cycle
@@ -28,13 +28,6 @@ from tide_lib.target import load_corpus, render_prompt
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
-def _metric(engine: EngineProcess, name: str) -> float:
-    for line in httpx.get(f"{engine.url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(f"{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{engine.url}/metrics has no {name}")
-
-
 def _wait_until_captures_are_committed(
     engines: list[EngineProcess], stack: TideConfig, prefix: str, requests: int
 ) -> None:
@@ -43,10 +36,10 @@ def _wait_until_captures_are_committed(
     reader = LakeReader(store, LakeConfig(prefix=prefix))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        captured = sum(_metric(e, "tide:capture_records_total") for e in engines)
+        captured = sum(engine_metric(e, "tide:capture_records_total") for e in engines)
         skipped = sum(
-            _metric(e, "tide:capture_skipped_total")
-            + _metric(e, "tide:capture_dropped_records_total")
+            engine_metric(e, "tide:capture_skipped_total")
+            + engine_metric(e, "tide:capture_dropped_records_total")
             for e in engines
         )
         committed = sum(m.num_records for m in reader.list_shards(target_slug("tiny")))

@@ -6,11 +6,21 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.conftest import ENGINE_PORTS, free_ports
+from tests.conftest import ENGINE_PORTS
 from tide_lib.config import TideConfig
 from tide_lib.serving.process import EngineProcess
+from tide_lib.stack import free_ports
+
+
+def engine_metric(engine: EngineProcess, name: str) -> float:
+    """The value of one metric in the engine's Prometheus ``/metrics``."""
+    for line in httpx.get(f"{engine.url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(f"{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{engine.url}/metrics has no {name}")
 
 
 def start_engine(

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from tests.serving.conftest import engine_metric
 from tide_lib.config import TideConfig
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.serving.fleet import FleetError, FleetManager, sglang_launch_args
@@ -173,14 +174,6 @@ def test_draft_from_s3_uri(
     assert _generate(engine, PROMPTS[0], max_new_tokens=4)["meta_info"]["weight_version"] == "en-s3"
 
 
-def _queued(engine: EngineProcess) -> str:
-    """The ``num_queue_reqs`` line of /metrics when requests wait, else ''."""
-    for line in httpx.get(f"{engine.url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("sglang:num_queue_reqs{") and float(line.rsplit(" ", 1)[1]) > 0:
-            return line
-    return ""
-
-
 def test_concurrent_swaps_both_apply_in_turn(
     engines: dict[str, EngineProcess], tiny_drafts: dict[str, Path]
 ) -> None:
@@ -206,7 +199,7 @@ def test_concurrent_swaps_both_apply_in_turn(
     for thread in load:
         thread.start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and "sglang:num_queue_reqs{" not in _queued(engine):
+    while time.monotonic() < deadline and engine_metric(engine, "sglang:num_queue_reqs") == 0:
         time.sleep(0.05)
     threads = [threading.Thread(target=swap, args=(language,)) for language in ("en", "ko")]
     for thread in threads:

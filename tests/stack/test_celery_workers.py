@@ -18,11 +18,11 @@ import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import SPARE_PORTS, free_ports
+from tests.conftest import SPARE_PORTS
 from tide_lib.config import TideConfig
 from tide_lib.lake import LakeWriter, ObjectStore
 from tide_lib.registry import CHAMPION, DraftRegistry
-from tide_lib.stack import SERVICES, StackManager
+from tide_lib.stack import SERVICES, StackManager, free_ports
 from tide_lib.target import load_corpus
 from tide_lib.target.hidden import capture_records
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from tests.conftest import SPARE_PORTS, free_ports, stack_config
+from tests.conftest import SPARE_PORTS, stack_config
 from tide_lib.config import TideConfig
 from tide_lib.lake import ObjectStore
-from tide_lib.stack import SERVICES, StackError, StackManager
+from tide_lib.stack import SERVICES, StackError, StackManager, free_ports
 from tide_lib.stack.services import find_binary
 
 pytestmark = pytest.mark.slow

@@ -81,8 +81,12 @@ def cycle_tokens(config: TideConfig, cycle_id: str) -> int:
     return int(saved["window_tokens"]) if saved is not None else new_tokens(config)
 
 
+def _snapshot_key(config: TideConfig, cycle_id: str) -> str:
+    return _state_key(config, f"cycles/{cycle_id}.json")
+
+
 def _saved_snapshot(config: TideConfig, cycle_id: str) -> dict[str, Any] | None:
-    store, key = _store(config), _state_key(config, f"cycles/{cycle_id}.json")
+    store, key = _store(config), _snapshot_key(config, cycle_id)
     if not store.exists(key):
         return None
     snapshot: dict[str, Any] = json.loads(store.get_bytes(key))
@@ -95,7 +99,7 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> dict[str, Any]:
     if saved is not None:
         logger.info("cycle %s: reusing its snapshot (%d shards)", cycle_id, len(saved["window"]))
         return saved
-    store, key = _store(config), _state_key(config, f"cycles/{cycle_id}.json")
+    store, key = _store(config), _snapshot_key(config, cycle_id)
     slug = target_slug(config.cycle.target_id)
     reader = _reader(config)
     before = read_watermark(config)

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import random
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -86,21 +85,6 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def _free_ports(count: int, start: int) -> list[int]:
-    """The first ``count`` ports from ``start`` that can be bound (listening or not)."""
-    ports: list[int] = []
-    port = start
-    while len(ports) < count:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-                ports.append(port)
-            except OSError:
-                pass
-        port += 1
-    return ports
 
 
 def _static_draft(
@@ -274,7 +258,7 @@ def run_demo(
     from tide_lib.evaluation.plot import plot_timeline  # noqa: PLC0415
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
     from tide_lib.serving.process import EngineProcess  # noqa: PLC0415
-    from tide_lib.stack import StackManager  # noqa: PLC0415
+    from tide_lib.stack import StackManager, free_ports  # noqa: PLC0415
     from tide_lib.target import build_target, load_corpus, render_prompt  # noqa: PLC0415
 
     started = time.monotonic()
@@ -285,7 +269,7 @@ def run_demo(
 
     demo_started = datetime.now(UTC)
     target_id = f"demo-{demo_started:%Y%m%d-%H%M%S}"
-    ports = _free_ports(settings.engines, settings.engine_port)
+    ports = free_ports(settings.engines, settings.engine_port)
     servers = [f"http://127.0.0.1:{port}" for port in ports]
     cycle_conf: dict[str, Any] = {
         "target_id": target_id,

@@ -3,7 +3,7 @@
 Used by ``make demo``, by the tests and by anyone trying TIDE on one machine.
 """
 
-from tide_lib.stack.manager import ServiceStatus, StackError, StackManager
+from tide_lib.stack.manager import ServiceStatus, StackError, StackManager, free_ports
 from tide_lib.stack.services import SERVICES, Service
 
-__all__ = ["SERVICES", "Service", "ServiceStatus", "StackError", "StackManager"]
+__all__ = ["SERVICES", "Service", "ServiceStatus", "StackError", "StackManager", "free_ports"]

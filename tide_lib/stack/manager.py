@@ -21,7 +21,7 @@ from pathlib import Path
 from tide_lib.config import TideConfig
 from tide_lib.stack.services import SERVICES, Service
 
-__all__ = ["ServiceStatus", "StackError", "StackManager"]
+__all__ = ["ServiceStatus", "StackError", "StackManager", "free_ports"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,22 @@ def _port_in_use(host: str, port: int) -> bool:
         except OSError as error:
             return error.errno == errno.EADDRINUSE
     return False
+
+
+def free_ports(count: int, start: int, *, twin_offset: int = 0) -> list[int]:
+    """The first ``count`` ports from ``start`` that a service could bind on 127.0.0.1.
+
+    With ``twin_offset``, ``port + twin_offset`` must be free too (SeaweedFS binds
+    its gRPC port there).
+    """
+    ports: list[int] = []
+    port = start
+    while len(ports) < count:
+        twins = (port, port + twin_offset) if twin_offset else (port,)
+        if not any(_port_in_use("127.0.0.1", candidate) for candidate in twins):
+            ports.append(port)
+        port += 1
+    return ports
 
 
 def _alive(pid: int) -> bool:
