@@ -3,6 +3,9 @@
 """tide_adaptation: wait for new captured traffic, train a draft, register, gate, promote.
 
 Wiring only: every task calls one function of tide_lib.orchestration.cycle.
+Tasks run on different hosts (train on the mi250 queue); what they pass each
+other through XCom are the typed hand-offs of tide_lib.orchestration.handoff:
+lake keys, MLflow ids and URIs, never a local path.
 Trigger it from the UI with the form (params mirror tide_lib.config.CycleConfig),
 or let the schedule start a cycle that waits for new data.
 """
@@ -10,7 +13,6 @@ or let the schedule start a cycle that waits for new data.
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pendulum
@@ -18,8 +20,6 @@ from airflow.sdk import dag, get_current_context, task
 
 from tide_lib.orchestration.params import cycle_params
 from tide_lib.orchestration.sensors import LakeTokensSensor
-
-WORK_DIR = Path(".tide") / "cycles"
 
 
 def _config() -> Any:
@@ -49,37 +49,43 @@ def tide_adaptation() -> None:
     def snapshot() -> dict[str, Any]:
         from tide_lib.orchestration.cycle import snapshot_window
 
-        return snapshot_window(_config(), get_current_context()["run_id"])
+        return snapshot_window(_config(), get_current_context()["run_id"]).to_xcom()
 
     @task(queue="mi250", pool="mi250", retries=1, execution_timeout=timedelta(hours=6))
     def train(window: dict[str, Any]) -> dict[str, Any]:
         from tide_lib.orchestration.cycle import train as train_cycle
+        from tide_lib.orchestration.handoff import Snapshot
 
-        return train_cycle(_config(), window, WORK_DIR)
+        return train_cycle(_config(), Snapshot.from_xcom(window)).to_xcom()
 
     @task
     def register(window: dict[str, Any], trained: dict[str, Any]) -> str:
         from tide_lib.orchestration.cycle import register as register_cycle
+        from tide_lib.orchestration.handoff import Snapshot, Trained
 
-        return register_cycle(_config(), window, trained)
+        return register_cycle(_config(), Snapshot.from_xcom(window), Trained.from_xcom(trained))
 
     @task
     def evaluate(window: dict[str, Any], trained: dict[str, Any], version: str) -> dict[str, Any]:
         from tide_lib.orchestration.cycle import evaluate_and_gate
+        from tide_lib.orchestration.handoff import Snapshot, Trained
 
-        return evaluate_and_gate(_config(), window, trained, version)
+        config, snap = _config(), Snapshot.from_xcom(window)
+        return evaluate_and_gate(config, snap, Trained.from_xcom(trained), version).to_xcom()
 
     @task(retries=0)
     def promote(version: str, decision: dict[str, Any]) -> dict[str, Any]:
         from tide_lib.orchestration.cycle import promote as promote_cycle
+        from tide_lib.orchestration.handoff import Decision
 
-        return promote_cycle(_config(), version, decision)
+        return promote_cycle(_config(), version, Decision.from_xcom(decision)).to_xcom()
 
     @task
     def advance_watermark(window: dict[str, Any], _promotion: dict[str, Any]) -> str:
         from tide_lib.orchestration.cycle import advance_watermark as advance
+        from tide_lib.orchestration.handoff import Snapshot
 
-        return advance(_config(), window)
+        return advance(_config(), Snapshot.from_xcom(window))
 
     window = snapshot()
     wait >> window

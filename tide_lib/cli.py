@@ -120,6 +120,29 @@ def _bench_lake(args: argparse.Namespace, config: TideConfig) -> int:
     return 0
 
 
+def _bench_cycle(args: argparse.Namespace, config: TideConfig) -> int:
+    import tempfile  # noqa: PLC0415
+
+    from tide_lib.harness.cycle_bench import CycleBenchParams, run_cycle_bench  # noqa: PLC0415
+
+    params = CycleBenchParams(scales=tuple(args.scales), older_shards=args.older_shards)
+    with tempfile.TemporaryDirectory(prefix="tide-bench-cycle-") as tmp:
+        result = run_cycle_bench(config, params, Path(tmp))
+    _out(f"{'scale':>6}{'older shards':>14}{'seconds':>10}{'MB read':>10}{'listed':>8}{'GETs':>7}")
+    for row in result.scales:
+        _out(
+            f"{row.scale:>5}x{row.older_shards:>14}{row.seconds['total']:>10.2f}"
+            f"{row.bytes_read / 1e6:>10.2f}{row.objects_listed:>8}{row.gets:>7}"
+        )
+    ratios = result.ratios()
+    _out("largest/1x: " + ", ".join(f"{key} {value:.2f}x" for key, value in ratios.items()))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+        _out(f"wrote {args.json}")
+    return 0
+
+
 def _bench_train(args: argparse.Namespace, config: TideConfig) -> int:
     from tide_lib.training.bench import TrainBenchParams, run_train_bench  # noqa: PLC0415
 
@@ -447,6 +470,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench_lake.add_argument("--tokens", type=int, default=256, help="tokens per record")
     bench_lake.add_argument("--hidden-size", type=int, default=1024, help="target hidden size H")
     bench_lake.set_defaults(handler=_bench_lake)
+    bench_cycle = bench.add_parser(
+        "cycle",
+        help="a cycle's data I/O (snapshot, export, held-out read) as the lake grows older",
+        description=(
+            "Builds older lakes of 1x, 10x, 100x consumed shards at the same traffic rate, "
+            "adds a new window, and runs the cycle's data steps on each: wall time, bytes "
+            "read from S3, objects listed. Needs the S3 server (`tide stack up`); removes "
+            "its own objects."
+        ),
+    )
+    bench_cycle.add_argument("--json", type=Path, help="write the results to this file")
+    bench_cycle.add_argument(
+        "--scales", type=int, nargs="+", default=[1, 10, 100], help="older-lake sizes"
+    )
+    bench_cycle.add_argument(
+        "--older-shards", type=int, default=24, help="older shards at 1x (over the lookback)"
+    )
+    bench_cycle.set_defaults(handler=_bench_cycle)
 
     target = commands.add_parser("target", help="the demo target model").add_subparsers(
         dest="action", required=True, metavar="ACTION"

@@ -198,6 +198,18 @@ class TrainConfig(StrictModel):
     loss_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description="auto: SpecForge's Triton kernel on CUDA, its torch reference on CPU"
     )
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "training processes on the trainer host, one per accelerator (an MI250 node has "
+            "8 GCDs); above 1 the cycle's train step runs under torchrun (gloo on CPU)"
+        ),
+    )
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="auto: bf16 autocast where the device supports it, else fp32"
+    )
 
 
 class ServeConfig(StrictModel):
@@ -251,6 +263,19 @@ class CycleConfig(StrictModel):
     held_out_percent: int = Field(
         20, ge=1, le=50, description="window requests kept for evaluation"
     )
+    replay_lookback_hours: float = Field(
+        72.0,
+        gt=0,
+        description=(
+            "replay and older held-out traffic are drawn from commits this far behind the "
+            "watermark: a cycle lists and reads a bounded slice, never the whole lake"
+        ),
+    )
+    held_out_older_tokens: int = Field(
+        4096,
+        ge=0,
+        description="tokens of older held-out traffic the gate judges forgetting on",
+    )
     servers: list[str] = Field(default_factory=list, description="fleet base URLs")
     force_promote: bool = Field(False, description="promote even if the gate rejects")
     dry_run: bool = Field(False, description="train, register and evaluate, but do not promote")
@@ -266,6 +291,13 @@ class TideConfig(BaseSettings):
         frozen=True,
     )
 
+    scratch_dir: Path = Field(
+        DEFAULT_HOME / "scratch",
+        description=(
+            "this host's scratch space: each task works in a directory of its own under it, "
+            "removed when the task ends; nothing in it is handed to another task"
+        ),
+    )
     store: ObjectStoreConfig = ObjectStoreConfig()
     mlflow: MLflowConfig = MLflowConfig()
     stack: StackConfig = StackConfig()

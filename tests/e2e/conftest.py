@@ -26,6 +26,32 @@ print(json.dumps({"state": str(run.state), "run_id": run.run_id}))
 """
 
 
+_XCOMS = """
+import json, sys
+from airflow.models.xcom import XComModel
+from airflow.utils.session import create_session
+with create_session() as session:
+    rows = session.query(XComModel).filter(
+        XComModel.dag_id == sys.argv[1], XComModel.run_id == sys.argv[2]
+    )
+    print(json.dumps({f"{row.task_id}/{row.key}": row.value for row in rows}, default=str))
+"""
+
+
+def xcoms(env: dict[str, str], dag_id: str, run_id: str) -> dict[str, object]:
+    """Every XCom a run left in the metadata DB, by ``task_id/key``, as stored."""
+    result = subprocess.run(
+        [sys.executable, "-c", _XCOMS, dag_id, run_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    values: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+    return values
+
+
 def airflow(env: dict[str, str], *args: str) -> None:
     command = [str(Path(sys.executable).parent / "airflow"), *args]
     subprocess.run(command, env=env, check=True, capture_output=True, timeout=600)

@@ -16,11 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import dag_test
+from tests.e2e.conftest import dag_test, xcoms
 from tests.serving.conftest import engine_metric, start_engine
 from tide_lib.config import LakeConfig, TideConfig, load_config
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.orchestration import cycle
+from tide_lib.orchestration.handoff import Decision
 from tide_lib.registry import CHAMPION, DraftRegistry
 from tide_lib.serving.process import EngineProcess
 from tide_lib.target import load_corpus, render_prompt
@@ -47,6 +48,37 @@ def _wait_until_captures_are_committed(
             return
         time.sleep(0.5)
     raise AssertionError(f"captures not committed: {captured=} {skipped=} {committed=}")
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        try:
+            return [value, *_strings(json.loads(value))]
+        except ValueError:
+            return [value]
+    if isinstance(value, dict):
+        return [s for item in value.items() for s in _strings(list(item))]
+    if isinstance(value, list):
+        return [s for item in value for s in _strings(item)]
+    return []
+
+
+def _assert_no_local_path(values: dict[str, object], local_roots: list[Path]) -> None:
+    """No XCom of the run names a file of the host it ran on (tasks run on other hosts)."""
+    tasks = {key.split("/")[0] for key in values}
+    expected = {"snapshot", "train", "register", "evaluate", "promote", "advance_watermark"}
+    assert expected <= tasks, sorted(tasks)
+    roots = [str(root) for root in local_roots] + [str(Path.cwd()), ".tide/", "/tmp/"]
+    for key, value in values.items():
+        for text in _strings(value):
+            assert not text.startswith(("/", "./", "~")), f"{key} hands over a path: {text}"
+            assert not any(root in text for root in roots), f"{key} hands over a path: {text}"
+    train = (
+        json.loads(values["train/return_value"])
+        if isinstance(values["train/return_value"], str)
+        else values["train/return_value"]
+    )
+    assert isinstance(train, dict) and train["draft_uri"].startswith("runs:/")
 
 
 @pytest.mark.timeout(1800)  # first user of the session's stack: its setup counts here too
@@ -125,7 +157,10 @@ def test_adaptation_cycle_promotes_a_new_champion(
             served = httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"]
             assert served == f"{registry.name}-v{champion.version}"
         snapshot = cycle.snapshot_window(config, outcome["run_id"])
-        assert cycle.read_watermark(config) == snapshot["watermark_after"]
+        assert cycle.read_watermark(config) == snapshot.watermark_after
+        _assert_no_local_path(
+            xcoms(airflow_env, "tide_adaptation", outcome["run_id"]), [tmp_path, tiny_target]
+        )
         assert cycle.new_tokens(config) == 0
 
         experiment = registry.client.get_experiment_by_name(registry.name)
@@ -142,12 +177,13 @@ def test_adaptation_cycle_promotes_a_new_champion(
         for engine in engines:
             served = httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"]
             assert served == f"{registry.name}-v{champion.version}"
-        assert cycle.read_watermark(config) == snapshot["watermark_after"]
+        assert cycle.read_watermark(config) == snapshot.watermark_after
 
         # Once a later cycle has moved on, the old version is not promoted again.
         registry.client.delete_registered_model_alias(registry.name, CHAMPION)
-        again = cycle.promote(config, champion.version, {"promote": True, "reason": "rerun"})
-        assert again["promoted"] is False and "promoted before" in again["reason"]
+        decision = Decision(promote=True, reason="rerun", challenger={}, champion=None)
+        again = cycle.promote(config, champion.version, decision)
+        assert again.promoted is False and "promoted before" in again.reason
     finally:
         for engine in engines:
             engine.stop()

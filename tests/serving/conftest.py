@@ -35,6 +35,8 @@ def start_engine(
     env = {
         "TIDE_LAKE__SPOOL_DIR": str(tmp / f"spool-{port}"),
         "TIDE_STORE__ENDPOINT": stack.store.endpoint,
+        "TIDE_MLFLOW__TRACKING_URI": stack.mlflow.tracking_uri,
+        "TIDE_SCRATCH_DIR": str(tmp / f"scratch-{port}"),
         "TIDE_LAKE__PREFIX": prefix,
         "TIDE_LAKE__SHARD_MAX_AGE_S": "0.5",
     }

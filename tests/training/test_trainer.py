@@ -255,37 +255,79 @@ def test_metrics_reach_the_mlflow_server(
 def test_torchrun_two_processes_equal_one_process_with_twice_the_batch(
     tiny_target: Path, captured: dict[str, Path], tmp_path: Path
 ) -> None:
-    import subprocess
-    import sys
+    """The cycle's launcher: nproc_per_node=2 runs torchrun (gloo) and trains the same draft."""
+    from tide_lib.config import load_config
+    from tide_lib.training.launch import TrainJob, run_training
 
-    common = ["--target", str(tiny_target), "--data", str(captured["en_train"]), "--steps", "3"]
-    common += ["--ttt-length", "2", "--draft-vocab-size", "256", "--learning-rate", "0.003"]
-    tide = str(Path(sys.executable).parent / "tide")
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    subprocess.run(
-        [
-            torchrun,
-            "--nproc-per-node",
-            "2",
-            tide,
-            "train",
-            *common,
-            "--batch-size",
-            "2",
-            "--out",
-            str(tmp_path / "ddp"),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
+    settings = TrainConfig(steps=3, ttt_length=2, draft_vocab_size=256, learning_rate=0.003)
+    ddp = run_training(
+        TrainJob(
+            data_dir=captured["en_train"],
+            target_dir=tiny_target,
+            out_dir=tmp_path / "ddp",
+            training=settings.model_copy(update={"batch_size": 2, "nproc_per_node": 2}),
+        ),
+        load_config(),
     )
     single = train_draft(
         captured["en_train"],
         tiny_target,
         tmp_path / "single",
-        TrainConfig(steps=3, ttt_length=2, draft_vocab_size=256, learning_rate=0.003, batch_size=4),
+        settings.model_copy(update={"batch_size": 4}),
     )
-    a = load_file(tmp_path / "ddp" / "draft" / "model.safetensors")
+    a = load_file(ddp.draft_dir / "model.safetensors")
     b = load_file(single.draft_dir / "model.safetensors")
     for key in a:
         assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
+
+
+def test_a_retry_on_another_host_resumes_from_the_checkpoint_in_s3(
+    stack: TideConfig, tiny_target: Path, captured: dict[str, Path], tmp_path: Path
+) -> None:
+    """Checkpoints are mirrored to the lake bucket; a new directory (host) resumes from them."""
+    import uuid
+
+    from tide_lib.training.launch import CheckpointMirror, TrainJob, run_training
+
+    settings = CONFIG.model_copy(update={"steps": 12, "checkpoint_every": 4})
+    config = stack.model_copy(
+        update={"lake": stack.lake.model_copy(update={"prefix": f"ckpt-{uuid.uuid4().hex[:6]}"})}
+    )
+    prefix = f"{config.lake.prefix}/_state/cycles/c1/checkpoints"
+    mirror = CheckpointMirror(config, prefix, keep=2)
+
+    def crash(step: int, _metrics: dict[str, float]) -> None:
+        if step == 6:
+            raise RuntimeError("trainer host lost")
+
+    with pytest.raises(RuntimeError, match="trainer host lost"):
+        train_draft(
+            captured["en_train"],
+            tiny_target,
+            tmp_path / "host-a",
+            settings,
+            on_checkpoint=mirror.push,
+            on_step=crash,
+        )
+    assert [key.rsplit("/", 1)[-1] for key in mirror.stored()] == ["step-00000004.pt"]
+    other_data = shutil.copytree(captured["en_train"], tmp_path / "host-b-data")
+    job = TrainJob(
+        data_dir=other_data,
+        target_dir=tiny_target,
+        out_dir=tmp_path / "host-b",
+        training=settings,
+        checkpoint_prefix=prefix,
+    )
+    resumed = run_training(job, config)
+    assert resumed.resumed_from_step == 4
+    assert [key.rsplit("/", 1)[-1] for key in mirror.stored()] == [
+        "step-00000008.pt",
+        "step-00000012.pt",
+    ]
+    straight = train_draft(captured["en_train"], tiny_target, tmp_path / "straight", settings)
+    a = load_file(resumed.draft_dir / "model.safetensors")
+    b = load_file(straight.draft_dir / "model.safetensors")
+    for key in a:
+        assert torch.allclose(a[key].float(), b[key].float(), atol=1e-6), key
+    mirror.clear()
+    assert mirror.stored() == []

@@ -32,6 +32,7 @@ __all__ = [
     "CommitMarker",
     "commit_key",
     "commit_prefix",
+    "commit_stamp_key",
     "commit_time",
     "new_shard_id",
     "quarantine_key",
@@ -77,6 +78,14 @@ def commit_prefix(prefix: str, slug: str) -> str:
 def commit_key(prefix: str, slug: str, committed_at: datetime, shard_id: str) -> str:
     moment = committed_at.astimezone(UTC)
     return f"{commit_prefix(prefix, slug)}{moment:%Y%m%dT%H%M%S%f}Z-{shard_id}.json"
+
+
+def commit_stamp_key(prefix: str, slug: str, moment: datetime) -> str:
+    """A key that sorts just before every commit stamped at ``moment`` or later.
+
+    Use it as ``start_after`` to list the commits of a time range without the older ones.
+    """
+    return f"{commit_prefix(prefix, slug)}{moment.astimezone(UTC):%Y%m%dT%H%M%S%f}Z"
 
 
 def commit_time(key: str) -> datetime:

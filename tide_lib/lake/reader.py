@@ -114,6 +114,16 @@ class LakeReader:
             markers.append(marker)
         return markers
 
+    def commit_keys(self, slug: str, *, after: str | None, until: str) -> list[str]:
+        """Commit-marker keys in ``(after, until]``, from one listing; no marker is read."""
+        keys = []
+        for info in self.store.list(commit_prefix(self.config.prefix, slug), start_after=after):
+            if info.key > until:
+                break
+            if info.key.endswith(".json"):
+                keys.append(info.key)
+        return keys
+
     def count_tokens(self, slug: str, *, after: str | None = None, settled: bool = False) -> int:
         """Tokens in shards committed after the watermark, without opening any shard."""
         shards = self.list_shards(slug, after=after, settled=settled)

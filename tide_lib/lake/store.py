@@ -23,7 +23,7 @@ from minio.error import S3Error
 
 from tide_lib.config import ObjectStoreConfig
 
-__all__ = ["ObjectInfo", "ObjectStore", "StoreUnavailableError"]
+__all__ = ["ObjectInfo", "ObjectStore", "StoreIO", "StoreUnavailableError", "process_io"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,12 +40,42 @@ class ObjectInfo:
     last_modified: datetime | None
 
 
+@dataclasses.dataclass
+class StoreIO:
+    """What a store object has read: bytes downloaded, objects listed, GETs and LISTs sent."""
+
+    bytes_read: int = 0
+    objects_listed: int = 0
+    gets: int = 0
+    lists: int = 0
+
+    def add(self, *, bytes_read: int = 0, listed: int = 0, gets: int = 0, lists: int = 0) -> None:
+        self.bytes_read += bytes_read
+        self.objects_listed += listed
+        self.gets += gets
+        self.lists += lists
+
+
+_PROCESS_IO = StoreIO()
+
+
+def process_io() -> StoreIO:
+    """What every store of this process has read so far (a copy; subtract two to measure)."""
+    return dataclasses.replace(_PROCESS_IO)
+
+
+def _count(store_io: StoreIO, **amounts: int) -> None:
+    store_io.add(**amounts)
+    _PROCESS_IO.add(**amounts)
+
+
 class ObjectStore:
-    """One bucket on one S3 endpoint."""
+    """One bucket on one S3 endpoint; ``io`` counts what it read (benchmarks report it)."""
 
     def __init__(self, config: ObjectStoreConfig, bucket: str) -> None:
         self.config = config
         self.bucket = bucket
+        self.io = StoreIO()
         http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=config.timeout_s, read=config.timeout_s * 6),
             # No retry on refused connections: callers spool or report instead of hanging.
@@ -115,24 +145,29 @@ class ObjectStore:
     def get_bytes(self, key: str) -> bytes:
         response = self._call(f"reading {key}", self._client.get_object, self.bucket, key)
         try:
-            return bytes(response.read())
+            data = bytes(response.read())
         except (urllib3.exceptions.HTTPError, OSError) as error:
             raise self._unavailable(f"reading {key}", error) from error
         finally:
             response.close()
             response.release_conn()
+        _count(self.io, gets=1, bytes_read=len(data))
+        return data
 
     def get_file(self, key: str, path: Path) -> None:
         self._call(f"downloading {key}", self._client.fget_object, self.bucket, key, str(path))
+        _count(self.io, gets=1, bytes_read=path.stat().st_size)
 
     def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
         """Objects under ``prefix`` in key order, optionally only those after ``start_after``."""
+        _count(self.io, lists=1)
         try:
             for obj in self._client.list_objects(
                 self.bucket, prefix=prefix, recursive=True, start_after=start_after
             ):
                 if obj.object_name is None or obj.is_dir:
                     continue
+                _count(self.io, listed=1)
                 yield ObjectInfo(obj.object_name, obj.size or 0, obj.last_modified)
         except (urllib3.exceptions.HTTPError, OSError) as error:
             raise self._unavailable(f"listing {prefix}", error) from error

@@ -160,6 +160,7 @@ def run_adaptation_bench(
         work = Path(tmp)
         run_config = config.model_copy(
             update={
+                "scratch_dir": work / "scratch",
                 "lake": config.lake.model_copy(
                     update={
                         "prefix": f"bench-{target_id}",
@@ -214,7 +215,7 @@ def run_adaptation_bench(
                 cycles_run += 1
                 cycle_id = f"cycle-{cycles_run}"
                 snapshot = cycle.snapshot_window(run_config, cycle_id)
-                trained = cycle.train(run_config, snapshot, work / "cycles")
+                trained = cycle.train(run_config, snapshot)
                 version = cycle.register(run_config, snapshot, trained)
                 decision = cycle.evaluate_and_gate(run_config, snapshot, trained, version)
                 cycle.promote(run_config, version, decision)

@@ -1,7 +1,10 @@
 """One adaptation cycle, as the steps ``tide_adaptation`` runs (one function per task).
 
-Each step takes the typed configuration and what earlier steps returned (small
-JSON-able dicts, fit for XCom), and is safe to rerun:
+Each step takes the typed configuration and what earlier steps returned: the
+typed hand-offs of :mod:`tide_lib.orchestration.handoff` (lake keys, MLflow ids,
+URIs; never a local path, since the steps run on different hosts). Whatever a
+step needs locally it downloads into a scratch directory of its own, removed when
+it ends. Each step is safe to rerun:
 
 - the **snapshot** of a cycle is written once to the lake and read back on a rerun;
 - **registration** finds the version a cycle already registered;
@@ -13,36 +16,45 @@ State lives in the lake bucket under ``<prefix>/_state/target=<slug>/``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import random
+import tempfile
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tide_lib.config import DEFAULT_HOME, TideConfig
+from tide_lib.config import TideConfig
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
-from tide_lib.lake.layout import CommitMarker
+from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
 from tide_lib.lake.reader import TrainingSample
+from tide_lib.orchestration.handoff import Decision, Promotion, Snapshot, Trained
+
+if TYPE_CHECKING:
+    from tide_lib.registry import DraftRegistry
 
 __all__ = [
     "advance_watermark",
     "apply_retention",
     "evaluate_and_gate",
+    "export_training_data",
+    "held_out_samples",
     "new_tokens",
     "promote",
     "read_watermark",
     "register",
     "rollback",
     "snapshot_window",
+    "task_scratch",
     "train",
 ]
 
 logger = logging.getLogger(__name__)
-
-_MAX_OLDER_EVAL = 64  # held-out requests of older traffic evaluated per cycle
 
 
 def _store(config: TideConfig) -> ObjectStore:
@@ -51,6 +63,12 @@ def _store(config: TideConfig) -> ObjectStore:
 
 def _reader(config: TideConfig) -> LakeReader:
     return LakeReader(_store(config), config.lake)
+
+
+def _registry(config: TideConfig) -> DraftRegistry:
+    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
+
+    return DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
 
 
 def _state_key(config: TideConfig, name: str) -> str:
@@ -78,28 +96,31 @@ def cycle_tokens(config: TideConfig, cycle_id: str) -> int:
     data it consumes no longer counts as new once the watermark moved past it.
     """
     saved = _saved_snapshot(config, cycle_id)
-    return int(saved["window_tokens"]) if saved is not None else new_tokens(config)
+    return saved.window_tokens if saved is not None else new_tokens(config)
 
 
 def _snapshot_key(config: TideConfig, cycle_id: str) -> str:
     return _state_key(config, f"cycles/{cycle_id}.json")
 
 
-def _saved_snapshot(config: TideConfig, cycle_id: str) -> dict[str, Any] | None:
+def _saved_snapshot(config: TideConfig, cycle_id: str) -> Snapshot | None:
     store, key = _store(config), _snapshot_key(config, cycle_id)
     if not store.exists(key):
         return None
-    snapshot: dict[str, Any] = json.loads(store.get_bytes(key))
-    return snapshot
+    return Snapshot.model_validate_json(store.get_bytes(key))
 
 
-def snapshot_window(config: TideConfig, cycle_id: str) -> dict[str, Any]:
-    """Freeze the shards of this cycle: the new window, and older shards for replay."""
+def snapshot_window(config: TideConfig, cycle_id: str) -> Snapshot:
+    """Freeze this cycle's inputs: the new window, a replay budget, an older held-out budget.
+
+    Older commits are drawn from the ``cycle.replay_lookback_hours`` before the
+    watermark, listed by key alone; only the markers chosen are read. So the
+    snapshot's cost follows the window and the budgets, not the lake's age.
+    """
     saved = _saved_snapshot(config, cycle_id)
     if saved is not None:
-        logger.info("cycle %s: reusing its snapshot (%d shards)", cycle_id, len(saved["window"]))
+        logger.info("cycle %s: reusing its snapshot (%d shards)", cycle_id, len(saved.window))
         return saved
-    store, key = _store(config), _snapshot_key(config, cycle_id)
     slug = target_slug(config.cycle.target_id)
     reader = _reader(config)
     before = read_watermark(config)
@@ -109,34 +130,66 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> dict[str, Any]:
             f"no committed shards for {slug} after watermark {before} that are at least "
             f"{config.lake.commit_settle_s:g} s old (lake.commit_settle_s)"
         )
-    older = [m for m in reader.list_shards(slug) if before is not None and m.key <= before]
     window_tokens = sum(m.num_tokens for m in window)
-    budget = config.cycle.replay_share * window_tokens
-    replay: list[CommitMarker] = []
-    for marker in random.Random(cycle_id).sample(older, len(older)):
-        if sum(m.num_tokens for m in replay) >= budget:
-            break
-        replay.append(marker)
-    snapshot = {
-        "cycle_id": cycle_id,
-        "target_id": config.cycle.target_id,
-        "watermark_before": before,
-        "watermark_after": window[-1].key,
-        "window": [m.key for m in window],
-        "replay": [m.key for m in replay],
-        "window_tokens": window_tokens,
-        "replay_tokens": sum(m.num_tokens for m in replay),
-        "older": [m.key for m in older],
-    }
-    store.put_bytes(key, json.dumps(snapshot).encode(), content_type="application/json")
+    older = _older_keys(config, reader, slug, before)
+    shuffled = random.Random(cycle_id).sample(older, len(older))
+    percent = config.cycle.held_out_percent
+    held_out = _take(reader, shuffled, config.cycle.held_out_older_tokens * 100 / percent)
+    rest = [key for key in shuffled if key not in {m.key for m in held_out}]
+    replay = _take(reader, rest, config.cycle.replay_share * window_tokens)
+    snapshot = Snapshot(
+        cycle_id=cycle_id,
+        target_id=config.cycle.target_id,
+        watermark_before=before,
+        watermark_after=window[-1].key,
+        window=[m.key for m in window],
+        replay=sorted(m.key for m in replay),
+        held_out_older=sorted(m.key for m in held_out),
+        window_tokens=window_tokens,
+        replay_tokens=sum(m.num_tokens for m in replay),
+        older_listed=len(older),
+    )
+    _store(config).put_bytes(
+        _snapshot_key(config, cycle_id),
+        snapshot.model_dump_json().encode(),
+        content_type="application/json",
+    )
     logger.info(
-        "cycle %s: window of %d shards (%d tokens), replay of %d shards",
+        "cycle %s: window of %d shards (%d tokens); replay %d and older held-out %d shards "
+        "drawn from %d older commits",
         cycle_id,
         len(window),
         window_tokens,
         len(replay),
+        len(held_out),
+        len(older),
     )
     return snapshot
+
+
+def _older_keys(
+    config: TideConfig, reader: LakeReader, slug: str, watermark: str | None
+) -> list[str]:
+    """Commit keys within the replay lookback before the watermark (a listing, no reads)."""
+    if watermark is None:
+        return []
+    since = commit_time(watermark) - timedelta(hours=config.cycle.replay_lookback_hours)
+    start = commit_stamp_key(config.lake.prefix, slug, since)
+    return reader.commit_keys(slug, after=start, until=watermark)
+
+
+def _take(reader: LakeReader, keys: list[str], budget_tokens: float) -> list[CommitMarker]:
+    """Markers from ``keys``, in order, until their tokens reach the budget."""
+    taken: list[CommitMarker] = []
+    tokens = 0
+    for key in keys:
+        if tokens >= budget_tokens:
+            break
+        marker = reader.marker(key)
+        if marker is not None:
+            taken.append(marker)
+            tokens += marker.num_tokens
+    return taken
 
 
 def _markers(reader: LakeReader, keys: list[str]) -> list[CommitMarker]:
@@ -149,230 +202,259 @@ def _markers(reader: LakeReader, keys: list[str]) -> list[CommitMarker]:
 
 
 def _held_out(sample: TrainingSample, percent: int) -> bool:
+    """Held out of training in every cycle: judges forgetting once the traffic is older."""
     return hashlib.sha256(sample.request_id.encode()).digest()[0] * 100 // 256 < percent
 
 
-def _save(sample: TrainingSample, directory: Path, index: int) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.save(sample.to_specforge(), directory / f"data_{index:08d}.ckpt")
+def _window_split(config: TideConfig, snapshot: Snapshot) -> Iterator[tuple[bool, TrainingSample]]:
+    """The window's requests in commit order, each with whether it is held out.
 
-
-def _export(config: TideConfig, snapshot: dict[str, Any], work: Path) -> dict[str, Path]:
-    """Train (window minus held-out, plus replay), recent held-out and older held-out dirs."""
+    Every stride-th request is held out, the first included, so a small window
+    still has recent traffic to judge on; train and evaluate, on any host, read
+    the same shards in the same order and so agree on the split.
+    """
     reader = _reader(config)
-    dirs = {name: work / name for name in ("train", "recent", "older")}
-    percent = config.cycle.held_out_percent
+    stride = max(2, 100 // config.cycle.held_out_percent)
+    for position, sample in enumerate(reader.iter_samples(_markers(reader, snapshot.window))):
+        yield position % stride == 0, sample
+
+
+def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> int:
+    """Write the training set (window minus held-out, plus replay) in SpecForge's layout."""
+    reader = _reader(config)
     count = 0
-    stride = max(2, 100 // percent)  # every stride-th window request, the first included
-    for position, sample in enumerate(reader.iter_samples(_markers(reader, snapshot["window"]))):
-        _save(sample, dirs["recent" if position % stride == 0 else "train"], count)
+
+    def save(sample: TrainingSample) -> None:
+        nonlocal count
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(sample.to_specforge(), out / f"data_{count:08d}.ckpt")
         count += 1
-    older_kept = 0
-    for sample in reader.iter_samples(_markers(reader, snapshot["older"])):
-        if older_kept < _MAX_OLDER_EVAL and _held_out(sample, percent):
-            _save(sample, dirs["older"], count)
-            older_kept += 1
-            count += 1
-    for sample in reader.iter_samples(_markers(reader, snapshot["replay"])):
-        if not _held_out(sample, percent):
-            _save(sample, dirs["train"], count)
-        count += 1
-    return dirs
+
+    for held, sample in _window_split(config, snapshot):
+        if not held:
+            save(sample)
+    for sample in reader.iter_samples(_markers(reader, snapshot.replay)):
+        if not _held_out(sample, config.cycle.held_out_percent):
+            save(sample)
+    logger.info("cycle %s: %d training samples", snapshot.cycle_id, count)
+    return count
 
 
-def train(config: TideConfig, snapshot: dict[str, Any], work_dir: Path) -> dict[str, Any]:
-    """Train the cycle's challenger, warm-started from the champion; logs to an MLflow run."""
-    import mlflow  # noqa: PLC0415
-
-    from tide_lib.registry import CHAMPION, DraftRegistry  # noqa: PLC0415
-    from tide_lib.training.tracking import MlflowMetricSink  # noqa: PLC0415
-    from tide_lib.training.trainer import train_draft  # noqa: PLC0415
-
-    work = work_dir / snapshot["cycle_id"]
-    dirs = _export(config, snapshot, work / "data")
-    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
-    registered = registry.find_by_tag("tide.cycle_id", snapshot["cycle_id"])
-    if registered is not None and registered.run_id:
-        cycle_id = snapshot["cycle_id"]
-        logger.info("cycle %s trained v%s before: reusing it", cycle_id, registered.version)
-        return {
-            "run_id": registered.run_id,
-            "draft_dir": str(registry.download(registered.version, work / "registered")),
-            "data_dir": str(work / "data"),
-            "parent_version": registered.tags.get("tide.parent_version") or None,
-        }
-    champion = registry.alias(CHAMPION)
-    parent = registry.download(champion.version, work / "parent") if champion else None
-    client = mlflow.MlflowClient(config.mlflow.tracking_uri)
-    run = client.create_run(
-        registry.experiment_id(),
-        run_name=f"cycle-{snapshot['cycle_id']}",
-        tags={
-            "tide.cycle_id": snapshot["cycle_id"],
-            "tide.parent_version": champion.version if champion else "",
-        },
-    )
-    result = train_draft(
-        dirs["train"],
-        config.cycle.target_path,
-        work / "run",
-        config.training,
-        parent_dir=parent,
-        metrics=MlflowMetricSink(config.mlflow.tracking_uri, run.info.run_id),
-    )
-    client.log_param(run.info.run_id, "window_tokens", snapshot["window_tokens"])
-    client.log_param(run.info.run_id, "replay_tokens", snapshot["replay_tokens"])
-    client.set_terminated(run.info.run_id)
-    return {
-        "run_id": run.info.run_id,
-        "draft_dir": str(result.draft_dir),
-        "data_dir": str(work / "data"),
-        "parent_version": champion.version if champion else None,
+def held_out_samples(config: TideConfig, snapshot: Snapshot) -> dict[str, list[TrainingSample]]:
+    """The gate's traffic, read from the lake: ``recent`` (window) and ``older`` held-out."""
+    reader = _reader(config)
+    segments: dict[str, list[TrainingSample]] = {
+        config.gate.recent_segment: [s for held, s in _window_split(config, snapshot) if held]
     }
+    older: list[TrainingSample] = []
+    budget = config.cycle.held_out_older_tokens
+    for sample in reader.iter_samples(_markers(reader, snapshot.held_out_older)):
+        if sum(int(s.input_ids.numel()) for s in older) >= budget:
+            break
+        if _held_out(sample, config.cycle.held_out_percent):
+            older.append(sample)
+    if older:
+        segments["older"] = older
+    return segments
 
 
-def register(config: TideConfig, snapshot: dict[str, Any], trained: dict[str, Any]) -> str:
+@contextlib.contextmanager
+def task_scratch(config: TideConfig, name: str) -> Iterator[Path]:
+    """A scratch directory of this task's own under ``scratch_dir``, removed when it ends."""
+    config.scratch_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=config.scratch_dir) as tmp:
+        yield Path(tmp)
+
+
+def _training_run(registry: DraftRegistry, cycle_id: str, parent: str | None) -> str:
+    """The cycle's MLflow run: reused by a retry (one run per cycle, never one left RUNNING)."""
+    experiment = registry.experiment_id()
+    runs = registry.client.search_runs(
+        [experiment], filter_string=f"tags.`tide.cycle_id` = '{cycle_id}'", max_results=1
+    )
+    if runs:
+        logger.info("cycle %s: continuing its MLflow run %s", cycle_id, runs[0].info.run_id)
+        return str(runs[0].info.run_id)
+    run = registry.client.create_run(
+        experiment,
+        run_name=f"cycle-{cycle_id}",
+        tags={"tide.cycle_id": cycle_id, "tide.parent_version": parent or ""},
+    )
+    return str(run.info.run_id)
+
+
+def _checkpoint_prefix(config: TideConfig, cycle_id: str) -> str:
+    return _state_key(config, f"cycles/{cycle_id}/checkpoints")
+
+
+def train(config: TideConfig, snapshot: Snapshot) -> Trained:
+    """Train the cycle's challenger on this (trainer) host; hand back an MLflow artifact URI.
+
+    Warm-starts from the champion. Checkpoints are mirrored to the lake bucket, so
+    a retry on any trainer host resumes; the draft goes to the run's artifacts.
+    """
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
+    from tide_lib.training.launch import TrainJob, run_training  # noqa: PLC0415
+
+    registry = _registry(config)
+    cycle_id = snapshot.cycle_id
+    registered = registry.find_by_tag("tide.cycle_id", cycle_id)
+    if registered is not None and registered.run_id:
+        logger.info("cycle %s trained v%s before: reusing it", cycle_id, registered.version)
+        return Trained(
+            run_id=registered.run_id,
+            draft_uri=registered.source,
+            parent_version=registered.tags.get("tide.parent_version") or None,
+        )
+    champion = registry.alias(CHAMPION)
+    parent_version = champion.version if champion else None
+    run_id = _training_run(registry, cycle_id, parent_version)
+    with task_scratch(config, f"train-{cycle_id}") as work:
+        export_training_data(config, snapshot, work / "data")
+        parent = registry.download(champion.version, work / "parent") if champion else None
+        job = TrainJob(
+            data_dir=work / "data",
+            target_dir=config.cycle.target_path,
+            out_dir=work / "run",
+            training=config.training,
+            parent_dir=parent,
+            checkpoint_prefix=_checkpoint_prefix(config, cycle_id),
+            mlflow_run_id=run_id,
+        )
+        result = run_training(job, config)
+        draft_uri = registry.log_draft(run_id, result.draft_dir)
+    client = registry.client
+    client.log_param(run_id, "window_tokens", snapshot.window_tokens)
+    client.log_param(run_id, "replay_tokens", snapshot.replay_tokens)
+    client.set_terminated(run_id)
+    return Trained(run_id=run_id, draft_uri=draft_uri, parent_version=parent_version)
+
+
+def register(config: TideConfig, snapshot: Snapshot, trained: Trained) -> str:
+    """Register the challenger from its URI (once per cycle); drop the cycle's checkpoints."""
     import specforge  # noqa: PLC0415
 
-    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
+    from tide_lib.training.launch import CheckpointMirror  # noqa: PLC0415
 
-    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
-    version = registry.register(
-        Path(trained["draft_dir"]),
-        trained["run_id"],
-        cycle_id=snapshot["cycle_id"],
+    version = _registry(config).register(
+        trained.draft_uri,
+        trained.run_id,
+        cycle_id=snapshot.cycle_id,
         tags={
-            "tide.window.after": str(snapshot["watermark_before"]),
-            "tide.window.until": snapshot["watermark_after"],
-            "tide.window.tokens": str(snapshot["window_tokens"]),
-            "tide.replay.tokens": str(snapshot["replay_tokens"]),
-            "tide.parent_version": str(trained["parent_version"] or ""),
+            "tide.window.after": str(snapshot.watermark_before),
+            "tide.window.until": snapshot.watermark_after,
+            "tide.window.tokens": str(snapshot.window_tokens),
+            "tide.replay.tokens": str(snapshot.replay_tokens),
+            "tide.parent_version": str(trained.parent_version or ""),
             "tide.specforge_version": getattr(specforge, "__version__", "0.2.0"),
         },
     )
+    prefix = _checkpoint_prefix(config, snapshot.cycle_id)
+    CheckpointMirror(config, prefix, config.training.keep_checkpoints).clear()
     return version.version
 
 
 def evaluate_and_gate(
-    config: TideConfig, snapshot: dict[str, Any], trained: dict[str, Any], version: str
-) -> dict[str, Any]:
-    """Offline acceptance of challenger and champion per segment; the gate's decision."""
+    config: TideConfig, snapshot: Snapshot, trained: Trained, version: str
+) -> Decision:
+    """Offline acceptance of challenger and champion per segment; the gate's decision.
+
+    Held-out traffic comes from the lake and both drafts from the registry: this
+    step needs nothing from the host that trained.
+    """
     from tide_lib.evaluation.gate import decide, decision_from_tags  # noqa: PLC0415
     from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
     from tide_lib.evaluation.tracking import log_decision  # noqa: PLC0415
-    from tide_lib.registry import CHAMPION, DraftRegistry  # noqa: PLC0415
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
     from tide_lib.training.draft import load_draft  # noqa: PLC0415
     from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
-    from tide_lib.training.trainer import list_samples, load_sample  # noqa: PLC0415
 
+    del trained  # the registered version is what is judged
     prepare_specforge("cpu")
-    data = Path(trained["data_dir"])
-    target = config.cycle.target_path
-    k = config.gate.k
-
-    def segments() -> dict[str, list[TrainingSample]]:
-        result: dict[str, list[TrainingSample]] = {}
-        for name in ("recent", "older"):
-            if (data / name).is_dir() and any((data / name).glob("*.ckpt")):
-                result[name] = [
-                    _as_sample(load_sample(p), p.name) for p in list_samples(data / name)
-                ]
-        return result
-
-    def figures(draft_dir: Path) -> dict[str, float]:
-        counts = offline_acceptance(load_draft(draft_dir, target), target, segments(), [k])
-        return {segment: by_k[k].accept_length for segment, by_k in counts.items()}
-
-    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    target, k = config.cycle.target_path, config.gate.k
+    registry = _registry(config)
     decision = decision_from_tags(registry.get(version).tags, k)
     if decision is not None:
         logger.info("v%s was judged before: %s", version, decision.reason)
     else:
-        challenger = figures(Path(trained["draft_dir"]))
-        champion_version = registry.alias(CHAMPION)
-        champion = None
-        if champion_version is not None and champion_version.version != version:
-            champion_dir = registry.download(champion_version.version, data.parent / "champion")
-            champion = figures(champion_dir)
-        weights = {"recent": 1.0, "older": 1.0}
+        segments = held_out_samples(config, snapshot)
+        with task_scratch(config, f"evaluate-{snapshot.cycle_id}") as work:
+
+            def figures(number: str) -> dict[str, float]:
+                draft_dir = registry.download(number, work / f"v{number}")
+                counts = offline_acceptance(load_draft(draft_dir, target), target, segments, [k])
+                return {segment: by_k[k].accept_length for segment, by_k in counts.items()}
+
+            challenger = figures(version)
+            champion_version = registry.alias(CHAMPION)
+            champion = None
+            if champion_version is not None and champion_version.version != version:
+                champion = figures(champion_version.version)
+        weights = dict.fromkeys(segments, 1.0)
         decision = decide(challenger, champion, config.gate, weights)
         log_decision(config.mlflow.tracking_uri, registry.name, version, decision, k)
-    return {
-        "promote": decision.promote or config.cycle.force_promote,
-        "reason": decision.reason,
-        "challenger": decision.challenger,
-        "champion": decision.champion,
-    }
-
-
-def _as_sample(raw: dict[str, torch.Tensor], name: str) -> TrainingSample:
-    from datetime import UTC, datetime  # noqa: PLC0415
-
-    return TrainingSample(
-        request_id=name,
-        draft_version="",
-        finished_at=datetime.now(UTC),
-        input_ids=raw["input_ids"],
-        loss_mask=raw["loss_mask"],
-        hidden_state=raw["hidden_state"],
-        aux_hidden_state=raw["aux_hidden_state"],
-        spec_verify_ct=0,
-        spec_accept_tokens=0,
+    return Decision(
+        promote=decision.promote or config.cycle.force_promote,
+        reason=decision.reason,
+        challenger=decision.challenger,
+        champion=decision.champion,
     )
 
 
-def promote(config: TideConfig, version: str, decision: dict[str, Any]) -> dict[str, Any]:
-    """Roll the version out to the fleet, then move ``champion``/``previous-champion``."""
-    from tide_lib.registry import CHAMPION, DraftRegistry  # noqa: PLC0415
+def promote(config: TideConfig, version: str, decision: Decision) -> Promotion:
+    """Roll the version out to the fleet, then move ``champion``/``previous-champion``.
+
+    Engines are handed ``models:/<name>/<version>`` and download it themselves.
+    """
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
     from tide_lib.serving.fleet import FleetManager  # noqa: PLC0415
 
-    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
-    if not decision["promote"] or config.cycle.dry_run:
-        why = "dry run" if config.cycle.dry_run else decision["reason"]
+    registry = _registry(config)
+    if not decision.promote or config.cycle.dry_run:
+        why = "dry run" if config.cycle.dry_run else decision.reason
         logger.info("not promoting v%s: %s", version, why)
-        return {"promoted": False, "reason": why}
+        return Promotion(promoted=False, reason=why)
     current = registry.alias(CHAMPION)
     if current is not None and current.version == version:
-        return {"promoted": False, "reason": f"v{version} is already champion"}
+        return Promotion(promoted=False, reason=f"v{version} is already champion")
     if registry.get(version).tags.get("tide.promoted") == "true":
         why = f"v{version} was promoted before; serve it again with tide_rollback"
         logger.info("not promoting: %s", why)
-        return {"promoted": False, "reason": why}
+        return Promotion(promoted=False, reason=why)
     if config.cycle.servers:
-        drafts = (DEFAULT_HOME / "drafts" / registry.name).resolve()
-        local = registry.download(version, drafts / f"v{version}")
-        FleetManager(config.cycle.servers).promote(local, f"{registry.name}-v{version}")
+        FleetManager(config.cycle.servers).promote(
+            registry.model_uri(version), f"{registry.name}-v{version}"
+        )
     registry.promote(version)
-    return {"promoted": True, "reason": decision["reason"]}
+    return Promotion(promoted=True, reason=decision.reason)
 
 
-def advance_watermark(config: TideConfig, snapshot: dict[str, Any]) -> str:
+def advance_watermark(config: TideConfig, snapshot: Snapshot) -> str:
     """Mark the window consumed; never moves backwards."""
     store, key = _store(config), _state_key(config, "watermark.json")
     current = read_watermark(config)
-    target = snapshot["watermark_after"]
-    if current is not None and current >= target:
+    consumed_until = snapshot.watermark_after
+    if current is not None and current >= consumed_until:
         return current
     store.put_bytes(
-        key, json.dumps({"watermark": target, "cycle_id": snapshot["cycle_id"]}).encode()
+        key, json.dumps({"watermark": consumed_until, "cycle_id": snapshot.cycle_id}).encode()
     )
-    return str(target)
+    return consumed_until
 
 
 def rollback(config: TideConfig, version: str) -> dict[str, Any]:
     """Serve an earlier version (a number, or an alias such as ``previous-champion``)."""
-    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
     from tide_lib.serving.fleet import FleetManager  # noqa: PLC0415
 
-    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    registry = _registry(config)
     resolved = registry.alias(version) if not version.isdigit() else None
     number = resolved.version if resolved is not None else version
     if not number.isdigit():
         raise ValueError(f"{registry.name} has no version or alias {version!r}")
     if config.cycle.servers:
-        drafts = (DEFAULT_HOME / "drafts" / registry.name).resolve()
-        local = registry.download(number, drafts / f"v{number}")
-        FleetManager(config.cycle.servers).promote(local, f"{registry.name}-v{number}")
+        FleetManager(config.cycle.servers).promote(
+            registry.model_uri(number), f"{registry.name}-v{number}"
+        )
     registry.promote(number)
     logger.info("rolled %s back to v%s", registry.name, number)
     return {"version": number}

@@ -325,7 +325,9 @@ def run_demo(
                         work_dir / "logs" / f"engine-{port}.log",
                         {
                             "TIDE_STORE__ENDPOINT": config.store.endpoint,
+                            "TIDE_MLFLOW__TRACKING_URI": config.mlflow.tracking_uri,
                             "TIDE_LAKE__SPOOL_DIR": str(work_dir / "spool" / str(port)),
+                            "TIDE_SCRATCH_DIR": str(work_dir / "scratch" / str(port)),
                         },
                     )
                 )

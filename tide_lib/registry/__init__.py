@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tide_lib.lake.layout import target_slug
+from tide_lib.registry.uris import is_portable
 from tide_lib.training.draft import validate_draft_dir
 
 __all__ = [
@@ -48,6 +49,7 @@ class DraftVersion:
     run_id: str | None
     tags: dict[str, str]
     aliases: list[str]
+    source: str = ""  # where MLflow keeps its artifacts, e.g. runs:/<run id>/draft
 
 
 class DraftRegistry:
@@ -80,6 +82,7 @@ class DraftRegistry:
             run_id=raw.run_id,
             tags=dict(raw.tags or {}),
             aliases=list(getattr(raw, "aliases", []) or []),
+            source=str(raw.source or ""),
         )
 
     def find_by_tag(self, key: str, value: str) -> DraftVersion | None:
@@ -88,24 +91,50 @@ class DraftRegistry:
                 return self.get(raw.version)
         return None
 
+    def log_draft(self, run_id: str, draft_dir: Path) -> str:
+        """Validate ``draft_dir`` and store it as the run's ``draft`` artifact; returns its URI.
+
+        The artifact lands in the object store behind the MLflow server, so any host
+        resolves the URI; the caller's directory can go as soon as this returns.
+        """
+        validate_draft_dir(draft_dir)
+        self.client.log_artifacts(run_id, str(draft_dir), DRAFT_ARTIFACT_PATH)
+        return f"runs:/{run_id}/{DRAFT_ARTIFACT_PATH}"
+
     def register(
-        self, draft_dir: Path, run_id: str, *, cycle_id: str, tags: dict[str, str] | None = None
+        self,
+        draft: Path | str,
+        run_id: str,
+        *,
+        cycle_id: str,
+        tags: dict[str, str] | None = None,
     ) -> DraftVersion:
-        """Log ``draft_dir`` to the run and register it as ``challenger`` (once per cycle)."""
+        """Register a draft as ``challenger`` (once per cycle).
+
+        ``draft`` is a local directory (validated and logged to the run first) or the
+        URI :meth:`log_draft` returned on another host.
+        """
         existing = self.find_by_tag("tide.cycle_id", cycle_id)
         if existing is not None:
             logger.info("cycle %s already registered %s v%s", cycle_id, self.name, existing.version)
             return existing
-        validate_draft_dir(draft_dir)
+        if isinstance(draft, Path):
+            source = self.log_draft(run_id, draft)
+        elif is_portable(draft):
+            source = draft
+        else:
+            raise ValueError(f"register takes a draft directory or a draft URI, not {draft!r}")
         self._ensure_model()
-        self.client.log_artifacts(run_id, str(draft_dir), DRAFT_ARTIFACT_PATH)
-        source = f"runs:/{run_id}/{DRAFT_ARTIFACT_PATH}"
         raw = self.client.create_model_version(
             self.name, source, run_id=run_id, tags={"tide.cycle_id": cycle_id, **(tags or {})}
         )
         self.client.set_registered_model_alias(self.name, CHALLENGER, raw.version)
         logger.info("registered %s v%s (challenger) from run %s", self.name, raw.version, run_id)
         return self.get(raw.version)
+
+    def model_uri(self, version: str) -> str:
+        """``models:/<name>/<version>``: what a host is handed to fetch this version itself."""
+        return f"models:/{self.name}/{version}"
 
     def experiment_id(self) -> str:
         """The MLflow experiment of this target's runs (named like the model), created once."""

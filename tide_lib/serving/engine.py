@@ -28,6 +28,7 @@ import torch
 
 from tide_lib.config import ServeConfig, TideConfig
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
+from tide_lib.registry.uris import DraftFetchError, fetch_draft, is_portable
 from tide_lib.serving.capture import capture_wanted
 from tide_lib.serving.speculative import Generation, SpeculativeDecoder
 from tide_lib.training.draft import InvalidCheckpointError, load_draft
@@ -253,7 +254,23 @@ class Engine:
     # -- drafts ------------------------------------------------------------------------------
 
     def _load_draft(self, path: str) -> Any:
-        local = self._fetch(path)
+        if is_portable(path):
+            # This host downloads its own copy, loads it into memory and keeps no files.
+            self.config.scratch_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(
+                prefix="tide-draft-", dir=self.config.scratch_dir
+            ) as tmp:
+                try:
+                    local = fetch_draft(path, self.config, Path(tmp))
+                except DraftFetchError as error:
+                    raise InvalidCheckpointError(str(error)) from error
+                return self._load_local(local, path)
+        local = Path(path)
+        if not local.is_dir():
+            raise InvalidCheckpointError(f"draft path {path} is not a directory")
+        return self._load_local(local, path)
+
+    def _load_local(self, local: Path, path: str) -> Any:
         draft = load_draft(local, self.target_dir)
         hidden = self.target.config.hidden_size
         if (
@@ -266,26 +283,6 @@ class Engine:
                 f"vocab {self.target.config.vocab_size}"
             )
         return draft
-
-    def _fetch(self, path: str) -> Path:
-        if not path.startswith("s3://"):
-            local = Path(path)
-            if not local.is_dir():
-                raise InvalidCheckpointError(f"draft path {path} is not a directory")
-            return local
-        bucket, _, prefix = path.removeprefix("s3://").partition("/")
-        store = ObjectStore(self.config.store, bucket)
-        target = Path(tempfile.mkdtemp(prefix="tide-draft-"))
-        found = False
-        for info in store.list(prefix.rstrip("/") + "/"):
-            relative = info.key[len(prefix.rstrip("/")) + 1 :]
-            destination = target / relative
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            store.get_file(info.key, destination)
-            found = True
-        if not found:
-            raise InvalidCheckpointError(f"no objects under {path}")
-        return target
 
     def swap_draft(self, path: str, version: str, timeout: float = 540.0) -> None:
         """Validate and load a draft here, then let the worker swap it in between requests."""

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from tide_lib.config import TrainConfig
 from tide_lib.training.draft import (
+    WEIGHTS_FILE,
     count_output_tokens,
     export_draft,
     load_draft,
@@ -80,6 +81,14 @@ class TrainResult:
     @property
     def tokens_per_s(self) -> float:
         return self.trained_tokens / self.seconds if self.seconds else 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "draft_dir": str(self.draft_dir)})
+
+    @classmethod
+    def from_json(cls, raw: str) -> TrainResult:
+        payload = json.loads(raw)
+        return cls(**{**payload, "draft_dir": Path(payload["draft_dir"])})
 
 
 def list_samples(data_dir: Path) -> list[Path]:
@@ -171,6 +180,11 @@ class _Eagle3Objective:
         self.strategy = Eagle3TrainStrategy(
             self.model, target_head=self.head, ploss_decay=config.ploss_decay
         )
+        self.bf16 = config.precision == "bf16" or (
+            config.precision == "auto"
+            and self.device.type == "cuda"
+            and torch.cuda.is_bf16_supported()
+        )
 
     def forward(self, raw: dict[str, torch.Tensor], sample_id: str) -> Any:
         from specforge.runtime.contracts import TrainBatch  # noqa: PLC0415
@@ -187,7 +201,8 @@ class _Eagle3Objective:
             tensors=tensors,
             metadata={"target_repr": "hidden_state"},
         )
-        return self.strategy.forward_loss(batch)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            return self.strategy.forward_loss(batch)
 
 
 class _Accuracy:
@@ -229,13 +244,34 @@ def _maybe_init_distributed(device: str) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def _run_fingerprint(samples: list[Path], config: TrainConfig, parent_dir: Path | None) -> str:
+def _file_digest(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _run_fingerprint(
+    data_dir: Path, samples: list[Path], config: TrainConfig, parent_dir: Path | None
+) -> str:
+    """What a checkpoint must match to be resumed: names, settings, parent weights; no paths.
+
+    A retry on another host has other directories but the same samples and parent,
+    so it resumes; a different window or parent does not.
+    """
     payload = {
-        "samples": [str(path) for path in samples],
+        "samples": [path.relative_to(data_dir).as_posix() for path in samples],
         "config": config.model_dump(
-            exclude={"checkpoint_every", "keep_checkpoints", "log_every", "device"}
+            exclude={
+                "checkpoint_every",
+                "keep_checkpoints",
+                "log_every",
+                "device",
+                "nproc_per_node",
+                "batch_size",
+            }
         ),
-        "parent": str(parent_dir) if parent_dir else None,
+        # Processes x batch is what a step trains on; how it is split does not matter.
+        "step_batch": config.batch_size * int(os.environ.get("WORLD_SIZE", "1")),
+        "parent": _file_digest(parent_dir / WEIGHTS_FILE) if parent_dir else None,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -285,7 +321,7 @@ def _latest_checkpoint(directory: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def _save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> None:
+def _save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{state['step']:08d}.pt"
     tmp = path.with_suffix(".tmp")
@@ -293,6 +329,7 @@ def _save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> None:
     tmp.replace(path)
     for old in sorted(directory.glob("step-*.pt"))[:-keep]:
         old.unlink()
+    return path
 
 
 def train_draft(
@@ -304,13 +341,14 @@ def train_draft(
     parent_dir: Path | None = None,
     metrics: MetricSink | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    on_checkpoint: Callable[[Path], None] | None = None,
 ) -> TrainResult:
     """Train (or resume training) a draft; exports it to ``out_dir/draft`` and returns figures."""
     backend = prepare_specforge(config.device, config.loss_backend)
     _maybe_init_distributed(config.device)
     rank, world = _rank_world()
     samples = list_samples(data_dir)
-    fingerprint = _run_fingerprint(samples, config, parent_dir)
+    fingerprint = _run_fingerprint(data_dir, samples, config, parent_dir)
     torch.manual_seed(config.seed)
 
     draft = _initial_draft(samples, target_dir, config, parent_dir)
@@ -385,7 +423,7 @@ def train_draft(
             if metrics is not None:
                 metrics.log_metrics(last, step=done)
         if rank == 0 and (done % config.checkpoint_every == 0 or done == config.steps):
-            _save_checkpoint(
+            saved = _save_checkpoint(
                 checkpoint_dir,
                 {
                     "step": done,
@@ -397,6 +435,8 @@ def train_draft(
                 },
                 config.keep_checkpoints,
             )
+            if on_checkpoint is not None:
+                on_checkpoint(saved)
         if on_step is not None:
             on_step(done, step_metrics)
 

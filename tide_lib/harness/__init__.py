@@ -1,0 +1,4 @@
+"""TIDE's harness: benchmarks that measure the product through its public API.
+
+Nothing in the product imports from here.
+"""

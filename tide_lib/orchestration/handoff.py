@@ -1,0 +1,89 @@
+"""What one cycle step hands the next: small typed values that mean the same on every host.
+
+The steps of ``tide_adaptation`` run on different hosts (``train`` on the ``mi250``
+trainers, the rest on ``default`` workers, engines elsewhere), so a hand-off can
+only carry what every host resolves for itself: lake object keys, MLflow run and
+model-version ids, and ``s3://``, ``runs:/`` or ``models:/`` URIs. Never a local
+path. Each model travels through XCom as JSON (``to_xcom``) and is validated
+again when the next step reads it (``from_xcom``), so a malformed value fails at
+the edge with the field named.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tide_lib.registry.uris import PORTABLE_SCHEMES, is_portable
+
+__all__ = ["Decision", "HandOff", "Promotion", "Snapshot", "Trained"]
+
+
+class HandOff(BaseModel):
+    """Base of the hand-offs: immutable, unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def to_xcom(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_xcom(cls, value: Self | dict[str, Any]) -> Self:
+        return value if isinstance(value, cls) else cls.model_validate(value)
+
+
+class Snapshot(HandOff):
+    """The frozen inputs of one cycle, chosen once from commit markers and stored in the lake.
+
+    Every list holds commit-marker keys; the cycle reads nothing else. Its size is
+    set by the window, the replay budget and the older held-out budget, never by
+    the lake's age.
+    """
+
+    cycle_id: str
+    target_id: str
+    watermark_before: str | None
+    watermark_after: str
+    window: list[str] = Field(description="commits after the watermark: the new traffic")
+    replay: list[str] = Field(description="older commits mixed into training")
+    held_out_older: list[str] = Field(
+        description="older commits whose held-out requests judge forgetting"
+    )
+    window_tokens: int = Field(ge=0)
+    replay_tokens: int = Field(ge=0)
+    older_listed: int = Field(ge=0, description="older commit keys listed to choose from")
+
+
+class Trained(HandOff):
+    """The challenger a trainer host produced, stored where every host can read it."""
+
+    run_id: str
+    draft_uri: str = Field(description="the exported draft as an MLflow artifact URI")
+    parent_version: str | None
+
+    @field_validator("draft_uri")
+    @classmethod
+    def _portable(cls, value: str) -> str:
+        if not is_portable(value):
+            raise ValueError(
+                f"draft_uri {value!r} is not a URI another host can resolve "
+                f"(expected one of {', '.join(PORTABLE_SCHEMES)})"
+            )
+        return value
+
+
+class Decision(HandOff):
+    """The gate's verdict on a registered version, with the figures it judged."""
+
+    promote: bool
+    reason: str
+    challenger: dict[str, float]
+    champion: dict[str, float] | None
+
+
+class Promotion(HandOff):
+    """What the promote step did."""
+
+    promoted: bool
+    reason: str
