@@ -18,7 +18,7 @@ from typing import Any
 import pendulum
 from airflow.sdk import dag, get_current_context, task
 
-from tide_lib.orchestration.params import cycle_params
+from tide_lib.orchestration.params import adaptation_schedule, cycle_params
 from tide_lib.orchestration.sensors import LakeTokensSensor
 
 
@@ -31,7 +31,7 @@ def _config() -> Any:
 @dag(
     dag_id="tide_adaptation",
     description="Adapt the EAGLE3 draft to the traffic captured since the last cycle",
-    schedule=timedelta(hours=1),
+    schedule=adaptation_schedule(),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,

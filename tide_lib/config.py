@@ -118,6 +118,20 @@ class StackConfig(StrictModel):
         8793, ge=1, le=65534, description="log server of the first Celery worker (next: +1)"
     )
     start_timeout_s: float = Field(90.0, gt=0)
+    services: list[str] = Field(
+        default_factory=list,
+        description=(
+            "the services this host runs (names as `tide stack status` shows them); empty: "
+            "every enabled one. Several hosts split one stack this way"
+        ),
+    )
+    airflow_api_url: str | None = Field(
+        None,
+        description=(
+            "where other hosts reach the Airflow API server (workers call its execution API); "
+            "default http://<host>:<airflow_port>"
+        ),
+    )
 
     @model_validator(mode="after")
     def _celery_needs_a_server_database(self) -> StackConfig:
@@ -277,6 +291,14 @@ class CycleConfig(StrictModel):
         description="tokens of older held-out traffic the gate judges forgetting on",
     )
     servers: list[str] = Field(default_factory=list, description="fleet base URLs")
+    schedule_minutes: int = Field(
+        60,
+        ge=0,
+        description=(
+            "how often the scheduler starts a cycle (its sensor then waits for new tokens); "
+            "0: only triggered cycles. Read when the DAG is parsed, not per run"
+        ),
+    )
     force_promote: bool = Field(False, description="promote even if the gate rejects")
     dry_run: bool = Field(False, description="train, register and evaluate, but do not promote")
 

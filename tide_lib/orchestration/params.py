@@ -6,15 +6,17 @@ so the two cannot drift; what comes back is validated by the same model.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 from tide_lib.config import CycleConfig, GateConfig, TideConfig, load_config
 
-__all__ = ["config_from_params", "cycle_params"]
+__all__ = ["adaptation_schedule", "config_from_params", "cycle_params"]
 
 _JSON_TYPES: dict[object, str] = {int: "integer", float: "number", str: "string", bool: "boolean"}
 _GATE_FIELDS = ("margin", "tolerance")
+_PARSE_TIME_FIELDS = frozenset({"schedule_minutes"})  # DAG settings, not per-run ones
 
 
 def _schema(annotation: Any) -> dict[str, Any]:
@@ -34,6 +36,8 @@ def cycle_params() -> dict[str, Any]:
     defaults = load_config()
     params: dict[str, Any] = {}
     for name, field in CycleConfig.model_fields.items():
+        if name in _PARSE_TIME_FIELDS:
+            continue
         value = getattr(defaults.cycle, name)
         params[name] = Param(
             str(value) if not isinstance(value, int | float | bool | list) else value,
@@ -48,10 +52,20 @@ def cycle_params() -> dict[str, Any]:
     return params
 
 
+def adaptation_schedule() -> timedelta | None:
+    """The adaptation DAG's schedule from ``cycle.schedule_minutes`` (0: triggered only)."""
+    minutes = load_config().cycle.schedule_minutes
+    return timedelta(minutes=minutes) if minutes else None
+
+
 def config_from_params(params: dict[str, Any]) -> TideConfig:
     """The run's configuration: environment defaults overridden by the form, validated."""
     base = load_config()
-    cycle = {name: params[name] for name in CycleConfig.model_fields if name in params}
+    cycle = {
+        name: params[name]
+        for name in CycleConfig.model_fields
+        if name in params and name not in _PARSE_TIME_FIELDS
+    }
     gate = {name: params[f"gate_{name}"] for name in _GATE_FIELDS if f"gate_{name}" in params}
     return base.model_copy(
         update={

@@ -85,7 +85,18 @@ class StackManager:
 
     def __init__(self, config: TideConfig, services: tuple[Service, ...] = SERVICES) -> None:
         self.config = config
-        self.services = tuple(service for service in services if service.enabled(config))
+        wanted = set(config.stack.services)
+        unknown = wanted - {service.name for service in services}
+        if unknown:
+            raise StackError(
+                f"stack.services names unknown services {sorted(unknown)}; "
+                f"known: {[service.name for service in services]}"
+            )
+        self.services = tuple(
+            service
+            for service in services
+            if service.enabled(config) and (not wanted or service.name in wanted)
+        )
         # Absolute: services run with the state dir as their working directory.
         self.state_dir = Path(config.stack.state_dir).resolve()
 

@@ -187,8 +187,11 @@ _EXECUTORS = {
 }
 
 
-def _stack_secret(home: Path, name: str) -> str:
-    """A random secret kept in the Airflow home, the same for every process of the stack."""
+def _stack_secret(home: Path, name: str, variable: str) -> str:
+    """The secret in ``variable`` if the environment sets it (several hosts share it), else
+    a random one kept in the Airflow home, the same for every process of this host's stack."""
+    if os.environ.get(variable):
+        return os.environ[variable]
     path = home / f".{name}"
     if not path.is_file():
         home.mkdir(parents=True, exist_ok=True)
@@ -202,6 +205,7 @@ def airflow_env(config: TideConfig) -> dict[str, str]:
     stack = config.stack
     home = (stack.state_dir / "airflow").resolve()
     database = stack.airflow_database_url or f"sqlite:///{home / 'airflow.db'}"
+    api_url = (stack.airflow_api_url or f"http://{stack.host}:{stack.airflow_port}").rstrip("/")
     celery = {}
     if stack.executor == "CeleryExecutor":
         celery = {
@@ -217,14 +221,16 @@ def airflow_env(config: TideConfig) -> dict[str, str]:
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(root / "plugins"),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database,
         # Workers call the execution API with tokens the scheduler signs: one key for all.
-        "AIRFLOW__API_AUTH__JWT_SECRET": _stack_secret(home, "jwt_secret"),
-        "AIRFLOW__API__SECRET_KEY": _stack_secret(home, "api_secret_key"),
+        "AIRFLOW__API_AUTH__JWT_SECRET": _stack_secret(
+            home, "jwt_secret", "AIRFLOW__API_AUTH__JWT_SECRET"
+        ),
+        "AIRFLOW__API__SECRET_KEY": _stack_secret(
+            home, "api_secret_key", "AIRFLOW__API__SECRET_KEY"
+        ),
         "AIRFLOW__API__PORT": str(config.stack.airflow_port),
         "AIRFLOW__API__HOST": config.stack.host,
-        "AIRFLOW__API__BASE_URL": f"http://{config.stack.host}:{config.stack.airflow_port}",
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": (
-            f"http://{config.stack.host}:{config.stack.airflow_port}/execution/"
-        ),
+        "AIRFLOW__API__BASE_URL": api_url,
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{api_url}/execution/",
         "TIDE_STORE__ENDPOINT": config.store.endpoint,
         "TIDE_MLFLOW__TRACKING_URI": config.mlflow.tracking_uri,
     }
