@@ -172,10 +172,14 @@ def _serve(args: argparse.Namespace, config: TideConfig) -> int:
     return 0
 
 
-def _fleet(args: argparse.Namespace, _config: TideConfig) -> int:
+def _fleet(args: argparse.Namespace, config: TideConfig) -> int:
     from tide_lib.serving.fleet import FleetError, FleetManager  # noqa: PLC0415
 
-    fleet = FleetManager([url for url in args.servers.split(",") if url])
+    fleet = FleetManager(
+        [url for url in args.servers.split(",") if url],
+        api_key=config.serve.api_key,
+        admin_api_key=config.serve.admin_api_key,
+    )
     try:
         if args.action == "promote":
             states = fleet.promote(
@@ -230,7 +234,12 @@ def _eval(args: argparse.Namespace, config: TideConfig) -> int:
         from tide_lib.evaluation.online import online_acceptance  # noqa: PLC0415
 
         prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
-        online = online_acceptance(args.server, prompts, max_new_tokens=args.max_new_tokens)
+        online = online_acceptance(
+            args.server,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            api_key=config.serve.api_key,
+        )
         _out(json.dumps(dataclasses.asdict(online), indent=2))
         return 0
     from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
@@ -549,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="the reference engine: SGLang's HTTP API over an HF target with EAGLE3 + capture",
         description=(
-            "Serves POST /generate, GET /health, /get_server_info, /metrics, /get_weight_version "
+            "Serves POST /generate, GET /health, /model_info, /server_info, /metrics, "
             "and POST /update_weights_from_disk with SGLang's field names. Chain drafting with "
             "--speculative-num-steps draft tokens per verify; captured hidden states go to the "
             "lake configured by TIDE_STORE__* / TIDE_LAKE__*."

@@ -241,6 +241,20 @@ class ServeConfig(StrictModel):
     )
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=1, le=65535)
+    api_key: SecretStr | None = Field(
+        None,
+        description=(
+            "SGLang's --api-key: bearer key of every route but /health and /metrics. The "
+            "engine requires it and the fleet client sends it; from TIDE_SERVE__API_KEY only"
+        ),
+    )
+    admin_api_key: SecretStr | None = Field(
+        None,
+        description=(
+            "SGLang's --admin-api-key: bearer key of admin routes (/update_weights_from_disk); "
+            "from TIDE_SERVE__ADMIN_API_KEY only"
+        ),
+    )
     served_model_name: str | None = Field(
         None, description="target id in captures (default: dir name)"
     )

@@ -17,6 +17,7 @@ from tests.serving.conftest import start_engine
 from tide_lib.config import LakeConfig, TideConfig, load_config
 from tide_lib.lake import LakeReader, LakeWriter, ObjectStore, target_slug
 from tide_lib.orchestration import cycle
+from tide_lib.orchestration.handoff import Snapshot
 from tide_lib.registry import CHAMPION, PREVIOUS_CHAMPION, DraftRegistry
 from tide_lib.serving.process import EngineProcess
 
@@ -78,7 +79,20 @@ def test_retention_deletes_only_old_consumed_shards(
     )
     reader = LakeReader(store, lake)
     consumed = reader.list_shards(target_slug("ret"))
-    cycle.advance_watermark(config, {"watermark_after": consumed[-1].key, "cycle_id": "c0"})
+    consumed_keys = [marker.key for marker in consumed]
+    window = Snapshot(
+        cycle_id="c0",
+        target_id="ret",
+        watermark_before=None,
+        watermark_after=consumed_keys[-1],
+        window=consumed_keys,
+        replay=[],
+        held_out_older=[],
+        window_tokens=sum(marker.num_tokens for marker in consumed),
+        replay_tokens=0,
+        older_listed=0,
+    )
+    cycle.advance_watermark(config, window)
     write(2, old)  # old but not consumed yet: kept
 
     env = {**airflow_env, "TIDE_LAKE__PREFIX": prefix, "TIDE_CYCLE__TARGET_ID": "ret"}

@@ -101,6 +101,10 @@ class Network:
         listed = _ip("netns", "list", check=False).stdout.split()
         for namespace in listed:
             if namespace.startswith("tidemh-"):
+                # whatever still runs there (a service that did not stop) goes with it
+                for pid in _ip("netns", "pids", namespace, check=False).stdout.split():
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), 9)
                 _ip("netns", "del", namespace, check=False)
         _ip("link", "del", BRIDGE, check=False)
 

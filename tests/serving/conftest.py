@@ -30,9 +30,10 @@ def start_engine(
     stack: TideConfig,
     capture: bool = False,
     prefix: str = "serving",
+    env: dict[str, str] | None = None,
 ) -> EngineProcess:
     (port,) = free_ports(1, start=ENGINE_PORTS + (os.getpid() % 500) * 2)
-    env = {
+    base = {
         "TIDE_LAKE__SPOOL_DIR": str(tmp / f"spool-{port}"),
         "TIDE_STORE__ENDPOINT": stack.store.endpoint,
         "TIDE_MLFLOW__TRACKING_URI": stack.mlflow.tracking_uri,
@@ -41,7 +42,9 @@ def start_engine(
         "TIDE_LAKE__SHARD_MAX_AGE_S": "0.5",
     }
     arguments = [*args] if capture else [*args, "--no-capture"]
-    return EngineProcess.start(target, port, arguments, tmp / f"engine-{port}.log", env)
+    return EngineProcess.start(
+        target, port, arguments, tmp / f"engine-{port}.log", {**base, **(env or {})}
+    )
 
 
 @pytest.fixture(scope="module")

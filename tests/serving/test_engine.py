@@ -10,10 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from pydantic import SecretStr
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from tests.serving.conftest import engine_metric
+from tests.serving.conftest import engine_metric, start_engine
 from tide_lib.config import TideConfig
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.serving.fleet import FleetError, FleetManager, sglang_launch_args
@@ -232,6 +233,44 @@ def test_fleet_of_two_is_promoted_and_rolled_back(
     fleet.promote(tiny_drafts["ko"], "fleet-ko")
     fleet.promote(tiny_drafts["en"], "fleet-en-again")  # rollback = promote the earlier draft
     assert [s.weight_version for s in fleet.status()] == ["fleet-en-again"] * 2
+
+
+def test_keys_are_required_as_sglang_requires_them(
+    stack: TideConfig, tiny_target: Path, tiny_drafts: dict[str, Path], tmp_path: Path
+) -> None:
+    """SGLang's --api-key/--admin-api-key rules on the reference engine; the fleet sends them."""
+    keys = {"TIDE_SERVE__API_KEY": "k-api", "TIDE_SERVE__ADMIN_API_KEY": "k-admin"}
+    draft = ["--speculative-draft-model-path", str(tiny_drafts["en"])]
+    engine = start_engine(tmp_path, tiny_target, *draft, stack=stack, env=keys)
+    try:
+        api, admin = {"Authorization": "Bearer k-api"}, {"Authorization": "Bearer k-admin"}
+        body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}
+        update = {"model_path": str(tiny_drafts["ko"]), "weight_version": "keyed-ko"}
+        assert httpx.get(f"{engine.url}/health").status_code == 200  # probes carry no key
+        assert httpx.get(f"{engine.url}/metrics").status_code == 200
+        assert httpx.post(f"{engine.url}/generate", json=body).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert httpx.post(f"{engine.url}/generate", json=body, headers=wrong).status_code == 401
+        assert httpx.post(f"{engine.url}/generate", json=body, headers=api).status_code == 200
+        url = f"{engine.url}/update_weights_from_disk"
+        assert httpx.post(url, json=update, headers=api, timeout=120).status_code == 401
+        assert httpx.get(f"{engine.url}/model_info", headers=api).json()["weight_version"] == (
+            "initial"
+        )
+        with pytest.raises(FleetError, match="refused"):
+            FleetManager([engine.url], api_key=SecretStr("k-api")).promote(
+                tiny_drafts["ko"], "keyed-ko"
+            )
+        fleet = FleetManager(
+            [engine.url], api_key=SecretStr("k-api"), admin_api_key=SecretStr("k-admin")
+        )
+        fleet.promote(tiny_drafts["ko"], "keyed-ko")
+        assert httpx.get(f"{engine.url}/model_info", headers=api).json()["weight_version"] == (
+            "keyed-ko"
+        )
+        assert httpx.post(url, json=update, headers=admin, timeout=120).status_code == 200
+    finally:
+        engine.stop()
 
 
 @pytest.mark.parametrize(

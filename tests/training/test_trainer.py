@@ -331,3 +331,34 @@ def test_a_retry_on_another_host_resumes_from_the_checkpoint_in_s3(
         assert torch.allclose(a[key].float(), b[key].float(), atol=1e-6), key
     mirror.clear()
     assert mirror.stored() == []
+
+
+def test_a_retry_drops_a_mirrored_checkpoint_of_another_run(
+    stack: TideConfig, tiny_target: Path, captured: dict[str, Path], tmp_path: Path
+) -> None:
+    """Debris of an earlier attempt on other data must not fail every later retry."""
+    import uuid
+
+    from tide_lib.training.launch import CheckpointMirror, TrainJob, run_training
+
+    settings = CONFIG.model_copy(update={"steps": 4, "checkpoint_every": 2})
+    config = stack.model_copy(
+        update={"lake": stack.lake.model_copy(update={"prefix": f"stale-{uuid.uuid4().hex[:6]}"})}
+    )
+    prefix = f"{config.lake.prefix}/_state/cycles/c1/checkpoints"
+    mirror = CheckpointMirror(config, prefix, keep=2)
+    train_draft(
+        captured["ko_train"], tiny_target, tmp_path / "old", settings, on_checkpoint=mirror.push
+    )
+    job = TrainJob(
+        data_dir=captured["en_train"],
+        target_dir=tiny_target,
+        out_dir=tmp_path / "retry",
+        training=settings,
+        checkpoint_prefix=prefix,
+    )
+    result = run_training(job, config)
+    assert result.resumed_from_step is None
+    again = run_training(job.model_copy(update={"out_dir": tmp_path / "again"}), config)
+    assert again.resumed_from_step == 4  # the mirror now holds this run's checkpoints
+    mirror.clear()

@@ -6,6 +6,8 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
+from pydantic import SecretStr
+
 from tide_lib.serving.fleet import EngineClient
 
 __all__ = ["OnlineResult", "online_acceptance"]
@@ -22,10 +24,15 @@ class OnlineResult:
 
 
 def online_acceptance(
-    url: str, prompts: Sequence[str], *, max_new_tokens: int = 64, temperature: float = 0.0
+    url: str,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    api_key: SecretStr | None = None,
 ) -> OnlineResult:
     """Send ``prompts`` one by one; pool acceptance length from each response's ``meta_info``."""
-    client = EngineClient(url)
+    client = EngineClient(url, api_key=api_key)
     emitted = verify = tokens = 0.0
     started = time.perf_counter()
     for prompt in prompts:

@@ -37,6 +37,7 @@ from tide_lib.orchestration.handoff import Decision, Promotion, Snapshot, Traine
 
 if TYPE_CHECKING:
     from tide_lib.registry import DraftRegistry
+    from tide_lib.serving.fleet import FleetManager
 
 __all__ = [
     "advance_watermark",
@@ -133,10 +134,17 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> Snapshot:
     window_tokens = sum(m.num_tokens for m in window)
     older = _older_keys(config, reader, slug, before)
     shuffled = random.Random(cycle_id).sample(older, len(older))
-    percent = config.cycle.held_out_percent
-    held_out = _take(reader, shuffled, config.cycle.held_out_older_tokens * 100 / percent)
-    rest = [key for key in shuffled if key not in {m.key for m in held_out}]
-    replay = _take(reader, rest, config.cycle.replay_share * window_tokens)
+    replay = _take(reader, shuffled, config.cycle.replay_share * window_tokens)
+    # Held-out requests never train (replay skips them), so the replayed commits hold
+    # the first of the older held-out traffic; more commits only if they fall short.
+    held_out_tokens = config.cycle.held_out_older_tokens * 100 / config.cycle.held_out_percent
+    taken = {m.key for m in replay}
+    extra = _take(
+        reader,
+        [key for key in shuffled if key not in taken],
+        held_out_tokens - sum(m.num_tokens for m in replay),
+    )
+    held_out = replay + extra
     snapshot = Snapshot(
         cycle_id=cycle_id,
         target_id=config.cycle.target_id,
@@ -209,14 +217,15 @@ def _held_out(sample: TrainingSample, percent: int) -> bool:
 def _window_split(config: TideConfig, snapshot: Snapshot) -> Iterator[tuple[bool, TrainingSample]]:
     """The window's requests in commit order, each with whether it is held out.
 
-    Every stride-th request is held out, the first included, so a small window
-    still has recent traffic to judge on; train and evaluate, on any host, read
-    the same shards in the same order and so agree on the split.
+    The one held-out rule (a hash of the request id), so a request judged now is
+    never trained on later as replay, and train and evaluate agree on any host
+    even if a shard is quarantined in between. The window's first request is
+    held out too, so a small window still has recent traffic to judge on.
     """
     reader = _reader(config)
-    stride = max(2, 100 // config.cycle.held_out_percent)
+    percent = config.cycle.held_out_percent
     for position, sample in enumerate(reader.iter_samples(_markers(reader, snapshot.window))):
-        yield position % stride == 0, sample
+        yield position == 0 or _held_out(sample, percent), sample
 
 
 def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> int:
@@ -266,21 +275,31 @@ def task_scratch(config: TideConfig, name: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def _training_run(registry: DraftRegistry, cycle_id: str, parent: str | None) -> str:
-    """The cycle's MLflow run: reused by a retry (one run per cycle, never one left RUNNING)."""
+def _training_run(registry: DraftRegistry, cycle_id: str) -> tuple[str, str | None]:
+    """The cycle's MLflow run and the version it warm-starts from.
+
+    A retry reuses both (one run per cycle, never one left RUNNING; the parent its
+    checkpoints were trained from, even if the champion moved in between).
+    """
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
+
     experiment = registry.experiment_id()
     runs = registry.client.search_runs(
         [experiment], filter_string=f"tags.`tide.cycle_id` = '{cycle_id}'", max_results=1
     )
     if runs:
-        logger.info("cycle %s: continuing its MLflow run %s", cycle_id, runs[0].info.run_id)
-        return str(runs[0].info.run_id)
+        run_id = str(runs[0].info.run_id)
+        parent = runs[0].data.tags.get("tide.parent_version") or None
+        logger.info("cycle %s: continuing its MLflow run %s", cycle_id, run_id)
+        return run_id, parent
+    champion = registry.alias(CHAMPION)
+    parent = champion.version if champion else None
     run = registry.client.create_run(
         experiment,
         run_name=f"cycle-{cycle_id}",
         tags={"tide.cycle_id": cycle_id, "tide.parent_version": parent or ""},
     )
-    return str(run.info.run_id)
+    return str(run.info.run_id), parent
 
 
 def _checkpoint_prefix(config: TideConfig, cycle_id: str) -> str:
@@ -293,7 +312,6 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
     Warm-starts from the champion. Checkpoints are mirrored to the lake bucket, so
     a retry on any trainer host resumes; the draft goes to the run's artifacts.
     """
-    from tide_lib.registry import CHAMPION  # noqa: PLC0415
     from tide_lib.training.launch import TrainJob, run_training  # noqa: PLC0415
 
     registry = _registry(config)
@@ -306,12 +324,10 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
             draft_uri=registered.source,
             parent_version=registered.tags.get("tide.parent_version") or None,
         )
-    champion = registry.alias(CHAMPION)
-    parent_version = champion.version if champion else None
-    run_id = _training_run(registry, cycle_id, parent_version)
+    run_id, parent_version = _training_run(registry, cycle_id)
     with task_scratch(config, f"train-{cycle_id}") as work:
         export_training_data(config, snapshot, work / "data")
-        parent = registry.download(champion.version, work / "parent") if champion else None
+        parent = registry.download(parent_version, work / "parent") if parent_version else None
         job = TrainJob(
             data_dir=work / "data",
             target_dir=config.cycle.target_path,
@@ -407,7 +423,6 @@ def promote(config: TideConfig, version: str, decision: Decision) -> Promotion:
     Engines are handed ``models:/<name>/<version>`` and download it themselves.
     """
     from tide_lib.registry import CHAMPION  # noqa: PLC0415
-    from tide_lib.serving.fleet import FleetManager  # noqa: PLC0415
 
     registry = _registry(config)
     if not decision.promote or config.cycle.dry_run:
@@ -422,11 +437,26 @@ def promote(config: TideConfig, version: str, decision: Decision) -> Promotion:
         logger.info("not promoting: %s", why)
         return Promotion(promoted=False, reason=why)
     if config.cycle.servers:
-        FleetManager(config.cycle.servers).promote(
-            registry.model_uri(version), f"{registry.name}-v{version}"
+        _fleet(config).promote(
+            *_served(registry, version),
+            rollback_to=_served(registry, current.version) if current else None,
         )
     registry.promote(version)
     return Promotion(promoted=True, reason=decision.reason)
+
+
+def _fleet(config: TideConfig) -> FleetManager:
+    from tide_lib.serving.fleet import FleetManager  # noqa: PLC0415
+
+    serve = config.serve
+    return FleetManager(
+        config.cycle.servers, api_key=serve.api_key, admin_api_key=serve.admin_api_key
+    )
+
+
+def _served(registry: DraftRegistry, version: str) -> tuple[str, str]:
+    """What engines are handed for ``version``: its URI and its weight version."""
+    return registry.model_uri(version), f"{registry.name}-v{version}"
 
 
 def advance_watermark(config: TideConfig, snapshot: Snapshot) -> str:
@@ -444,7 +474,7 @@ def advance_watermark(config: TideConfig, snapshot: Snapshot) -> str:
 
 def rollback(config: TideConfig, version: str) -> dict[str, Any]:
     """Serve an earlier version (a number, or an alias such as ``previous-champion``)."""
-    from tide_lib.serving.fleet import FleetManager  # noqa: PLC0415
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
 
     registry = _registry(config)
     resolved = registry.alias(version) if not version.isdigit() else None
@@ -452,8 +482,10 @@ def rollback(config: TideConfig, version: str) -> dict[str, Any]:
     if not number.isdigit():
         raise ValueError(f"{registry.name} has no version or alias {version!r}")
     if config.cycle.servers:
-        FleetManager(config.cycle.servers).promote(
-            registry.model_uri(number), f"{registry.name}-v{number}"
+        current = registry.alias(CHAMPION)
+        _fleet(config).promote(
+            *_served(registry, number),
+            rollback_to=_served(registry, current.version) if current else None,
         )
     registry.promote(number)
     logger.info("rolled %s back to v%s", registry.name, number)

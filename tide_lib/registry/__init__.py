@@ -117,6 +117,10 @@ class DraftRegistry:
         existing = self.find_by_tag("tide.cycle_id", cycle_id)
         if existing is not None:
             logger.info("cycle %s already registered %s v%s", cycle_id, self.name, existing.version)
+            if CHALLENGER not in existing.aliases and existing.version == self._latest_version():
+                # a retry after the version was created but before the alias was set
+                self.client.set_registered_model_alias(self.name, CHALLENGER, existing.version)
+                return self.get(existing.version)
             return existing
         if isinstance(draft, Path):
             source = self.log_draft(run_id, draft)
@@ -131,6 +135,10 @@ class DraftRegistry:
         self.client.set_registered_model_alias(self.name, CHALLENGER, raw.version)
         logger.info("registered %s v%s (challenger) from run %s", self.name, raw.version, run_id)
         return self.get(raw.version)
+
+    def _latest_version(self) -> str:
+        found = self.client.search_model_versions(f"name = '{self.name}'")
+        return str(max(int(raw.version) for raw in found))
 
     def model_uri(self, version: str) -> str:
         """``models:/<name>/<version>``: what a host is handed to fetch this version itself."""

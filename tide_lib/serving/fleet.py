@@ -1,11 +1,12 @@
 """The serving fleet as TIDE drives it: SGLang launch arguments, a client, and rollouts.
 
-Everything here speaks SGLang's HTTP API, so it works the same against real
-SGLang servers and against TIDE's reference engine. A promotion updates one
-server at a time (``/update_weights_from_disk`` with ``is_draft_model``), then
-checks that server's health, weight version and, with probe prompts, its
-acceptance length; if any check fails every server already touched is rolled
-back to the draft it served before, and the promotion fails loudly.
+Everything here speaks SGLang 0.5.14's HTTP API, with its bearer keys, so it
+works the same against real SGLang servers and against TIDE's reference engine.
+A promotion updates one server at a time (``/update_weights_from_disk`` with a
+draft URI each server resolves itself), then checks that server's health,
+weight version (``/model_info``) and, with probe prompts, its acceptance length;
+if any check fails every server already touched is rolled back to the
+registry's champion, and the promotion fails loudly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
+
+from tide_lib.serving.auth import bearer_for
 
 __all__ = [
     "EngineClient",
@@ -80,11 +84,45 @@ class ServerState:
 
 
 class EngineClient:
-    """One SGLang-compatible server."""
+    """One SGLang 0.5.14-compatible server, spoken to with its bearer keys.
 
-    def __init__(self, url: str, timeout: float = 600.0) -> None:
+    The weight version comes from ``/model_info`` (``/get_weight_version`` answers
+    404 in 0.5.14), server state from ``/server_info``; each call has its own
+    timeout, and reads are retried on connection errors. Keys follow SGLang's
+    rules: the API key on ordinary routes, the admin key (else the API key) on
+    ``/update_weights_from_disk``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: SecretStr | None = None,
+        admin_api_key: SecretStr | None = None,
+        timeout: float = 600.0,
+        read_attempts: int = 3,
+    ) -> None:
         self.url = url.rstrip("/")
+        self._keys = (api_key, admin_api_key)
+        self._read_attempts = read_attempts
         self._http = httpx.Client(base_url=self.url, timeout=timeout)
+
+    def _get(self, path: str, timeout: float = 30.0) -> dict[str, Any]:
+        for attempt in range(self._read_attempts):
+            try:
+                response = self._http.get(
+                    path, headers=bearer_for(path, *self._keys), timeout=timeout
+                )
+                break
+            except httpx.TransportError:
+                if attempt + 1 == self._read_attempts:
+                    raise
+                time.sleep(1.0)
+        if response.status_code in (401, 403):
+            raise FleetError(f"{self.url}{path} refused TIDE's key ({response.status_code})")
+        response.raise_for_status()
+        body: dict[str, Any] = response.json()
+        return body
 
     def health(self, attempts: int = 3) -> bool:
         """``/health`` answers 200; a busy server gets ``attempts`` tries of 10 s."""
@@ -99,15 +137,10 @@ class EngineClient:
         return False
 
     def server_info(self) -> dict[str, Any]:
-        response = self._http.get("/get_server_info")
-        response.raise_for_status()
-        info: dict[str, Any] = response.json()
-        return info
+        return self._get("/server_info")
 
     def weight_version(self) -> str:
-        response = self._http.get("/get_weight_version")
-        response.raise_for_status()
-        return str(response.json()["weight_version"])
+        return str(self._get("/model_info")["weight_version"])
 
     def generate(
         self, text: str, max_new_tokens: int = 64, temperature: float = 0.0
@@ -118,46 +151,57 @@ class EngineClient:
                 "text": text,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature},
             },
+            headers=bearer_for("/generate", *self._keys),
         )
         response.raise_for_status()
         result: dict[str, Any] = response.json()
         return result
 
     def update_draft(self, model_path: str, weight_version: str) -> None:
+        """SGLang's ``/update_weights_from_disk`` with a draft directory or URI."""
+        path = "/update_weights_from_disk"
         response = self._http.post(
-            "/update_weights_from_disk",
-            json={
-                "model_path": model_path,
-                "is_draft_model": True,
-                "weight_version": weight_version,
-            },
+            path,
+            json={"model_path": model_path, "weight_version": weight_version},
+            headers=bearer_for(path, *self._keys),
         )
         if response.status_code != 200:
-            raise FleetError(f"{self.url} refused draft {model_path}: {response.text}")
+            raise FleetError(
+                f"{self.url} refused draft {model_path} ({response.status_code}): "
+                f"{response.text[:500]}"
+            )
 
     def state(self) -> ServerState:
         try:
             info = self.server_info()
+            states = info.get("internal_states") or [{}]
+            accept = states[0].get("avg_spec_accept_length")  # absent before the first verify
             return ServerState(
                 url=self.url,
                 healthy=self.health(attempts=1),
                 draft_path=info.get("speculative_draft_model_path"),
                 weight_version=self.weight_version(),
-                avg_accept_length=(info.get("internal_states") or [{}])[0].get(
-                    "avg_spec_accept_length"
-                ),
+                avg_accept_length=float(accept) if accept is not None else None,
             )
-        except (httpx.HTTPError, ValueError, KeyError) as error:
+        except (httpx.HTTPError, FleetError, ValueError, KeyError, TypeError) as error:
             return ServerState(self.url, False, None, None, None, error=str(error))
 
 
 class FleetManager:
     """Rolls a draft out to a list of servers, one at a time, with rollback."""
 
-    def __init__(self, urls: Sequence[str]) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        api_key: SecretStr | None = None,
+        admin_api_key: SecretStr | None = None,
+    ) -> None:
         if not urls:
             raise FleetError("no servers given")
-        self.clients = [EngineClient(url) for url in urls]
+        self.clients = [
+            EngineClient(url, api_key=api_key, admin_api_key=admin_api_key) for url in urls
+        ]
 
     def status(self) -> list[ServerState]:
         return [client.state() for client in self.clients]
@@ -170,8 +214,14 @@ class FleetManager:
         probe_prompts: Sequence[str] = (),
         min_accept_length: float | None = None,
         probe_max_new_tokens: int = 32,
+        rollback_to: tuple[str, str] | None = None,
     ) -> list[ServerState]:
-        """Serve ``model_path`` everywhere, or nowhere: a failed check rolls back every server."""
+        """Serve ``model_path`` everywhere, or nowhere: a failed check rolls back every server.
+
+        ``rollback_to`` is the (draft URI, weight version) to go back to, from the
+        registry's champion: SGLang's ``/server_info`` reports the *launch* draft
+        path, never a later one, so it is only the fallback.
+        """
         path = str(model_path)
         previous: list[tuple[EngineClient, ServerState]] = []
         try:
@@ -187,8 +237,8 @@ class FleetManager:
                 self._check(
                     client, weight_version, probe_prompts, min_accept_length, probe_max_new_tokens
                 )
-        except (FleetError, httpx.HTTPError) as error:
-            self._roll_back(previous)
+        except (FleetError, httpx.HTTPError, ValueError, KeyError) as error:
+            self._roll_back(previous, rollback_to)
             raise FleetError(f"promotion of {path} failed and was rolled back: {error}") from error
         return self.status()
 
@@ -221,13 +271,16 @@ class FleetManager:
                 )
 
     @staticmethod
-    def _roll_back(previous: list[tuple[EngineClient, ServerState]]) -> None:
+    def _roll_back(
+        previous: list[tuple[EngineClient, ServerState]], rollback_to: tuple[str, str] | None
+    ) -> None:
         for client, before in reversed(previous):
-            if before.draft_path is None or before.weight_version is None:
+            draft, version = rollback_to or (before.draft_path, before.weight_version)
+            if draft is None or version is None:
                 logger.error("cannot roll back %s: its previous draft is unknown", client.url)
                 continue
             try:
-                client.update_draft(before.draft_path, before.weight_version)
-                logger.warning("rolled %s back to %s", client.url, before.weight_version)
+                client.update_draft(draft, version)
+                logger.warning("rolled %s back to %s", client.url, version)
             except (FleetError, httpx.HTTPError) as error:
                 logger.error("rollback of %s failed: %s", client.url, error)

@@ -1,10 +1,14 @@
-"""``tide serve``: the reference engine behind SGLang's HTTP API (the subset TIDE uses).
+"""``tide serve``: the reference engine behind SGLang 0.5.14's HTTP API (the subset TIDE uses).
 
 Same paths, field names and shapes as SGLang: ``POST /generate``, ``GET /health``,
-``GET /get_server_info``, ``GET /metrics`` (``sglang:`` names),
-``POST /update_weights_from_disk`` and ``GET /get_weight_version``. Anything TIDE
-does against this server it can do against a real SGLang fleet. Malformed or
-hostile requests get a 400 with a message; the server keeps serving.
+``GET /model_info`` (``weight_version``), ``GET /server_info`` (``/get_server_info``
+is its deprecated alias), ``GET /metrics`` (``sglang:`` names) and
+``POST /update_weights_from_disk`` (``model_path`` a draft directory or a
+``models:/``, ``runs:/`` or ``s3://`` URI; ``is_draft_model`` is accepted and
+ignored, as SGLang drops it), behind SGLang's bearer keys (:mod:`.auth`).
+``GET /get_weight_version`` stays for TIDE's own tools; SGLang answers it 404.
+Anything TIDE does against this server it can do against a real SGLang fleet.
+Malformed or hostile requests get a 400 with a message; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tide_lib.config import TideConfig
+from tide_lib.serving.auth import allowed
 from tide_lib.serving.engine import Engine, EngineRequest, RequestError
 from tide_lib.training.draft import InvalidCheckpointError
 
@@ -61,7 +66,7 @@ class UpdateWeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_path: str = Field(min_length=1)
-    is_draft_model: bool = False
+    is_draft_model: bool = False  # dropped by SGLang 0.5.14; accepted here, ignored
     weight_version: str | None = None
     load_format: str | None = None
 
@@ -81,9 +86,26 @@ def create_app(engine: Engine) -> FastAPI:
         details = "; ".join(f"{where(item)}: {item['msg']}" for item in error.errors())
         return _error(400, f"invalid request: {details}")
 
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Any:
+        serve = engine.serve
+        header = request.headers.get("authorization")
+        if not allowed(request.url.path, header, serve.api_key, serve.admin_api_key):
+            return _error(401, "missing or wrong bearer key (Authorization: Bearer <key>)")
+        return await call_next(request)
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        return {
+            "model_path": str(engine.target_dir),
+            "is_generation": True,
+            "weight_version": engine.weight_version,
+            "architectures": list(engine.target.config.architectures or []),
+        }
 
     @app.post("/generate")
     async def generate(body: GenerateRequest) -> Any:
@@ -116,6 +138,7 @@ def create_app(engine: Engine) -> FastAPI:
             },
         }
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         serve = engine.serve
@@ -143,8 +166,6 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsRequest) -> Any:
-        if not body.is_draft_model:
-            return _error(400, "this engine hot-swaps draft models only; set is_draft_model: true")
         version = body.weight_version or body.model_path
         try:
             await asyncio.to_thread(engine.swap_draft, body.model_path, version)
@@ -161,7 +182,7 @@ def create_app(engine: Engine) -> FastAPI:
                 content={
                     "success": False,
                     "message": f"{error}: the requests queued before it are still running; it "
-                    "applies once they finish (watch /get_weight_version)",
+                    "applies once they finish (watch /model_info)",
                 },
             )
         return {"success": True, "message": f"serving {body.model_path}", "weight_version": version}

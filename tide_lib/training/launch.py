@@ -114,6 +114,7 @@ def _train_here(job: TrainJob, config: TideConfig) -> TrainResult:
         parent_dir=job.parent_dir,
         metrics=sink,
         on_checkpoint=mirror.push if mirror is not None and rank == 0 else None,
+        on_stale_checkpoint=mirror.clear if mirror is not None and rank == 0 else None,
     )
 
 
@@ -145,11 +146,20 @@ def _torchrun(job: TrainJob) -> TrainResult:
         str(spec),
     ]
     logger.info("launching %d training processes with torchrun", job.training.nproc_per_node)
-    completed = subprocess.run(command, check=False)
-    if completed.returncode != 0 or not result_path.is_file():
+    process = subprocess.Popen(command)
+    try:
+        returncode = process.wait()
+    except BaseException:  # a task timeout or SIGTERM: torchrun stops its workers on SIGTERM
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        raise
+    if returncode != 0 or not result_path.is_file():
         raise RuntimeError(
             f"torchrun with {job.training.nproc_per_node} processes failed (exit "
-            f"{completed.returncode}); the worker logs above name the failing rank"
+            f"{returncode}); the worker logs above name the failing rank"
         )
     return TrainResult.from_json(result_path.read_text(encoding="utf-8"))
 

@@ -244,6 +244,12 @@ def _maybe_init_distributed(device: str) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def _head_digest(path: Path, size: int = 2**20) -> str:
+    """A sample's identity, cheaply: the digest of its first MiB (ids and masks come first)."""
+    with path.open("rb") as handle:
+        return hashlib.sha256(handle.read(size)).hexdigest()[:16]
+
+
 def _file_digest(path: Path) -> str:
     with path.open("rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
@@ -254,11 +260,15 @@ def _run_fingerprint(
 ) -> str:
     """What a checkpoint must match to be resumed: names, settings, parent weights; no paths.
 
-    A retry on another host has other directories but the same samples and parent,
-    so it resumes; a different window or parent does not.
+    A retry on another host has other directories but the same samples (names,
+    sizes, leading bytes) and parent, so it resumes; a different window or parent
+    does not.
     """
     payload = {
-        "samples": [path.relative_to(data_dir).as_posix() for path in samples],
+        "samples": [
+            (path.relative_to(data_dir).as_posix(), path.stat().st_size, _head_digest(path))
+            for path in samples
+        ],
         "config": config.model_dump(
             exclude={
                 "checkpoint_every",
@@ -332,6 +342,49 @@ def _save_checkpoint(directory: Path, state: dict[str, Any], keep: int) -> Path:
     return path
 
 
+def _resume(
+    checkpoint_dir: Path,
+    fingerprint: str,
+    *,
+    draft: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    config: TrainConfig,
+    on_stale_checkpoint: Callable[[], None] | None,
+) -> int | None:
+    """Load the latest checkpoint of this run, if any; the step it was taken at.
+
+    A checkpoint of another run (other data, parent or settings) is an error, or,
+    with ``on_stale_checkpoint``, is dropped (the callback drops its copies too)
+    and training starts over: a retry must not fail forever on an older attempt's debris.
+    """
+    latest = _latest_checkpoint(checkpoint_dir)
+    if latest is None:
+        return None
+    state = torch.load(latest, weights_only=False)
+    if state["fingerprint"] != fingerprint:
+        if on_stale_checkpoint is None:
+            raise RuntimeError(
+                f"{latest} belongs to a different training run (other data, parent or settings); "
+                f"use a new output directory or delete {checkpoint_dir}"
+            )
+        logger.warning("%s belongs to a different training run: starting over", latest.name)
+        for stale in checkpoint_dir.glob("step-*.pt"):
+            stale.unlink()
+        on_stale_checkpoint()
+        return None
+    missing, unexpected = draft.load_state_dict(state["draft"], strict=False)
+    if unexpected or [key for key in missing if "embed" not in key]:
+        raise RuntimeError(
+            f"{latest} does not fit the draft: missing {missing}, unexpected {unexpected}"
+        )
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    logger.info("resuming from %s (step %d of %d)", latest, state["step"], config.steps)
+    return int(state["step"])
+
+
 def train_draft(
     data_dir: Path,
     target_dir: Path,
@@ -342,6 +395,7 @@ def train_draft(
     metrics: MetricSink | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     on_checkpoint: Callable[[Path], None] | None = None,
+    on_stale_checkpoint: Callable[[], None] | None = None,
 ) -> TrainResult:
     """Train (or resume training) a draft; exports it to ``out_dir/draft`` and returns figures."""
     backend = prepare_specforge(config.device, config.loss_backend)
@@ -360,25 +414,16 @@ def train_draft(
     )
 
     checkpoint_dir = out_dir / CHECKPOINT_DIR
-    start_step, resumed_from = 0, None
-    latest = _latest_checkpoint(checkpoint_dir)
-    if latest is not None:
-        state = torch.load(latest, weights_only=False)
-        if state["fingerprint"] != fingerprint:
-            raise RuntimeError(
-                f"{latest} belongs to a different training run (other data, parent or settings); "
-                f"use a new output directory or delete {checkpoint_dir}"
-            )
-        missing, unexpected = draft.load_state_dict(state["draft"], strict=False)
-        if unexpected or [key for key in missing if "embed" not in key]:
-            raise RuntimeError(
-                f"{latest} does not fit the draft: missing {missing}, unexpected {unexpected}"
-            )
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        start_step = resumed_from = int(state["step"])
-        logger.info("resuming from %s (step %d of %d)", latest, start_step, config.steps)
+    resumed_from = _resume(
+        checkpoint_dir,
+        fingerprint,
+        draft=draft,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        config=config,
+        on_stale_checkpoint=on_stale_checkpoint,
+    )
+    start_step = resumed_from or 0
 
     started = time.perf_counter()
     trained_tokens = 0
