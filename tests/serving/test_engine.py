@@ -306,11 +306,14 @@ def test_hostile_inputs_get_400_and_the_server_still_answers(
     assert _generate(engine, "hello", max_new_tokens=2)["meta_info"]["completion_tokens"] == 2
 
 
-def test_update_of_the_target_is_refused(engines: dict[str, EngineProcess]) -> None:
-    response = httpx.post(
-        f"{engines['plain'].url}/update_weights_from_disk", json={"model_path": "/x"}
-    )
+def test_update_of_the_target_is_refused(
+    engines: dict[str, EngineProcess], tiny_target: Path
+) -> None:
+    url = f"{engines['plain'].url}/update_weights_from_disk"
+    response = httpx.post(url, json={"model_path": str(tiny_target)})
     assert response.status_code == 400 and "draft models only" in response.text
+    response = httpx.post(url, json={"model_path": "/x"})
+    assert response.status_code == 400 and "not a directory" in response.text
 
 
 def test_sglang_launch_args_name_eagle3_options() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tide_lib.config import TideConfig
 from tide_lib.serving.auth import allowed
 from tide_lib.serving.engine import Engine, EngineRequest, RequestError
+from tide_lib.serving.sglang_swap import is_draft_reference
 from tide_lib.training.draft import InvalidCheckpointError
 
 __all__ = ["GenerateRequest", "UpdateWeightsRequest", "create_app", "run_server"]
@@ -166,6 +168,12 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsRequest) -> Any:
+        if Path(body.model_path).is_dir() and not is_draft_reference(body.model_path):
+            return _error(
+                400,
+                f"{body.model_path} is not an EAGLE3 draft (config.json architectures lacks "
+                "LlamaForCausalLMEagle3): this engine hot-swaps draft models only",
+            )
         version = body.weight_version or body.model_path
         try:
             await asyncio.to_thread(engine.swap_draft, body.model_path, version)

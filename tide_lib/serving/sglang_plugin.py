@@ -19,6 +19,9 @@ What is hooked (chain drafting, ``--speculative-eagle-topk 1``, the overlap work
   prompt token; after each verify, the ``[bs * num_draft_tokens]`` blocks and the
   accept lengths. Only GPU-side copies are made here; nothing waits on the GPU.
 - ``EAGLEWorkerV2.update_weights_from_disk``: the draft version written into records.
+- ``SchedulerWeightUpdaterManager.update_weights_from_disk`` (always, capture or
+  not): a draft-only hot swap for drafts and draft URIs, see
+  :mod:`tide_lib.serving.sglang_swap`.
 
 A background thread turns each finished request into a ``CapturedRecord``: it waits
 on a CUDA event, keeps the accepted rows of each verify block, applies the same
@@ -50,6 +53,7 @@ import torch
 from tide_lib.config import TideConfig
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
 from tide_lib.serving.capture import sampled, serves_well
+from tide_lib.serving.sglang_swap import SWAP_TARGET, draft_only_swap
 
 __all__ = [
     "ENABLE_ENV",
@@ -402,14 +406,20 @@ def _note_draft_version(result: Any, worker: Any, recv_req: Any) -> Any:
 
 
 def register() -> None:
-    """The ``sglang.srt.plugins`` entry point: registers the hooks when capture is asked for."""
-    if os.environ.get(ENABLE_ENV) != "1":
-        logger.info("TIDE capture plugin loaded but off (set %s=1 to capture)", ENABLE_ENV)
-        return
+    """The ``sglang.srt.plugins`` entry point.
+
+    Always: the draft-only hot swap (:mod:`tide_lib.serving.sglang_swap`), which
+    leaves every non-draft ``update_weights_from_disk`` to SGLang. With
+    ``TIDE_SGLANG_CAPTURE=1``: the capture hooks.
+    """
+    capture = os.environ.get(ENABLE_ENV) == "1"
     try:
         import sglang  # noqa: PLC0415
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: PLC0415
     except ImportError as error:
+        if not capture:
+            logger.info("TIDE plugin loaded outside SGLang (%s): nothing to register", error)
+            return
         raise RuntimeError(
             f"{ENABLE_ENV}=1 but SGLang's plugin framework is not importable ({error}); "
             f"install sglang=={SUPPORTED_SGLANG_VERSION}"
@@ -417,12 +427,16 @@ def register() -> None:
     version = getattr(sglang, "__version__", "unknown")
     if version != SUPPORTED_SGLANG_VERSION:
         logger.error(
-            "TIDE capture is written against sglang %s, found %s: capture is off "
-            "(serving is unaffected); pin sglang==%s",
+            "TIDE's plugin is written against sglang %s, found %s: draft swap and capture are "
+            "off (serving is unaffected); pin sglang==%s",
             SUPPORTED_SGLANG_VERSION,
             version,
             SUPPORTED_SGLANG_VERSION,
         )
+        return
+    HookRegistry.register(SWAP_TARGET, draft_only_swap, HookType.AROUND)
+    if not capture:
+        logger.info("TIDE capture off (set %s=1 to capture); draft-only swap on", ENABLE_ENV)
         return
     worker = _WORKER
     HookRegistry.register(_LOGITS_TARGET, _keep_final_states, HookType.AROUND)

@@ -1,0 +1,190 @@
+"""The plugin's draft-only hot swap, on SGLang-shaped objects and SGLang's released request types.
+
+The scheduler side is a stand-in with the attributes 0.5.14's
+``SchedulerWeightUpdaterManager`` and ``EAGLEWorkerV2`` have (checked against
+the wheel first); the request and output are the released dataclasses; the
+drafts are real exported checkpoints, one of them fetched from the real S3 lake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.contract import sglang_release as release
+from tests.contract.sglang_stub import request_models
+from tide_lib.config import TideConfig
+from tide_lib.lake import ObjectStore
+from tide_lib.serving import sglang_swap
+
+pytestmark = pytest.mark.slow
+UPDATER = "sglang.srt.managers.scheduler_components.weight_updater"
+WORKER = "sglang.srt.speculative.eagle_worker_v2"
+
+
+def test_the_hooked_names_exist_in_the_release() -> None:
+    module, _, method = sglang_swap.SWAP_TARGET.rpartition(".")
+    module, _, class_name = module.rpartition(".")
+    assert release.parameters(release.method(module, class_name, method)) == ["self", "recv_req"]
+    manager = release.dataclass_fields(UPDATER, "SchedulerWeightUpdaterManager")
+    assert {"tp_worker", "draft_worker"} <= manager
+    release.method(UPDATER, "SchedulerWeightUpdaterManager", "flush_cache_after_weight_update")
+    assert "_draft_worker" in release.self_attributes(WORKER, "EAGLEWorkerV2")
+    draft = release.self_attributes(WORKER, "EagleDraftWorker") | release.self_attributes(
+        WORKER, "EagleDraftWorker", "init_lm_head"
+    )
+    assert "hot_token_id" in draft
+    fields = release.dataclass_fields(
+        "sglang.srt.managers.io_struct", "UpdateWeightFromDiskReqInput"
+    )
+    assert {"model_path", "recapture_cuda_graph", "weight_version", "flush_cache"} <= fields
+    eagle3 = release.module_file("sglang.srt.models.llama_eagle3").read_text()
+    assert "self.hot_token_id = loaded_weight + torch.arange" in eagle3  # what the stand-in does
+
+
+@dataclasses.dataclass
+class _Model:
+    hot_token_id: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class _Runner:
+    model: _Model
+
+
+class _DraftWorker:
+    """``EAGLEWorkerV2``: reloads ``draft_runner`` in place; the model rebuilds its token map."""
+
+    def __init__(self, hot_token_id: torch.Tensor) -> None:
+        self._draft_worker = self
+        self.hot_token_id = hot_token_id
+        self.draft_runner = _Runner(_Model(hot_token_id.clone()))
+        self.loaded: list[Any] = []
+
+    def update_weights_from_disk(self, recv_req: Any) -> tuple[bool, str]:
+        self.loaded.append(recv_req)
+        d2t = load_file(Path(recv_req.model_path) / "model.safetensors")["d2t"]
+        self.draft_runner.model.hot_token_id = d2t + torch.arange(d2t.shape[0])  # a new tensor
+        return True, "Succeeded to update model weights."
+
+
+class _TargetWorker:
+    def update_weights_from_disk(self, recv_req: Any) -> tuple[bool, str]:
+        raise AssertionError(f"the target was reloaded from {recv_req.model_path}")
+
+
+class _Manager:
+    def __init__(self, draft: _DraftWorker) -> None:
+        self.tp_worker = _TargetWorker()
+        self.draft_worker = draft
+        self.flushed = 0
+
+    def flush_cache_after_weight_update(self, _recv_req: Any) -> None:
+        self.flushed += 1
+
+
+@pytest.fixture
+def sglang_types(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    models = request_models()
+    monkeypatch.setattr(
+        sglang_swap, "_output_type", lambda: models["UpdateWeightFromDiskReqOutput"]
+    )
+    return models
+
+
+def _serving(draft_dir: Path) -> _DraftWorker:
+    d2t = load_file(draft_dir / "model.safetensors")["d2t"]
+    return _DraftWorker(d2t + torch.arange(d2t.shape[0]))
+
+
+def _not_called(*_args: Any, **_kwargs: Any) -> Any:
+    raise AssertionError("SGLang's own update_weights_from_disk ran for a draft")
+
+
+def test_a_draft_reloads_the_draft_worker_alone(
+    sglang_types: dict[str, Any], tiny_drafts: dict[str, Path]
+) -> None:
+    worker = _serving(tiny_drafts["en"])
+    graphs_read = worker.hot_token_id  # the tensor the draft CUDA graphs captured
+    manager = _Manager(worker)
+    request = sglang_types["UpdateWeightFromDiskReqInput"](
+        model_path=str(tiny_drafts["ko"]), weight_version="tide-draft-tiny-v2"
+    )
+    out = sglang_swap.draft_only_swap(_not_called, manager, request)
+    assert out.success, out.message
+    assert worker.loaded[0].recapture_cuda_graph is True
+    assert worker.loaded[0].weight_version == "tide-draft-tiny-v2"
+    ko = load_file(tiny_drafts["ko"] / "model.safetensors")["d2t"]
+    assert worker.hot_token_id is graphs_read  # refreshed in place, where the graphs read it
+    assert torch.equal(graphs_read, ko + torch.arange(ko.shape[0]))
+    assert manager.flushed == 1
+
+
+def test_anything_else_goes_to_sglang_untouched(
+    sglang_types: dict[str, Any], tiny_target: Path, tiny_drafts: dict[str, Path]
+) -> None:
+    manager = _Manager(_serving(tiny_drafts["en"]))
+    request = sglang_types["UpdateWeightFromDiskReqInput"](model_path=str(tiny_target))
+    calls: list[Any] = []
+
+    def original(self: Any, recv_req: Any) -> str:
+        calls.append((self, recv_req))
+        return "sglang's answer"
+
+    assert sglang_swap.draft_only_swap(original, manager, request) == "sglang's answer"
+    assert calls == [(manager, request)]
+
+
+def test_a_bad_or_mismatched_draft_is_refused_and_the_old_one_stays(
+    sglang_types: dict[str, Any], tiny_drafts: dict[str, Path], tmp_path: Path
+) -> None:
+    broken = shutil.copytree(tiny_drafts["ko"], tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    worker = _serving(tiny_drafts["en"])
+    before = worker.hot_token_id.clone()
+    manager = _Manager(worker)
+    make = sglang_types["UpdateWeightFromDiskReqInput"]
+    out = sglang_swap.draft_only_swap(_not_called, manager, make(model_path=str(broken)))
+    assert not out.success and "cannot be read" in out.message
+    smaller = _DraftWorker(torch.arange(256))  # a server started with another draft vocabulary
+    out = sglang_swap.draft_only_swap(
+        _not_called, _Manager(smaller), make(model_path=str(tiny_drafts["ko"]))
+    )
+    assert not out.success and "restart rollout" in out.message
+    out = sglang_swap.draft_only_swap(
+        _not_called, manager, make(model_path="s3://tide-lake/no/such/draft")
+    )
+    assert not out.success
+    assert worker.loaded == [] and smaller.loaded == [] and manager.flushed == 0
+    assert torch.equal(worker.hot_token_id, before)
+
+
+def test_a_draft_uri_is_fetched_on_this_host(
+    sglang_types: dict[str, Any],
+    stack: TideConfig,
+    tiny_drafts: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    store = ObjectStore(stack.store, stack.store.lake_bucket)
+    prefix = f"drafts-{uuid.uuid4().hex[:6]}/ko"
+    for path in tiny_drafts["ko"].iterdir():
+        store.put_file(f"{prefix}/{path.name}", path)
+    monkeypatch.setenv("TIDE_STORE__ENDPOINT", stack.store.endpoint)
+    monkeypatch.setenv("TIDE_SCRATCH_DIR", str(tmp_path / "scratch"))
+    worker = _serving(tiny_drafts["en"])
+    request = sglang_types["UpdateWeightFromDiskReqInput"](
+        model_path=f"s3://{stack.store.lake_bucket}/{prefix}", weight_version="from-s3"
+    )
+    out = sglang_swap.draft_only_swap(_not_called, _Manager(worker), request)
+    assert out.success, out.message
+    ko = load_file(tiny_drafts["ko"] / "model.safetensors")["d2t"]
+    assert torch.equal(worker.hot_token_id, ko + torch.arange(ko.shape[0]))
+    assert not any((tmp_path / "scratch").iterdir())  # the download is gone once loaded

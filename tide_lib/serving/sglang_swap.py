@@ -1,0 +1,134 @@
+"""Draft-only hot swap on stock SGLang 0.5.14, as a hook of TIDE's SGLang plugin.
+
+SGLang 0.5.14's ``/update_weights_from_disk`` has no ``is_draft_model`` (FastAPI
+drops it), and the scheduler's ``update_weights_from_disk`` loads ``model_path``
+into the *target* first, then into the draft: promoting a draft directory
+reloads the target from it (an untied ``lm_head`` fails and the scheduler
+exits; a tied one serves the draft as the model). Upstream's draft-only swap
+was closed unmerged. This AROUND hook on
+``SchedulerWeightUpdaterManager.update_weights_from_disk`` recognises an EAGLE3
+draft (``LlamaForCausalLMEagle3`` in its ``config.json``) or a ``models:/``,
+``runs:/`` or ``s3://`` URI of one, downloads it on this host, validates it,
+and reloads the draft worker alone: weights in place, CUDA graphs recaptured,
+the hot token map (``d2t``, which the draft's graphs bake in) copied into the
+tensor the graphs read, the cache flushed. Any other ``model_path`` goes to
+SGLang's method untouched, so upstream clients keep working. A draft that
+fails to download or validate is refused with SGLang's failure output; the
+old draft keeps serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["SWAP_TARGET", "draft_only_swap", "is_draft_reference"]
+
+logger = logging.getLogger(__name__)
+
+SWAP_TARGET = (
+    "sglang.srt.managers.scheduler_components.weight_updater."
+    "SchedulerWeightUpdaterManager.update_weights_from_disk"
+)
+DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+class DraftSwapError(ValueError):
+    """A draft cannot be swapped in; the message names what is wrong."""
+
+
+def is_draft_reference(model_path: str) -> bool:
+    """A draft URI, or a local directory whose ``config.json`` names an EAGLE3 draft."""
+    from tide_lib.registry.uris import is_portable  # noqa: PLC0415
+
+    if is_portable(model_path):
+        return True
+    config = Path(model_path) / "config.json"
+    try:
+        architectures = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    return DRAFT_ARCHITECTURE in architectures
+
+
+def _output_type() -> Any:
+    """SGLang's ``UpdateWeightFromDiskReqOutput`` (a seam for tests without SGLang)."""
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqOutput  # noqa: PLC0415
+
+    return UpdateWeightFromDiskReqOutput
+
+
+def _validate(draft_dir: Path) -> None:
+    from tide_lib.training.draft import InvalidCheckpointError, validate_draft_dir  # noqa: PLC0415
+
+    try:
+        validate_draft_dir(draft_dir)
+    except InvalidCheckpointError as error:
+        raise DraftSwapError(str(error)) from error
+
+
+def _refresh_hot_tokens(worker: Any) -> None:
+    """Copy the reloaded draft's token map into the tensor the draft CUDA graphs read."""
+    draft = getattr(worker, "_draft_worker", worker)
+    fresh = getattr(draft.draft_runner.model, "hot_token_id", None)
+    current = getattr(draft, "hot_token_id", None)
+    if fresh is None or current is None or fresh.shape != current.shape:
+        return  # shapes were checked before loading (_check_vocabulary)
+    with torch.no_grad():
+        current.copy_(fresh.to(current.device))
+
+
+def _swap(manager: Any, recv_req: Any, local: Path) -> tuple[bool, str]:
+    worker = manager.draft_worker
+    if worker is None:
+        raise DraftSwapError("this server runs no draft model (no --speculative-algorithm)")
+    draft = getattr(worker, "_draft_worker", worker)
+    _check_vocabulary(local, getattr(draft, "hot_token_id", None))
+    request = dataclasses.replace(recv_req, model_path=str(local), recapture_cuda_graph=True)
+    success, message = worker.update_weights_from_disk(request)
+    if success:
+        _refresh_hot_tokens(worker)
+        manager.flush_cache_after_weight_update(recv_req)
+    return bool(success), str(message)
+
+
+def _check_vocabulary(local: Path, current: Any) -> None:
+    """Refuse before loading a draft whose draft vocabulary differs from the serving one."""
+    if current is None:
+        return
+    size = json.loads((local / "config.json").read_text()).get("draft_vocab_size")
+    if size is not None and int(size) != int(current.shape[0]):
+        raise DraftSwapError(
+            f"the new draft's vocabulary has {size} tokens, the serving one "
+            f"{current.shape[0]}: a different draft_vocab_size needs a restart rollout"
+        )
+
+
+def draft_only_swap(original: Any, manager: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """The AROUND hook: drafts reload the draft worker alone; anything else goes to SGLang."""
+    path = str(recv_req.model_path)
+    if not is_draft_reference(path):
+        return original(manager, recv_req, *args, **kwargs)
+    from tide_lib.config import TideConfig  # noqa: PLC0415
+    from tide_lib.registry.uris import DraftFetchError, fetch_draft, is_portable  # noqa: PLC0415
+
+    config = TideConfig()
+    config.scratch_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="tide-draft-", dir=config.scratch_dir) as tmp:
+            local = fetch_draft(path, config, Path(tmp)) if is_portable(path) else Path(path)
+            _validate(local)
+            success, message = _swap(manager, recv_req, local)
+    except (DraftSwapError, DraftFetchError, OSError) as error:
+        logger.error("draft swap to %s refused: %s", path, error)
+        return _output_type()(False, f"TIDE draft swap refused {path}: {error}", 0)
+    if success:
+        version = recv_req.weight_version
+        logger.info("serving draft %s (%s); the target was not touched", path, version)
+    return _output_type()(success, message, 0)
