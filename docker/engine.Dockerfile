@@ -12,10 +12,14 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONUNBUFFERED=1
 
-# Only what the capture path imports beyond SGLang's own stack (torch, numpy, pydantic,
-# pyyaml, tqdm), at TIDE's pins; pip leaves SGLang's packages as they are.
+# Only what the capture path and the draft-only swap import beyond SGLang's own stack
+# (torch, numpy, pydantic, pyyaml, tqdm, transformers, safetensors), at TIDE's pins; the
+# swap resolves models:/ and runs:/ URIs through MLflow (the skinny client is enough).
+# pip leaves SGLang's packages as they are.
 RUN python3 -c "import importlib.metadata as m; v = m.version('sglang'); assert v == '0.5.14', v" \
-    && python3 -m pip install "minio==7.2.20" "pyarrow==25.0.1" "pydantic-settings==2.16.3"
+    && python3 -m pip install "minio==7.2.20" "pyarrow==25.0.1" "pydantic-settings==2.16.3" \
+       "mlflow-skinny==3.17.2" \
+    && python3 -m pip install --no-deps "specforge==0.2.0"  # draft validation: tensor shapes
 
 # TIDE pins Python 3.11 for its own environments; inside SGLang's image the plugin runs on
 # that image's Python (3.11 or later: tide_lib uses datetime.UTC), hence the override.

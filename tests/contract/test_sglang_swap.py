@@ -188,3 +188,15 @@ def test_a_draft_uri_is_fetched_on_this_host(
     ko = load_file(tiny_drafts["ko"] / "model.safetensors")["d2t"]
     assert torch.equal(worker.hot_token_id, ko + torch.arange(ko.shape[0]))
     assert not any((tmp_path / "scratch").iterdir())  # the download is gone once loaded
+
+
+def test_an_error_inside_the_hook_never_reaches_the_scheduler(
+    sglang_types: dict[str, Any], tiny_drafts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_args: Any) -> Any:
+        raise RuntimeError("a bug in TIDE")
+
+    monkeypatch.setattr(sglang_swap, "_swap", broken)
+    request = sglang_types["UpdateWeightFromDiskReqInput"](model_path=str(tiny_drafts["ko"]))
+    out = sglang_swap.draft_only_swap(_not_called, _Manager(_serving(tiny_drafts["en"])), request)
+    assert not out.success and "a bug in TIDE" in out.message

@@ -128,6 +128,9 @@ def draft_only_swap(original: Any, manager: Any, recv_req: Any, *args: Any, **kw
     except (DraftSwapError, DraftFetchError, OSError) as error:
         logger.error("draft swap to %s refused: %s", path, error)
         return _output_type()(False, f"TIDE draft swap refused {path}: {error}", 0)
+    except Exception as error:  # the scheduler must never see TIDE's exceptions
+        logger.exception("draft swap to %s failed inside TIDE's plugin", path)
+        return _output_type()(False, f"TIDE draft swap of {path} failed: {error!r}", 0)
     if success:
         version = recv_req.weight_version
         logger.info("serving draft %s (%s); the target was not touched", path, version)
