@@ -264,6 +264,14 @@ class ServeConfig(StrictModel):
     disable_speculation: bool = Field(False, description="serve with plain decoding")
     capture: bool = Field(True, description="capture hidden states of finished requests")
     capture_sample_rate: float = Field(1.0, ge=0, le=1, description="share of requests captured")
+    capture_max_held_bytes: int = Field(
+        2 * 2**30,
+        gt=0,
+        description=(
+            "host memory the SGLang plugin's open requests may hold; a request that would "
+            "exceed it is dropped from capture and counted, never served worse"
+        ),
+    )
     capture_skip_accept_rate: float | None = Field(
         None, ge=0, le=1, description="skip requests whose draft acceptance rate is at least this"
     )

@@ -183,6 +183,24 @@ def test_req_fields_the_plugin_reads() -> None:
     assert any(getattr(node, "name", "") == "finished" for node in methods)
 
 
+def test_sglang_own_requests_are_recognisable() -> None:
+    """Health checks (rid prefix) and the warm-up prompt, which the plugin never captures."""
+    constants = release.module_ast("sglang.srt.constants")
+    assigned = {
+        node.targets[0].id: node.value.value
+        for node in constants.body
+        if isinstance(node, release.ast.Assign)
+        and isinstance(node.targets[0], release.ast.Name)
+        and isinstance(node.value, release.ast.Constant)
+    }
+    assert assigned["HEALTH_CHECK_RID_PREFIX"] == sglang_plugin.HEALTH_CHECK_RID_PREFIX
+    warmup = release.function(HTTP, "_execute_server_warmup")
+    texts = {
+        node.value for node in release.ast.walk(warmup) if isinstance(node, release.ast.Constant)
+    }
+    assert sglang_plugin.WARMUP_TEXT in texts
+
+
 def test_the_checker_catches_a_renamed_name() -> None:
     """The checks above can fail: a name SGLang does not have is reported."""
     with pytest.raises(AssertionError, match="has no method"):

@@ -10,6 +10,7 @@ S3 server.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.metadata
 from pathlib import Path
@@ -208,3 +209,114 @@ def test_plugin_is_declared_to_sglang_and_off_unless_asked(
     monkeypatch.setenv(ENABLE_ENV, "1")
     with pytest.raises(RuntimeError, match=r"sglang==0\.5\.14"):
         sglang_plugin.register()
+
+
+def _counter(kind: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(f"tide:capture_{kind}_total") or 0.0
+
+
+def test_self_requests_stop_and_budget(
+    stack: TideConfig, lake_config: LakeConfig, lake_store: ObjectStore, true_states: Any
+) -> None:
+    """Health checks and warm-up are not traffic; records end at the real stop; the host
+    byte budget drops a request (counted) instead of holding more."""
+    ids, final, aux = true_states
+    row_bytes = (final.shape[1] + aux.shape[1]) * final.element_size()
+    config = _config(stack, lake_config, capture_max_held_bytes=12 * row_bytes)
+    warmup = tuple(ids[:3])
+    capture = SGLangCapture(config, "sglang/self", "v1", NUM_STEPS, warmup_prompts={warmup})
+    dropped_before, records_before = _counter("dropped"), _counter("records")
+    health = Req("HEALTH_CHECK_0f3a", ids[:4])
+    warm = Req("warm", list(warmup))
+    stop = Req("stop", ids[:6])
+    big = Req("big", ids[:8])  # 8 prefill rows: over the 12-row budget with stop's 6
+    capture.on_prefill(
+        [health, warm, stop, big],
+        [0] * 4,
+        [4, 3, 6, 8],
+        torch.cat([final[:4], final[:3], final[:6], final[:8]]),
+        torch.cat([aux[:4], aux[:3], aux[:6], aux[:8]]),
+    )
+    assert capture._open["HEALTH_CHECK_0f3a"][1] is None and capture._open["warm"][1] is None
+    assert capture._open["big"][1] is None  # dropped by the budget
+    assert capture.held_bytes == 6 * row_bytes
+    capture.on_verify([stop], DRAFT_TOKENS, *_verify_block(final, aux, 6, 4), torch.tensor([4]))
+    # SGLang's output_ids run past the stop token; finished_len marks where it stopped
+    stop.output_ids = ids[6:10]
+    stop.finished_len = 2  # type: ignore[attr-defined]
+    stop.spec_verify_ct, stop.done = 1, True
+    for req in (health, warm, big):
+        req.output_ids, req.done = ids[4:5], True
+    capture.close()
+    assert capture.held_bytes == 0
+    samples = _read_back(lake_store, lake_config, "sglang/self")
+    assert set(samples) == {"stop"}
+    assert samples["stop"].input_ids.tolist() == ids[:8]  # 6 prompt + 2 output, no overshoot
+    assert samples["stop"].loss_mask.tolist() == [0] * 6 + [1] * 2
+    assert (capture.captured, capture.dropped) == (1, 1)
+    assert _counter("dropped") == dropped_before + 1
+    assert _counter("records") == records_before + 1
+
+
+def test_an_error_inside_a_hook_costs_capture_never_the_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    monkeypatch.setattr(sglang_plugin._Process, "disabled", False)
+    monkeypatch.setattr(sglang_plugin._Process, "errors", collections.Counter())
+    errors_before = _counter("errors")
+    logits = SimpleNamespace(
+        hidden_states=torch.zeros(2, 6), customized_info={sglang_plugin.FINAL_STATES_KEY: 1}
+    )
+    result = SimpleNamespace(logits_output=logits)
+    batch = SimpleNamespace()  # no forward_mode: TIDE's code fails on it
+    worker = SimpleNamespace(tp_rank=0)
+    for _ in range(2):
+        out = sglang_plugin._capture_batch(lambda _w, _b: result, worker, batch)
+        assert out is result  # the scheduler gets SGLang's result
+    assert logits.customized_info is None  # and never TIDE's key
+    assert sglang_plugin._Process.disabled  # capture switched itself off after the first
+    assert sglang_plugin._Process.errors["batch"] == 1
+    assert _counter("errors") == errors_before + 1
+    # the logits hook adds nothing once capture is off, and never raises
+    processor = SimpleNamespace(config=SimpleNamespace(architectures=["LlamaForCausalLM"]))
+    output = SimpleNamespace(customized_info=None)
+    assert sglang_plugin._keep_final_states(lambda *a: output, processor, 0, 0) is output
+    assert output.customized_info is None
+
+
+def test_two_capturing_processes_on_one_host_spool_apart(
+    stack: TideConfig, lake_config: LakeConfig, tmp_path: Path
+) -> None:
+    """Several servers per node (or a tp_rank 0 per DP replica) share TIDE_LAKE__SPOOL_DIR."""
+    import os
+    import subprocess
+    import sys
+
+    from tide_lib.lake import LakeWriter
+
+    base = tmp_path / "spool"
+    writers = []
+    for pid in (os.getpid(), os.getppid()):  # two live processes
+        spool = sglang_plugin.process_spool(base, rank=0, pid=pid)
+        lake = lake_config.model_copy(update={"spool_dir": spool})
+        writers.append(LakeWriter(ObjectStore(stack.store, stack.store.lake_bucket), lake))
+    assert len({w._spool for w in writers}) == 2  # no lock clash: each has its own
+    for writer in writers:
+        writer.close()
+    # a process that died with a spooled shard: the next one adopts it for upload
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    ).stdout.strip()
+    orphan = base / f"tp0-pid{dead}"
+    orphan.mkdir()
+    (orphan / "shard-1.parquet").write_bytes(b"x")
+    (orphan / "shard-1.json").write_text("{}")
+    own = sglang_plugin.process_spool(base, rank=0, pid=12345678)
+    assert not orphan.exists()
+    assert {p.name for p in own.iterdir()} == {"shard-1.parquet", "shard-1.json"}

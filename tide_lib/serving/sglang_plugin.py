@@ -28,6 +28,16 @@ on a CUDA event, keeps the accepted rows of each verify block, applies the same
 sampling rate and selective-capture threshold as the reference engine, and hands
 the record to the ``LakeWriter`` (which batches, uploads and spools).
 
+It can only lose captures, never requests: every hook body is guarded (an error
+is counted, logged once per kind, and switches capture off for the process; the
+scheduler gets SGLang's own result); rows leave the GPU every step through a side
+stream into pinned host memory, within ``serve.capture_max_held_bytes`` (over it,
+the request's capture is dropped and counted); each process spools in a directory
+of its own (``tp<rank>-pid<pid>``, adopting a dead process's shards); records end
+at the request's real stop (``finished_len``); SGLang's health checks and warm-up
+are not captured. Counters ``tide:capture_{records,dropped,errors,bytes}_total``
+go through prometheus_client, so SGLang's ``/metrics`` shows them.
+
 Limits: the prompt's radix-cached prefix has no states (the record starts at the
 first computed token); a retracted request is dropped; tensor parallelism captures
 on TP rank 0 only; tree drafting (topk > 1) and data-parallel attention are refused.
@@ -38,15 +48,17 @@ the assembly of records is tested there on SGLang-shaped blocks, see
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
 import queue
 import random
+import shutil
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -54,6 +66,7 @@ from tide_lib.config import TideConfig
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
 from tide_lib.serving.capture import sampled, serves_well
 from tide_lib.serving.sglang_swap import SWAP_TARGET, draft_only_swap
+from tide_lib.stack.manager import pid_alive
 
 __all__ = [
     "ENABLE_ENV",
@@ -71,15 +84,39 @@ FINAL_STATES_KEY = "tide_final_hidden"
 _LOGITS_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
 _WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
 _POLL_SECONDS = 0.5
+# Requests SGLang makes of itself, never traffic (names checked against 0.5.14 by tests/contract):
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants, /health's one-token request
+WARMUP_TEXT = "The capital city of France is"  # http_server._execute_server_warmup's prompt
 
 
-def _record_event() -> Any:
-    """A CUDA event after the copies enqueued so far on this thread's stream (None on CPU)."""
-    if not torch.cuda.is_available():
-        return None
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record()
-    return event
+class _HostCopier:
+    """Rows leave the GPU as they are produced: a side stream copies them into pinned memory.
+
+    Nothing on the decoding path waits: the copy is enqueued after the work that
+    produced the rows, and the finalizer thread waits on the event instead.
+    """
+
+    def __init__(self) -> None:
+        available = torch.cuda.is_available()
+        self._stream = torch.cuda.Stream() if available else None  # type: ignore[no-untyped-call]
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._stream is None or not tensor.is_cuda:
+            return tensor.detach().clone()
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            out.copy_(tensor, non_blocking=True)
+        tensor.record_stream(self._stream)
+        return out
+
+    def event(self) -> Any:
+        """A CUDA event after the copies enqueued so far (None on CPU)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
+        return event
 
 
 @dataclasses.dataclass
@@ -105,6 +142,7 @@ class RequestStates:
         self.prefill_rows = 0
         self.verify_steps = 0
         self.ready: Any = None  # CUDA event recorded after the latest copies
+        self.nbytes = 0  # host memory its rows hold
         self._blocks: list[_Block] = []
 
     def add_prefill(self, final: torch.Tensor, aux: torch.Tensor) -> None:
@@ -113,11 +151,13 @@ class RequestStates:
             raise ValueError(f"request {self.request_id}: prefill after decoding (retracted)")
         self._blocks.append(_Block(final, aux, None))
         self.prefill_rows += int(final.shape[0])
+        self.nbytes += _nbytes(final, aux)
 
     def add_verify(self, final: torch.Tensor, aux: torch.Tensor, accepted: torch.Tensor) -> None:
         """One verify block: ``num_draft_tokens`` rows and the accept length (bonus included)."""
         self._blocks.append(_Block(final, aux, accepted))
         self.verify_steps += 1
+        self.nbytes += _nbytes(final, aux)
 
     def assemble(self, token_ids: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """``(token ids, final [T, H], aux [T, 3H])`` on the CPU, trimmed to the tokens."""
@@ -133,6 +173,25 @@ class RequestStates:
         if length <= 0:
             raise ValueError(f"request {self.request_id}: no states for its tokens")
         return token_ids[self.offset : self.offset + length], final[:length], aux[:length]
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _is_self_request(req: Any, warmup_prompts: set[tuple[int, ...]]) -> bool:
+    """SGLang's own health checks and warm-up: never traffic, never captured."""
+    rid = getattr(req, "rid", "")
+    if isinstance(rid, str) and rid.startswith(HEALTH_CHECK_RID_PREFIX):
+        return True
+    return tuple(req.origin_input_ids) in warmup_prompts
+
+
+def _output_through_stop(req: Any) -> list[int]:
+    """The output up to the request's real stop: ``output_ids`` can run past it."""
+    output = list(req.output_ids)
+    end = getattr(req, "finished_len", None)
+    return output[:end] if end is not None else output
 
 
 @dataclasses.dataclass
@@ -157,6 +216,8 @@ class SGLangCapture:
         draft_version: str,
         num_steps: int,
         writer: LakeWriter | None = None,
+        *,
+        warmup_prompts: set[tuple[int, ...]] | None = None,
     ) -> None:
         self.config = config
         self.target_id = target_id
@@ -165,18 +226,44 @@ class SGLangCapture:
         self.writer = writer or LakeWriter(
             ObjectStore(config.store, config.store.lake_bucket), config.lake
         )
+        self.max_held_bytes = config.serve.capture_max_held_bytes
+        self.warmup_prompts = warmup_prompts or set()
         self.captured = 0
         self.skipped = 0
         self.dropped = 0
-        # None: a request that is not captured (not sampled, or dropped)
+        self.held_bytes = 0
+        # None: a request that is not captured (not sampled, dropped, SGLang's own)
         self._open: dict[str, tuple[Any, RequestStates | None]] = {}
         self._lock = threading.Lock()
         self._rng = random.Random()
+        self._host = _HostCopier()
         self._finished: queue.Queue[_Finished | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tide-capture", daemon=True)
         self._thread.start()
 
     # -- called from the scheduler's forward path (no GPU waits) -----------------------------
+
+    def _states(self, req: Any, prefix: int) -> RequestStates | None:
+        """The request's states, opened at first sight (caller holds the lock)."""
+        entry = self._open.get(req.rid)
+        if entry is None:
+            keep = sampled(self.config.serve, self._rng) and not _is_self_request(
+                req, self.warmup_prompts
+            )
+            entry = (req, RequestStates(req.rid, prefix) if keep else None)
+            self._open[req.rid] = entry
+        return entry[1]
+
+    def _drop(self, req: Any, states: RequestStates, why: str) -> None:
+        """Stop capturing a request and free what it held (caller holds the lock)."""
+        logger.debug("capture of %s dropped: %s", req.rid, why)
+        self._open[req.rid] = (req, None)
+        self.held_bytes -= states.nbytes
+        self.dropped += 1
+        _metric("dropped").inc()
+
+    def _fits(self, rows: int, width: int, element: int) -> bool:
+        return self.held_bytes + rows * width * element <= self.max_held_bytes
 
     def on_prefill(
         self,
@@ -189,27 +276,24 @@ class SGLangCapture:
         """Rows of one prefill batch: ``sum(extend_lens)`` rows in request order."""
         start = 0
         touched: list[RequestStates] = []
+        width = final.shape[1] + aux.shape[1]
         for req, prefix, rows in zip(reqs, prefix_lens, extend_lens, strict=True):
             end = start + rows
             with self._lock:
-                entry = self._open.get(req.rid)
-                if entry is None:
-                    keep = sampled(self.config.serve, self._rng)
-                    entry = (req, RequestStates(req.rid, prefix) if keep else None)
-                    self._open[req.rid] = entry
-                states = entry[1]
+                states = self._states(req, prefix)
                 if states is not None:
-                    try:
-                        if prefix != states.offset + states.prefill_rows:
-                            raise ValueError(f"request {req.rid}: prefill chunk not contiguous")
-                        states.add_prefill(final[start:end].clone(), aux[start:end].clone())
+                    if prefix != states.offset + states.prefill_rows:
+                        self._drop(req, states, "prefill chunk not contiguous (retracted)")
+                    elif not self._fits(rows, width, final.element_size()):
+                        self._drop(req, states, "host byte budget (serve.capture_max_held_bytes)")
+                    else:
+                        states.add_prefill(
+                            self._host.copy(final[start:end]), self._host.copy(aux[start:end])
+                        )
+                        self.held_bytes += _nbytes(final[start:end], aux[start:end])
                         touched.append(states)
-                    except ValueError as error:
-                        logger.debug("capture dropped: %s", error)
-                        self._open[req.rid] = (req, None)
-                        self.dropped += 1
             start = end
-        ready = _record_event()
+        ready = self._host.event()
         for states in touched:
             states.ready = ready
 
@@ -223,16 +307,24 @@ class SGLangCapture:
     ) -> None:
         """One verify batch: a block of ``num_draft_tokens`` rows per request."""
         touched: list[RequestStates] = []
+        width = final.shape[1] + aux.shape[1]
         with self._lock:
             for index, req in enumerate(reqs):
                 states = self._open.get(req.rid, (None, None))[1]
                 if states is None:
                     continue
+                if not self._fits(num_draft_tokens, width, final.element_size()):
+                    self._drop(req, states, "host byte budget (serve.capture_max_held_bytes)")
+                    continue
                 rows = slice(index * num_draft_tokens, (index + 1) * num_draft_tokens)
-                accepted = accept_lens[index].clone()
-                states.add_verify(final[rows].clone(), aux[rows].clone(), accepted)
+                states.add_verify(
+                    self._host.copy(final[rows]),
+                    self._host.copy(aux[rows]),
+                    self._host.copy(accept_lens[index]),
+                )
+                self.held_bytes += _nbytes(final[rows], aux[rows])
                 touched.append(states)
-        ready = _record_event()
+        ready = self._host.event()
         for states in touched:
             states.ready = ready
 
@@ -241,13 +333,14 @@ class SGLangCapture:
         with self._lock:
             done = [rid for rid, (req, _) in self._open.items() if req.finished()]
             entries = [self._open.pop(rid) for rid in done]
+            self.held_bytes -= sum(states.nbytes for _, states in entries if states is not None)
         for req, states in entries:
             if states is None:
                 continue
             if type(getattr(req, "finished_reason", None)).__name__ == "FINISH_ABORT":
                 continue
             prompt = list(req.origin_input_ids)
-            output = list(req.output_ids)
+            output = _output_through_stop(req)
             self._finished.put(
                 _Finished(
                     states=states,
@@ -308,6 +401,8 @@ class SGLangCapture:
         )
         if self.writer.submit(record):
             self.captured += 1
+            _metric("records").inc()
+            _metric("bytes").inc(_nbytes(record.hidden_states, record.aux_hidden_states))
             return True
         self._count_drop()
         return False
@@ -315,6 +410,7 @@ class SGLangCapture:
     def _count_drop(self) -> None:
         with self._lock:  # the scheduler thread counts drops too
             self.dropped += 1
+        _metric("dropped").inc()
 
     def close(self) -> None:
         """Finish what is queued and flush the writer."""
@@ -331,6 +427,43 @@ class _Process:
     """This scheduler process's capture, started by the first batch TP rank 0 runs."""
 
     capture: SGLangCapture | None = None
+    disabled = False  # set by the first error inside a hook: capture stops, serving goes on
+    errors: ClassVar[collections.Counter[str]] = collections.Counter()
+
+
+_METRIC_HELP = {
+    "records": "requests captured into the lake",
+    "dropped": "requests whose capture was dropped (budget, queue, retraction, errors)",
+    "errors": "exceptions inside TIDE's hooks (capture switches itself off)",
+    "bytes": "hidden-state bytes of captured requests",
+}
+_METRICS: dict[str, Any] = {}
+
+
+def _metric(kind: str) -> Any:
+    """``tide:capture_<kind>_total``, a prometheus_client counter.
+
+    With ``--enable-metrics`` SGLang runs prometheus_client in multiprocess mode,
+    so counters of the scheduler processes appear on the server's own ``/metrics``.
+    """
+    if kind not in _METRICS:
+        from prometheus_client import Counter  # noqa: PLC0415
+
+        _METRICS[kind] = Counter(f"tide:capture_{kind}", _METRIC_HELP[kind])
+    return _METRICS[kind]
+
+
+def _hook_failed(kind: str) -> None:
+    """A TIDE error inside an SGLang hook: counted, logged once per kind, capture off."""
+    _Process.errors[kind] += 1
+    _metric("errors").inc()
+    if _Process.errors[kind] == 1:
+        logger.exception("TIDE capture hook %s failed; capture is off, serving goes on", kind)
+    _Process.disabled = True
+
+
+def _capture_on() -> bool:
+    return os.environ.get(ENABLE_ENV) == "1" and not _Process.disabled
 
 
 def _is_target_processor(processor: Any) -> bool:
@@ -342,10 +475,16 @@ def _keep_final_states(
     original: Any, processor: Any, input_ids: Any, hidden_states: Any, *args: Any, **kwargs: Any
 ) -> Any:
     output = original(processor, input_ids, hidden_states, *args, **kwargs)
-    metadata = args[1] if len(args) > 1 else kwargs.get("logits_metadata")
-    mode = getattr(metadata, "capture_hidden_mode", None)
-    if mode is not None and mode.is_full() and _is_target_processor(processor):
-        output.customized_info = {**(output.customized_info or {}), FINAL_STATES_KEY: hidden_states}
+    if not _capture_on():
+        return output
+    try:
+        metadata = args[1] if len(args) > 1 else kwargs.get("logits_metadata")
+        mode = getattr(metadata, "capture_hidden_mode", None)
+        if mode is not None and mode.is_full() and _is_target_processor(processor):
+            info = output.customized_info or {}
+            output.customized_info = {**info, FINAL_STATES_KEY: hidden_states}
+    except Exception:  # TIDE's error: the scheduler never sees it
+        _hook_failed("logits")
     return output
 
 
@@ -359,6 +498,42 @@ def _take_final_states(logits_output: Any) -> torch.Tensor | None:
     return final
 
 
+def process_spool(base: Path, rank: int, pid: int | None = None) -> Path:
+    """This process's own spool directory, having adopted those of dead processes.
+
+    Several capturing processes share a host (several servers per node, or one
+    ``tp_rank`` 0 per DP replica), so each spools under ``tp<rank>-pid<pid>``;
+    shards a crashed process left behind move into the new one's spool and upload.
+    """
+    pid = os.getpid() if pid is None else pid
+    own = base / f"tp{rank}-pid{pid}"
+    own.mkdir(parents=True, exist_ok=True)
+    for other in base.glob("tp*-pid*"):
+        other_pid = other.name.rsplit("-pid", 1)[-1]
+        if other == own or not other_pid.isdigit() or pid_alive(int(other_pid)):
+            continue
+        for path in [*other.glob("*.parquet"), *other.glob("*.json")]:
+            path.replace(own / path.name)
+        logger.info("adopted the spool of ended process %s into %s", other_pid, own)
+        shutil.rmtree(other, ignore_errors=True)
+    return own
+
+
+def _warmup_prompts(args: Any) -> set[tuple[int, ...]]:
+    """Token ids of SGLang's warm-up prompt, with and without special tokens."""
+    try:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        return {
+            tuple(tokenizer.encode(WARMUP_TEXT, add_special_tokens=special))
+            for special in (True, False)
+        }
+    except Exception:  # no tokenizer here: the warm-up (one request a start) is captured
+        logger.warning("cannot tokenize SGLang's warm-up prompt; it may be captured")
+        return set()
+
+
 def _start_capture(worker: Any) -> SGLangCapture | None:
     if _Process.capture is not None or worker.tp_rank != 0:
         return _Process.capture
@@ -368,40 +543,56 @@ def _start_capture(worker: Any) -> SGLangCapture | None:
         os.environ[ENABLE_ENV] = "0"
         return None
     config = TideConfig()
+    spool = process_spool(config.lake.spool_dir, worker.tp_rank)
+    config = config.model_copy(update={"lake": config.lake.model_copy(update={"spool_dir": spool})})
     target_id = config.serve.served_model_name or Path(args.model_path).name
     draft = args.speculative_draft_model_path or ""
     version = getattr(args, "weight_version", None) or Path(draft).name or "initial"
-    _Process.capture = SGLangCapture(config, target_id, version, worker.speculative_num_steps)
-    logger.info("TIDE capture on: target %s, draft %s, lake %s", target_id, version, config.lake)
+    _Process.capture = SGLangCapture(
+        config,
+        target_id,
+        version,
+        worker.speculative_num_steps,
+        warmup_prompts=_warmup_prompts(args),
+    )
+    logger.info("TIDE capture on: target %s, draft %s, spool %s", target_id, version, spool)
     return _Process.capture
 
 
 def _capture_batch(original: Any, worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(worker, batch, *args, **kwargs)
-    logits_output = getattr(result, "logits_output", None)
-    if logits_output is None:
-        return result
-    final = _take_final_states(logits_output)
-    capture = _start_capture(worker) if os.environ.get(ENABLE_ENV) == "1" else None
-    if capture is None or final is None or batch.forward_mode.is_idle():
-        return result
-    capture.sweep()
-    aux = logits_output.hidden_states
-    if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
-        capture.on_prefill(batch.reqs, batch.prefix_lens, batch.extend_lens, final, aux)
-    elif result.accept_lens is not None:
-        capture.on_verify(
-            batch.reqs, worker.speculative_num_draft_tokens, final, aux, result.accept_lens
-        )
+    try:
+        logits_output = getattr(result, "logits_output", None)
+        if logits_output is None:
+            return result
+        final = _take_final_states(logits_output)
+        if final is None or not _capture_on() or batch.forward_mode.is_idle():
+            return result
+        capture = _start_capture(worker)
+        if capture is None:
+            return result
+        capture.sweep()
+        aux = logits_output.hidden_states
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            capture.on_prefill(batch.reqs, batch.prefix_lens, batch.extend_lens, final, aux)
+        elif result.accept_lens is not None:
+            capture.on_verify(
+                batch.reqs, worker.speculative_num_draft_tokens, final, aux, result.accept_lens
+            )
+    except Exception:  # TIDE's error: the scheduler never sees it
+        _hook_failed("batch")
     return result
 
 
 def _note_draft_version(result: Any, worker: Any, recv_req: Any) -> Any:
-    success = result[0] if isinstance(result, tuple) else False
-    if success and _Process.capture is not None:
-        _Process.capture.draft_version = (
-            getattr(recv_req, "weight_version", None) or Path(recv_req.model_path).name
-        )
+    try:
+        success = result[0] if isinstance(result, tuple) else False
+        if success and _Process.capture is not None:
+            _Process.capture.draft_version = (
+                getattr(recv_req, "weight_version", None) or Path(recv_req.model_path).name
+            )
+    except Exception:
+        _hook_failed("draft_version")
     return result
 
 

@@ -3,7 +3,15 @@
 Used by ``make demo``, by the tests and by anyone trying TIDE on one machine.
 """
 
-from tide_lib.stack.manager import ServiceStatus, StackError, StackManager, free_ports
+from tide_lib.stack.manager import ServiceStatus, StackError, StackManager, free_ports, pid_alive
 from tide_lib.stack.services import SERVICES, Service
 
-__all__ = ["SERVICES", "Service", "ServiceStatus", "StackError", "StackManager", "free_ports"]
+__all__ = [
+    "SERVICES",
+    "Service",
+    "ServiceStatus",
+    "StackError",
+    "StackManager",
+    "free_ports",
+    "pid_alive",
+]

@@ -21,7 +21,7 @@ from pathlib import Path
 from tide_lib.config import TideConfig
 from tide_lib.stack.services import SERVICES, Service
 
-__all__ = ["ServiceStatus", "StackError", "StackManager", "free_ports"]
+__all__ = ["ServiceStatus", "StackError", "StackManager", "free_ports", "pid_alive"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ def free_ports(count: int, start: int, *, twin_offset: int = 0) -> list[int]:
     return ports
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie child of ours is reaped and counts as ended)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -112,7 +113,7 @@ class StackManager:
             pid = int(self._pid_file(service).read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        return pid if _alive(pid) else None
+        return pid if pid_alive(pid) else None
 
     def status(self) -> list[ServiceStatus]:
         statuses = []
@@ -226,7 +227,7 @@ class StackManager:
                 return
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline:
-                if not _alive(pid):
+                if not pid_alive(pid):
                     return
                 time.sleep(0.1)
         raise StackError(f"{service.name} (pid {pid}) did not stop after SIGKILL")
