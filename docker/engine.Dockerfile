@@ -12,22 +12,18 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONUNBUFFERED=1
 
-# Only what the capture path and the draft-only swap import beyond SGLang's own stack
-# (torch, numpy, pydantic, pyyaml, tqdm, transformers, safetensors), at TIDE's pins; the
-# swap resolves models:/ and runs:/ URIs through MLflow (the skinny client is enough).
-# pip leaves SGLang's packages as they are.
-RUN python3 -c "import importlib.metadata as m; v = m.version('sglang'); assert v == '0.5.14', v" \
-    && python3 -m pip install "minio==7.2.20" "pyarrow==25.0.1" "pydantic-settings==2.16.3" \
-       "mlflow-skinny==3.17.2" \
-    && python3 -m pip install --no-deps "specforge==0.2.0"  # draft validation: tensor shapes
+RUN python3 -c "import importlib.metadata as m; v = m.version('sglang'); assert v == '0.5.14', v"
 
+# tide[capture] brings what the plugin imports (SGLang already has most of it; pip keeps
+# SGLang's versions), mlflow-skinny for models:/ URIs; specforge --no-deps checks draft shapes.
 # TIDE pins Python 3.11 for its own environments; inside SGLang's image the plugin runs on
 # that image's Python (3.11 or later: tide_lib uses datetime.UTC), hence the override.
 WORKDIR /opt/tide
 COPY pyproject.toml README.md ./
 COPY tide_lib ./tide_lib
 RUN python3 -c "import sys; assert sys.version_info >= (3, 11), sys.version" \
-    && python3 -m pip install --no-deps --ignore-requires-python . \
+    && python3 -m pip install --ignore-requires-python ".[capture]" \
+    && python3 -m pip install --no-deps "specforge==0.2.0" \
     && python3 -c "import importlib.metadata as m; assert any(e.name == 'tide_capture' for e in m.entry_points(group='sglang.srt.plugins'))" \
     && python3 -c "import tide_lib.serving.sglang_plugin" \
     && mkdir -p /var/spool/tide /var/lib/tide/scratch
