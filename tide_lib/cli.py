@@ -173,12 +173,16 @@ def _serve(args: argparse.Namespace, config: TideConfig) -> int:
 
 
 def _fleet(args: argparse.Namespace, config: TideConfig) -> int:
-    from tide_lib.serving.fleet import FleetError, FleetManager  # noqa: PLC0415
+    from tide_lib.serving.fleet import FleetError, FleetManager, RestartLauncher  # noqa: PLC0415
 
+    rollout = config.fleet
     fleet = FleetManager(
         [url for url in args.servers.split(",") if url],
         api_key=config.serve.api_key,
         admin_api_key=config.serve.admin_api_key,
+        launcher=RestartLauncher(rollout.restart_command, timeout_s=rollout.restart_timeout_s)
+        if rollout.rollout == "restart" and rollout.restart_command
+        else None,
     )
     try:
         if args.action == "promote":

@@ -24,6 +24,7 @@ from pydantic_settings import (
 
 __all__ = [
     "CycleConfig",
+    "FleetConfig",
     "GateConfig",
     "LakeConfig",
     "MLflowConfig",
@@ -277,6 +278,37 @@ class ServeConfig(StrictModel):
     )
 
 
+class FleetConfig(StrictModel):
+    """How promotion and rollback reach the serving fleet (keys: ``serve.*api_key``)."""
+
+    rollout: Literal["hot_swap", "restart"] = Field(
+        "hot_swap",
+        description=(
+            "hot_swap: /update_weights_from_disk (SGLang needs TIDE's plugin); restart: "
+            "fleet.restart_command relaunches one server at a time with the new draft"
+        ),
+    )
+    restart_command: str | None = Field(
+        None,
+        description=(
+            "launcher that relaunches one server with a new draft, run without a shell; "
+            "placeholders {url} {host} {port} {draft} {weight_version}"
+        ),
+    )
+    restart_timeout_s: float = Field(
+        1800.0, gt=0, description="a relaunched server must serve the new draft within this"
+    )
+
+    @model_validator(mode="after")
+    def _restart_needs_a_command(self) -> FleetConfig:
+        if self.rollout == "restart" and not self.restart_command:
+            raise ValueError(
+                "fleet.rollout is restart but fleet.restart_command is unset: set "
+                "TIDE_FLEET__RESTART_COMMAND to the launcher (e.g. a kubectl rollout command)"
+            )
+        return self
+
+
 class GateConfig(StrictModel):
     """When a challenger draft replaces the champion (acceptance length, SGLang's count)."""
 
@@ -350,6 +382,7 @@ class TideConfig(BaseSettings):
     serve: ServeConfig = ServeConfig()
     gate: GateConfig = GateConfig()
     cycle: CycleConfig = CycleConfig()
+    fleet: FleetConfig = FleetConfig()
 
     @classmethod
     def settings_customise_sources(

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from pydantic import SecretStr
@@ -22,7 +24,13 @@ from pydantic import SecretStr
 from tests.contract import sglang_release as release
 from tests.contract.sglang_stub import StubServer, StubState, create_stub
 from tide_lib.serving import auth, sglang_plugin
-from tide_lib.serving.fleet import EngineClient, FleetError, FleetManager, sglang_launch_args
+from tide_lib.serving.fleet import (
+    EngineClient,
+    FleetError,
+    FleetManager,
+    RestartLauncher,
+    sglang_launch_args,
+)
 
 HTTP = "sglang.srt.entrypoints.http_server"
 IO = "sglang.srt.managers.io_struct"
@@ -267,5 +275,53 @@ def test_a_failed_promotion_ends_on_the_registry_champion(
         assert state.updates[-1]["model_path"] == "models:/tide-draft-tiny/1"
         assert state.weight_version == "tide-draft-tiny-v1"
         assert all(u["model_path"] != state.launch_draft for u in state.updates)
+    finally:
+        other.stop()
+
+
+_LAUNCHER = """
+import sys, httpx
+url, draft, version = sys.argv[1:4]
+if url.endswith(sys.argv[4]):
+    sys.exit("this host's launcher is broken")
+# a relaunch with --speculative-draft-model-path draft --weight-version version
+httpx.post(f"{url}/update_weights_from_disk", json={"model_path": draft, "weight_version": version},
+           headers={"Authorization": "Bearer k-admin"}).raise_for_status()
+"""
+
+
+def test_restart_rollout_relaunches_in_turn_and_rolls_back_the_same_way(
+    stub: tuple[StubServer, StubState], tmp_path: Path
+) -> None:
+    """For fleets without TIDE's plugin: each server relaunched with the new draft, in turn."""
+    server, state = stub
+    other_state = StubState(loadable={"models:/tide-draft-tiny/1", "models:/tide-draft-tiny/2"})
+    other = StubServer(create_stub(other_state, api_key="k-api", admin_api_key="k-admin"))
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER)
+    keys = {"api_key": SecretStr("k-api"), "admin_api_key": SecretStr("k-admin")}
+    try:
+        template = f"{sys.executable} {script} {{url}} {{draft}} {{weight_version}} no-such-port"
+        fleet = FleetManager(
+            [server.url, other.url], launcher=RestartLauncher(template, poll_s=0.1), **keys
+        )
+        fleet.promote("models:/tide-draft-tiny/2", "tide-draft-tiny-v2")
+        assert state.weight_version == other_state.weight_version == "tide-draft-tiny-v2"
+        broken = f"{sys.executable} {script} {{url}} {{draft}} {{weight_version}} {other.port}"
+        fleet = FleetManager(
+            [server.url, other.url], launcher=RestartLauncher(broken, poll_s=0.1), **keys
+        )
+        with pytest.raises(FleetError, match="broken"):
+            fleet.promote(
+                "models:/tide-draft-tiny/1",
+                "tide-draft-tiny-v1",
+                rollback_to=("models:/tide-draft-tiny/2", "tide-draft-tiny-v2"),
+            )
+        # the first server was relaunched with v1, then back with the champion
+        assert [u["weight_version"] for u in state.updates[-2:]] == [
+            "tide-draft-tiny-v1",
+            "tide-draft-tiny-v2",
+        ]
+        assert state.weight_version == other_state.weight_version == "tide-draft-tiny-v2"
     finally:
         other.stop()

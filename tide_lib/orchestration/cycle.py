@@ -446,11 +446,17 @@ def promote(config: TideConfig, version: str, decision: Decision) -> Promotion:
 
 
 def _fleet(config: TideConfig) -> FleetManager:
-    from tide_lib.serving.fleet import FleetManager  # noqa: PLC0415
+    from tide_lib.serving.fleet import FleetManager, RestartLauncher  # noqa: PLC0415
 
-    serve = config.serve
+    serve, fleet = config.serve, config.fleet
+    launcher = None
+    if fleet.rollout == "restart" and fleet.restart_command:
+        launcher = RestartLauncher(fleet.restart_command, timeout_s=fleet.restart_timeout_s)
     return FleetManager(
-        config.cycle.servers, api_key=serve.api_key, admin_api_key=serve.admin_api_key
+        config.cycle.servers,
+        api_key=serve.api_key,
+        admin_api_key=serve.admin_api_key,
+        launcher=launcher,
     )
 
 

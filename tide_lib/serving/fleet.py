@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shlex
+import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 from pydantic import SecretStr
@@ -27,6 +30,7 @@ __all__ = [
     "EngineClient",
     "FleetError",
     "FleetManager",
+    "RestartLauncher",
     "ServerState",
     "sglang_launch_args",
 ]
@@ -187,8 +191,70 @@ class EngineClient:
             return ServerState(self.url, False, None, None, None, error=str(error))
 
 
+class RestartLauncher:
+    """Applies a draft by relaunching a server: the rollout for fleets without TIDE's plugin.
+
+    SGLang fixes the draft (and k) at launch, so a fleet without the draft-only swap
+    gets a new draft by a restart with a new ``--speculative-draft-model-path``.
+    ``template`` is the operator's launcher command, split like a shell would split
+    it and run without one; its placeholders ``{url}``, ``{host}``, ``{port}``,
+    ``{draft}`` and ``{weight_version}`` are filled per server (a Kubernetes example:
+    ``kubectl -n llm set env deploy/sglang-{port} TIDE_DRAFT={draft}
+    TIDE_WEIGHT_VERSION={weight_version}``). The server counts as updated once it is
+    healthy again and ``/model_info`` reports the new weight version.
+    """
+
+    def __init__(self, template: str, timeout_s: float = 1800.0, poll_s: float = 5.0) -> None:
+        self.argv = shlex.split(template)
+        if not self.argv:
+            raise FleetError("the restart command template is empty")
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+
+    def __call__(self, client: EngineClient, draft: str, weight_version: str) -> None:
+        parsed = urlparse(client.url)
+        fields = {
+            "url": client.url,
+            "host": parsed.hostname or "",
+            "port": str(parsed.port or ""),
+            "draft": draft,
+            "weight_version": weight_version,
+        }
+        argv = [part.format(**fields) for part in self.argv]
+        logger.info("relaunching %s with draft %s (%s)", client.url, draft, weight_version)
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=self.timeout_s, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise FleetError(f"restart command for {client.url} failed: {error}") from error
+        if done.returncode != 0:
+            raise FleetError(
+                f"restart command for {client.url} exited {done.returncode}: {done.stderr[-500:]}"
+            )
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if client.health(attempts=1):
+                try:
+                    if client.weight_version() == weight_version:
+                        return
+                except (httpx.HTTPError, FleetError, KeyError, ValueError):
+                    pass
+            time.sleep(self.poll_s)
+        raise FleetError(
+            f"{client.url} did not come back serving {weight_version} within {self.timeout_s:.0f} s"
+        )
+
+
+def _hot_swap(client: EngineClient, draft: str, weight_version: str) -> None:
+    client.update_draft(draft, weight_version)
+
+
 class FleetManager:
-    """Rolls a draft out to a list of servers, one at a time, with rollback."""
+    """Rolls a draft out to a list of servers, one at a time, with rollback.
+
+    Each server gets the draft by a hot swap (``/update_weights_from_disk``), or,
+    with ``launcher``, by a restart (:class:`RestartLauncher`).
+    """
 
     def __init__(
         self,
@@ -196,9 +262,11 @@ class FleetManager:
         *,
         api_key: SecretStr | None = None,
         admin_api_key: SecretStr | None = None,
+        launcher: RestartLauncher | None = None,
     ) -> None:
         if not urls:
             raise FleetError("no servers given")
+        self._apply: Callable[[EngineClient, str, str], None] = launcher or _hot_swap
         self.clients = [
             EngineClient(url, api_key=api_key, admin_api_key=admin_api_key) for url in urls
         ]
@@ -233,7 +301,7 @@ class FleetManager:
                     )
                 previous.append((client, before))
                 logger.info("promoting %s (%s) on %s", path, weight_version, client.url)
-                client.update_draft(path, weight_version)
+                self._apply(client, path, weight_version)
                 self._check(
                     client, weight_version, probe_prompts, min_accept_length, probe_max_new_tokens
                 )
@@ -270,9 +338,8 @@ class FleetManager:
                     f"prompts, below the floor {min_accept_length:.2f}"
                 )
 
-    @staticmethod
     def _roll_back(
-        previous: list[tuple[EngineClient, ServerState]], rollback_to: tuple[str, str] | None
+        self, previous: list[tuple[EngineClient, ServerState]], rollback_to: tuple[str, str] | None
     ) -> None:
         for client, before in reversed(previous):
             draft, version = rollback_to or (before.draft_path, before.weight_version)
@@ -280,7 +347,7 @@ class FleetManager:
                 logger.error("cannot roll back %s: its previous draft is unknown", client.url)
                 continue
             try:
-                client.update_draft(draft, version)
+                self._apply(client, draft, version)
                 logger.warning("rolled %s back to %s", client.url, version)
             except (FleetError, httpx.HTTPError) as error:
                 logger.error("rollback of %s failed: %s", client.url, error)
