@@ -55,8 +55,15 @@ class _Model:
 
 
 @dataclasses.dataclass
+class _Args:
+    model_path: str = "/models/target"
+    load_format: str = "auto"
+
+
+@dataclasses.dataclass
 class _Runner:
     model: _Model
+    server_args: _Args = dataclasses.field(default_factory=_Args)
 
 
 class _DraftWorker:
@@ -70,6 +77,7 @@ class _DraftWorker:
 
     def update_weights_from_disk(self, recv_req: Any) -> tuple[bool, str]:
         self.loaded.append(recv_req)
+        self.draft_runner.server_args.model_path = recv_req.model_path  # as ModelRunner does
         d2t = load_file(Path(recv_req.model_path) / "model.safetensors")["d2t"]
         self.draft_runner.model.hot_token_id = d2t + torch.arange(d2t.shape[0])  # a new tensor
         return True, "Succeeded to update model weights."
@@ -119,7 +127,9 @@ def test_a_draft_reloads_the_draft_worker_alone(
     )
     out = sglang_swap.draft_only_swap(_not_called, manager, request)
     assert out.success, out.message
-    assert worker.loaded[0].recapture_cuda_graph is True
+    # in-place loads keep the graphs valid; SGLang's recapture raises for an EAGLE draft runner
+    assert worker.loaded[0].recapture_cuda_graph is False
+    assert worker.draft_runner.server_args.model_path == "/models/target"  # restored
     assert worker.loaded[0].weight_version == "tide-draft-tiny-v2"
     ko = load_file(tiny_drafts["ko"] / "model.safetensors")["d2t"]
     assert worker.hot_token_id is graphs_read  # refreshed in place, where the graphs read it
@@ -188,6 +198,24 @@ def test_a_draft_uri_is_fetched_on_this_host(
     ko = load_file(tiny_drafts["ko"] / "model.safetensors")["d2t"]
     assert torch.equal(worker.hot_token_id, ko + torch.arange(ko.shape[0]))
     assert not any((tmp_path / "scratch").iterdir())  # the download is gone once loaded
+
+
+def test_the_served_model_keeps_its_name_after_a_draft_swap(tiny_drafts: dict[str, Path]) -> None:
+    """SGLang's tokenizer manager renames the model to model_path; not for a draft."""
+    calls: list[str] = []
+
+    def original(_manager: Any, model_path: str, _load_format: Any) -> None:
+        calls.append(model_path)
+
+    sglang_swap.keep_target_model_info(original, object(), str(tiny_drafts["ko"]), None)
+    sglang_swap.keep_target_model_info(original, object(), "models:/tide-draft-tiny/3", None)
+    assert calls == []
+    sglang_swap.keep_target_model_info(original, object(), "/models/new-target", None)
+    assert calls == ["/models/new-target"]
+    module, _, method = sglang_swap.MODEL_INFO_TARGET.rpartition(".")
+    module, _, class_name = module.rpartition(".")
+    params = release.parameters(release.method(module, class_name, method))
+    assert params == ["self", "model_path", "load_format"]
 
 
 def test_an_error_inside_the_hook_never_reaches_the_scheduler(

@@ -292,6 +292,7 @@ def test_two_capturing_processes_on_one_host_spool_apart(
 ) -> None:
     """Several servers per node (or a tp_rank 0 per DP replica) share TIDE_LAKE__SPOOL_DIR."""
     import os
+    import socket
     import subprocess
     import sys
 
@@ -313,7 +314,7 @@ def test_two_capturing_processes_on_one_host_spool_apart(
         capture_output=True,
         check=True,
     ).stdout.strip()
-    orphan = base / f"tp0-pid{dead}"
+    orphan = base / f"{socket.gethostname()}-tp0-pid{dead}"
     orphan.mkdir()
     (orphan / "shard-1.parquet").write_bytes(b"x")
     (orphan / "shard-1.json").write_text("{}")

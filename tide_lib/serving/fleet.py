@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shlex
+import string
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -208,6 +209,17 @@ class RestartLauncher:
         self.argv = shlex.split(template)
         if not self.argv:
             raise FleetError("the restart command template is empty")
+        allowed = {"url", "host", "port", "draft", "weight_version"}
+        for part in self.argv:
+            try:
+                names = {name for _, name, _, _ in string.Formatter().parse(part) if name}
+            except ValueError as error:
+                raise FleetError(f"restart command {template!r}: {error}") from error
+            if names - allowed:
+                raise FleetError(
+                    f"restart command {template!r} uses {sorted(names - allowed)}; "
+                    f"placeholders are {sorted(allowed)} (double a literal brace: {{{{ }}}})"
+                )
         self.timeout_s, self.poll_s = timeout_s, poll_s
 
     def __call__(self, client: EngineClient, draft: str, weight_version: str) -> None:
@@ -326,11 +338,12 @@ class FleetManager:
                 f"{client.url} serves weight version {served}, expected {weight_version}"
             )
         if probe_prompts and min_accept_length is not None:
-            emitted = verify = 0
+            emitted, verify = 0.0, 0
             for prompt in probe_prompts:
                 meta = client.generate(prompt, max_new_tokens)["meta_info"]
-                verify += meta["spec_verify_ct"]
-                emitted += meta["spec_accept_length"] * meta["spec_verify_ct"]
+                steps = meta.get("spec_verify_ct") or 0  # absent before a verify step
+                verify += steps
+                emitted += (meta.get("spec_accept_length") or 0.0) * steps
             accept_length = emitted / verify if verify else 0.0
             if accept_length < min_accept_length:
                 raise FleetError(

@@ -55,6 +55,7 @@ import os
 import queue
 import random
 import shutil
+import socket
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -65,7 +66,12 @@ import torch
 from tide_lib.config import TideConfig
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
 from tide_lib.serving.capture import sampled, serves_well
-from tide_lib.serving.sglang_swap import SWAP_TARGET, draft_only_swap
+from tide_lib.serving.sglang_swap import (
+    MODEL_INFO_TARGET,
+    SWAP_TARGET,
+    draft_only_swap,
+    keep_target_model_info,
+)
 from tide_lib.stack.manager import pid_alive
 
 __all__ = [
@@ -502,18 +508,22 @@ def process_spool(base: Path, rank: int, pid: int | None = None) -> Path:
     """This process's own spool directory, having adopted those of dead processes.
 
     Several capturing processes share a host (several servers per node, or one
-    ``tp_rank`` 0 per DP replica), so each spools under ``tp<rank>-pid<pid>``;
+    ``tp_rank`` 0 per DP replica), so each spools under ``<host>-tp<rank>-pid<pid>``;
     shards a crashed process left behind move into the new one's spool and upload.
     """
     pid = os.getpid() if pid is None else pid
-    own = base / f"tp{rank}-pid{pid}"
+    host = socket.gethostname()
+    own = base / f"{host}-tp{rank}-pid{pid}"
     own.mkdir(parents=True, exist_ok=True)
-    for other in base.glob("tp*-pid*"):
+    for other in base.glob(f"{host}-tp*-pid*"):  # pids mean something on this host only
         other_pid = other.name.rsplit("-pid", 1)[-1]
         if other == own or not other_pid.isdigit() or pid_alive(int(other_pid)):
             continue
         for path in [*other.glob("*.parquet"), *other.glob("*.json")]:
-            path.replace(own / path.name)
+            try:
+                path.replace(own / path.name)
+            except FileNotFoundError:  # another new process adopted it first
+                continue
         logger.info("adopted the spool of ended process %s into %s", other_pid, own)
         shutil.rmtree(other, ignore_errors=True)
     return own
@@ -626,6 +636,7 @@ def register() -> None:
         )
         return
     HookRegistry.register(SWAP_TARGET, draft_only_swap, HookType.AROUND)
+    HookRegistry.register(MODEL_INFO_TARGET, keep_target_model_info, HookType.AROUND)
     if not capture:
         logger.info("TIDE capture off (set %s=1 to capture); draft-only swap on", ENABLE_ENV)
         return

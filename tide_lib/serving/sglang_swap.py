@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["SWAP_TARGET", "draft_only_swap", "is_draft_reference"]
+__all__ = [
+    "MODEL_INFO_TARGET",
+    "SWAP_TARGET",
+    "draft_only_swap",
+    "is_draft_reference",
+    "keep_target_model_info",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +42,8 @@ SWAP_TARGET = (
     "sglang.srt.managers.scheduler_components.weight_updater."
     "SchedulerWeightUpdaterManager.update_weights_from_disk"
 )
+# After a successful update the tokenizer manager renames the served model to model_path.
+MODEL_INFO_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._update_model_path_info"
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
@@ -90,12 +98,33 @@ def _swap(manager: Any, recv_req: Any, local: Path) -> tuple[bool, str]:
         raise DraftSwapError("this server runs no draft model (no --speculative-algorithm)")
     draft = getattr(worker, "_draft_worker", worker)
     _check_vocabulary(local, getattr(draft, "hot_token_id", None))
-    request = dataclasses.replace(recv_req, model_path=str(local), recapture_cuda_graph=True)
-    success, message = worker.update_weights_from_disk(request)
+    # Weights load in place, so the captured CUDA graphs stay valid; SGLang's recapture
+    # cannot rebuild an EAGLE draft runner's graphs (it raises), so it is not asked for.
+    request = dataclasses.replace(recv_req, model_path=str(local), recapture_cuda_graph=False)
+    args = getattr(getattr(draft, "draft_runner", None), "server_args", None)
+    launched = (args.model_path, args.load_format) if args is not None else None
+    try:
+        success, message = worker.update_weights_from_disk(request)
+    finally:
+        if args is not None and launched is not None:
+            # the model runner records the loaded path as the server's model path
+            args.model_path, args.load_format = launched
     if success:
         _refresh_hot_tokens(worker)
         manager.flush_cache_after_weight_update(recv_req)
     return bool(success), str(message)
+
+
+def keep_target_model_info(
+    original: Any, tokenizer_manager: Any, model_path: str, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND hook: a draft swap leaves the served model's name and path as they were."""
+    try:
+        if is_draft_reference(str(model_path)):
+            return None
+    except Exception:  # never fail SGLang's own bookkeeping on TIDE's account
+        logger.exception("checking %s for a draft failed", model_path)
+    return original(tokenizer_manager, model_path, *args, **kwargs)
 
 
 def _check_vocabulary(local: Path, current: Any) -> None:
