@@ -117,11 +117,17 @@ class _HostCopier:
         return out
 
     def event(self) -> Any:
-        """A CUDA event after the copies enqueued so far (None on CPU)."""
+        """A CUDA event after the copies enqueued so far (None on CPU).
+
+        The serving stream waits for it on the GPU (the CPU never does): rows of a
+        CUDA-graph replay live in the graph's static buffers, which the next replay
+        overwrites, so they must be copied before it runs.
+        """
         if self._stream is None:
             return None
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self._stream)
+        torch.cuda.current_stream().wait_event(event)
         return event
 
 
@@ -191,6 +197,10 @@ def _is_self_request(req: Any, warmup_prompts: set[tuple[int, ...]]) -> bool:
     if isinstance(rid, str) and rid.startswith(HEALTH_CHECK_RID_PREFIX):
         return True
     return tuple(req.origin_input_ids) in warmup_prompts
+
+
+def _aborted(req: Any) -> bool:
+    return type(getattr(req, "finished_reason", None)).__name__ == "FINISH_ABORT"
 
 
 def _output_through_stop(req: Any) -> list[int]:
@@ -339,11 +349,13 @@ class SGLangCapture:
         with self._lock:
             done = [rid for rid, (req, _) in self._open.items() if req.finished()]
             entries = [self._open.pop(rid) for rid in done]
-            self.held_bytes -= sum(states.nbytes for _, states in entries if states is not None)
+            # rows of requests that will not be finalized are freed now; the others when
+            # the finalizer is done with them (the budget covers its queue too)
+            self.held_bytes -= sum(
+                states.nbytes for req, states in entries if states is not None and _aborted(req)
+            )
         for req, states in entries:
-            if states is None:
-                continue
-            if type(getattr(req, "finished_reason", None)).__name__ == "FINISH_ABORT":
+            if states is None or _aborted(req):
                 continue
             prompt = list(req.origin_input_ids)
             output = _output_through_stop(req)
@@ -379,6 +391,9 @@ class SGLangCapture:
             except Exception:
                 logger.exception("capture of request %s failed", item.states.request_id)
                 self._count_drop()
+            finally:
+                with self._lock:
+                    self.held_bytes -= item.states.nbytes
 
     def finalize(self, item: _Finished) -> bool:
         """Build the record of one finished request and submit it; False when skipped."""
