@@ -21,11 +21,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 _GRPC_OFFSET = 10000
 # Port bases stay below Linux's ephemeral range (32768-60999), gRPC twins included: an
 # outgoing connection can never take a port between its probe and its bind.
-STACK_PORTS = 20000  # the session's stack
-DEMO_STACK_PORTS = 20100
-SPARE_PORTS = 20200
-ENGINE_PORTS = 21000  # + up to 1000 by pid: engine processes
-DEMO_ENGINE_PORTS = 22000
+# TIDE_TEST_PORT_OFFSET (a multiple of 3000, at most 9000) moves them all, so that two
+# pytest sessions on one machine never probe the same ports.
+_OFFSET = int(os.environ.get("TIDE_TEST_PORT_OFFSET", "0"))
+STACK_PORTS = 20000 + _OFFSET  # the session's stack
+DEMO_STACK_PORTS = 20100 + _OFFSET
+SPARE_PORTS = 20200 + _OFFSET
+ENGINE_PORTS = 21000 + _OFFSET  # + up to 1000 by pid: engine processes
+DEMO_ENGINE_PORTS = 22000 + _OFFSET
 
 
 def stack_config(state_dir: Path, port_base: int, **sections: object) -> TideConfig:
