@@ -40,8 +40,10 @@ def tide_rollback() -> None:
         from tide_lib.orchestration.cycle import rollback
         from tide_lib.orchestration.params import config_from_params
 
-        params = dict(get_current_context()["params"])
-        return rollback(config_from_params(params), str(params["version"]))
+        context = get_current_context()
+        params = dict(context["params"])
+        # the run id: a retry of this run rolls back to what its first attempt chose
+        return rollback(config_from_params(params), str(params["version"]), context["run_id"])
 
     roll_back()
 

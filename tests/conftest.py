@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -17,6 +18,17 @@ from tide_lib.stack import StackManager, free_ports
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The session's secrets, fresh per session and given as production gives them: in the
+# environment (there are no defaults in code). Subprocesses inherit them.
+TEST_SECRETS = (
+    "TIDE_STORE__SECRET_KEY",
+    "MLFLOW_TRACKING_PASSWORD",
+    "TIDE_STACK__AIRFLOW_ADMIN_PASSWORD",
+    "TIDE_STACK__AIRFLOW_VIEWER_PASSWORD",
+)
+for _name in TEST_SECRETS:
+    os.environ.setdefault(_name, secrets.token_urlsafe(24))
+os.environ.setdefault("MLFLOW_TRACKING_USERNAME", "admin")
 
 _GRPC_OFFSET = 10000
 # Port bases stay below Linux's ephemeral range (32768-60999), gRPC twins included: an

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from tide_lib.config import load_config
+import tide_lib.config
+from tide_lib.config import load_config, load_secret_files
 
 
 def test_defaults_describe_the_local_stack() -> None:
@@ -57,3 +59,52 @@ def test_secret_is_not_printed() -> None:
     config = load_config(store={"secret_key": "hunter2"})
     assert "hunter2" not in repr(config)
     assert config.store.secret_key.get_secret_value() == "hunter2"
+
+
+def test_no_secret_has_a_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 13: config.py fell back to a hard-coded S3 secret when the variable was unset."""
+    monkeypatch.delenv("TIDE_STORE__SECRET_KEY", raising=False)
+    monkeypatch.setenv("TIDE_SECRETS_DIR", str(tmp_path / "none"))
+    config = load_config()
+    assert config.store.secret_key is None
+    with pytest.raises(ValueError, match="TIDE_STORE__SECRET_KEY"):
+        config.store.secret()
+    source = Path(tide_lib.config.__file__).read_text()
+    assert "tide-local-secret" not in source
+
+
+def test_secret_files_are_read_and_the_environment_wins(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A secrets dir (a mounted Kubernetes secret) holds one file per variable."""
+    monkeypatch.delenv("TIDE_STORE__SECRET_KEY", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "from-env")
+    monkeypatch.setenv("TIDE_SECRETS_DIR", str(tmp_path))
+    (tmp_path / "TIDE_STORE__SECRET_KEY").write_text("from-file\n")
+    (tmp_path / "MLFLOW_TRACKING_PASSWORD").write_text("also-from-file")
+    (tmp_path / "not a variable").write_text("ignored")
+    exported = load_secret_files()
+    assert exported == ["TIDE_STORE__SECRET_KEY"]
+    assert load_config().store.secret() == "from-file"
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "from-env"
+    monkeypatch.delenv("TIDE_STORE__SECRET_KEY")
+
+
+def test_stack_generates_missing_secrets_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`tide stack up` has nobody to ask: it generates what is missing, 0600, and reuses it."""
+    from tide_lib.stack.secrets import AUTH_SECRETS, ensure_stack_secrets
+
+    for name in ("TIDE_STORE__SECRET_KEY", *AUTH_SECRETS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TIDE_SECRETS_DIR", str(tmp_path / "secrets"))
+    first = ensure_stack_secrets(load_config())
+    files = sorted(p.name for p in (tmp_path / "secrets").iterdir())
+    assert files == sorted(("TIDE_STORE__SECRET_KEY", *AUTH_SECRETS))
+    assert all(((tmp_path / "secrets" / f).stat().st_mode & 0o077) == 0 for f in files)
+    for name in ("TIDE_STORE__SECRET_KEY", *AUTH_SECRETS):
+        monkeypatch.delenv(name)
+    again = ensure_stack_secrets(load_config())
+    assert again.store.secret() == first.store.secret() and len(first.store.secret()) >= 32
+    assert again.stack.airflow_admin_password == first.stack.airflow_admin_password

@@ -10,6 +10,7 @@ The defaults describe the local stack (``tide stack up``) on 127.0.0.1.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -34,9 +35,38 @@ __all__ = [
     "TideConfig",
     "TrainConfig",
     "load_config",
+    "load_secret_files",
+    "secrets_dir",
 ]
 
 DEFAULT_HOME = Path(".tide")
+SECRETS_DIR_VARIABLE = "TIDE_SECRETS_DIR"
+_VARIABLE_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+def secrets_dir() -> Path:
+    """Where secret files live: ``$TIDE_SECRETS_DIR``, else ``.tide/secrets``."""
+    return Path(os.environ.get(SECRETS_DIR_VARIABLE) or DEFAULT_HOME / "secrets")
+
+
+def load_secret_files(directory: Path | None = None) -> list[str]:
+    """Export each file of the secrets dir as the variable it is named after.
+
+    One file per variable (``TIDE_STORE__SECRET_KEY``, ``MLFLOW_TRACKING_PASSWORD``, ...),
+    as a Kubernetes secret mounted as a volume or ``tide stack up`` leaves them; the
+    environment wins over a file. MLflow's client reads its credentials from the
+    environment, so files cannot be read into :class:`TideConfig` alone. Returns the
+    names exported (never the values).
+    """
+    folder = directory or secrets_dir()
+    if not folder.is_dir():
+        return []
+    exported = []
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and _VARIABLE_NAME.fullmatch(path.name) and path.name not in os.environ:
+            os.environ[path.name] = path.read_text().strip()
+            exported.append(path.name)
+    return exported
 
 
 class StrictModel(BaseModel):
@@ -52,8 +82,12 @@ class ObjectStoreConfig(StrictModel):
         "http://127.0.0.1:8333", description="S3 endpoint URL (scheme decides TLS)"
     )
     access_key: str = Field("tide", description="S3 access key id (local stack default)")
-    secret_key: SecretStr = Field(
-        SecretStr("tide-local-secret"), description="S3 secret key (local stack default)"
+    secret_key: SecretStr | None = Field(
+        None,
+        description=(
+            "S3 secret key, from TIDE_STORE__SECRET_KEY or a file of that name in "
+            "TIDE_SECRETS_DIR only (`tide stack up` generates one for the local stack)"
+        ),
     )
     region: str = "us-east-1"
     lake_bucket: str = Field("tide-lake", description="bucket of the hidden-state lake")
@@ -74,6 +108,16 @@ class ObjectStoreConfig(StrictModel):
     def host_port(self) -> str:
         parsed = urlparse(self.endpoint)
         return parsed.netloc
+
+    def secret(self) -> str:
+        """The secret key; a clear error where none is configured (there is no default)."""
+        if self.secret_key is None:
+            raise ValueError(
+                "no S3 secret key is configured: set TIDE_STORE__SECRET_KEY, or put it in a "
+                f"file named TIDE_STORE__SECRET_KEY in {secrets_dir()} (TIDE_SECRETS_DIR); "
+                "`tide stack up` writes one there for the local stack"
+            )
+        return self.secret_key.get_secret_value()
 
     @property
     def secure(self) -> bool:
@@ -119,6 +163,26 @@ class StackConfig(StrictModel):
         8793, ge=1, le=65534, description="log server of the first Celery worker (next: +1)"
     )
     start_timeout_s: float = Field(90.0, gt=0)
+    auth: bool = Field(
+        True,
+        description=(
+            "logins everywhere: Airflow's simple auth manager with passwords (users admin "
+            "and viewer), MLflow's basic-auth app. Off only for the demo (all-admins Airflow, "
+            "open MLflow on loopback)"
+        ),
+    )
+    airflow_admin_password: SecretStr | None = Field(
+        None,
+        description=(
+            "password of the Airflow user `admin` (Admin role); from "
+            "TIDE_STACK__AIRFLOW_ADMIN_PASSWORD or its file in TIDE_SECRETS_DIR, generated "
+            "there by `tide stack up` when unset"
+        ),
+    )
+    airflow_viewer_password: SecretStr | None = Field(
+        None,
+        description="password of the Airflow user `viewer` (Viewer role); like the admin's",
+    )
     services: list[str] = Field(
         default_factory=list,
         description=(
@@ -173,6 +237,16 @@ class LakeConfig(StrictModel):
     retention_days: float = Field(
         30.0, gt=0, description="shards older than this are deleted once consumed"
     )
+    max_clock_skew_s: float = Field(
+        900.0,
+        ge=0,
+        description=(
+            "a marker that lands later than its stamp (+ commit_settle_s) counts from when it "
+            "landed (the store's Last-Modified), so a capture host whose clock is behind loses "
+            "no data; readers look this far behind the watermark for such markers. Listing "
+            "cost grows with the commits of this span, never with the lake's age"
+        ),
+    )
     tensor_compression: Literal["zstd", "lz4", "snappy", "none"] = Field(
         "zstd",
         description=(
@@ -225,6 +299,15 @@ class TrainConfig(StrictModel):
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="auto: bf16 autocast where the device supports it, else fp32"
     )
+    max_skipped_step_fraction: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description=(
+            "steps whose loss or gradients are not finite are skipped (no optimizer step); "
+            "training fails once more than this share of all steps was skipped"
+        ),
+    )
 
 
 class ServeConfig(StrictModel):
@@ -275,6 +358,24 @@ class ServeConfig(StrictModel):
     )
     capture_skip_accept_rate: float | None = Field(
         None, ge=0, le=1, description="skip requests whose draft acceptance rate is at least this"
+    )
+    draft_sources: list[str] = Field(
+        default_factory=list,
+        description=(
+            "where /update_weights_from_disk may load drafts from: local root directories and "
+            "s3://bucket/prefix prefixes (JSON list in TIDE_SERVE__DRAFT_SOURCES). Always "
+            "allowed besides: the directory holding the startup draft and models:/, runs:/, "
+            "mlflow-artifacts:/ URIs of the configured MLflow server"
+        ),
+    )
+    draft_cache_versions: int = Field(
+        2, ge=1, description="downloaded drafts kept on disk, one per weight version (newest)"
+    )
+    max_request_bytes: int = Field(
+        1 << 20, gt=0, description="largest request body accepted; larger ones get 413"
+    )
+    max_queued_requests: int = Field(
+        64, gt=0, description="requests waiting for the worker; more get 503 with Retry-After"
     )
 
 
@@ -408,5 +509,7 @@ class TideConfig(BaseSettings):
 
 
 def load_config(**overrides: Any) -> TideConfig:
-    """Build the configuration: ``overrides`` over the environment over ``$TIDE_CONFIG``."""
+    """Build the configuration: ``overrides`` over the environment (secret files of
+    ``$TIDE_SECRETS_DIR`` included, see :func:`load_secret_files`) over ``$TIDE_CONFIG``."""
+    load_secret_files()
     return TideConfig(**overrides)

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +135,8 @@ def test_no_credentials_are_written_in_the_file() -> None:
         assert key.startswith("${"), f"hard-coded credential {key!r}"
     for name, service in _services().items():
         for key, value in _environment(service).items():
-            if SECRET_NAME.search(key) or ("://" in value and "@" in value):
+            names_a_secret = SECRET_NAME.search(key) and not key.endswith("_FILE")
+            if names_a_secret or ("://" in value and "@" in value):
                 assert INTERPOLATION.search(value), f"{name}: {key} is not read from .env"
 
 
@@ -146,7 +148,7 @@ def test_every_interpolated_variable_is_documented() -> None:
 
 def test_no_secret_reaches_a_command_line() -> None:
     secrets = {name for name in _example_variables() if SECRET_NAME.search(name)}
-    assert {"TIDE_POSTGRES_PASSWORD", "TIDE_S3_SECRET_KEY"} <= secrets
+    assert {"TIDE_POSTGRES_PASSWORD", "TIDE_S3_SECRET_KEY", "TIDE_MLFLOW_ADMIN_PASSWORD"} <= secrets
     for name, service in _services().items():
         for field in ("command", "entrypoint"):
             argv = _argv(service.get(field))
@@ -156,6 +158,30 @@ def test_no_secret_reaches_a_command_line() -> None:
     mlflow = _services()["mlflow"]
     assert "--backend-store-uri" not in _argv(mlflow["command"])
     assert "MLFLOW_BACKEND_STORE_URI" in _environment(mlflow)
+
+
+def test_logins_are_on_in_production() -> None:
+    """Issue 13: the production-shaped stack used the all-admins airflow.cfg and an MLflow
+    without auth. Airflow has users with passwords (from .env, via a file), MLflow basic auth."""
+    services = _services()
+    for name in (n for names in HOSTS.values() for n in names if n.startswith("airflow-")):
+        env = _environment(services[name])
+        assert env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS"] == "False", name
+        assert "admin:admin" in env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"], name
+        assert env["MLFLOW_TRACKING_PASSWORD"].startswith("${"), name
+    passwords = _environment(services["airflow-api-server"])[
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"
+    ]
+    init = services["airflow-init"]
+    assert "SIMPLE_AUTH_MANAGER_PASSWORDS_FILE" in _argv(init["command"])
+    assert {"AIRFLOW_ADMIN_PASSWORD", "AIRFLOW_VIEWER_PASSWORD"} <= set(_environment(init))
+    assert passwords.startswith("/opt/airflow/auth/")
+    mlflow = services["mlflow"]
+    assert "--app-name basic-auth" in _argv(mlflow["command"])
+    assert _environment(mlflow)["MLFLOW_AUTH_ADMIN_PASSWORD"].startswith("${")
+    assert "mlflow-auth.ini" in _dockerfile(mlflow).read_text()
+    ini = (DOCKER / "mlflow-auth.ini").read_text()
+    assert "admin_password" not in ini
 
 
 def test_mlflow_keeps_artifacts_in_the_object_store() -> None:
@@ -176,7 +202,7 @@ def test_every_service_has_an_image_or_a_buildable_dockerfile() -> None:
 
 def test_dockerfiles_install_the_tested_pins() -> None:
     services = _services()
-    assert "mlflow==3.17.2" in _dockerfile(services["mlflow"]).read_text()
+    assert "mlflow[auth]==3.17.2" in _dockerfile(services["mlflow"]).read_text()
     airflow = _dockerfile(services["airflow-scheduler"]).read_text()
     trainer = _dockerfile(services["airflow-worker-mi250"]).read_text()
     engine = _dockerfile(services["engine-1"]).read_text()
@@ -245,6 +271,8 @@ def test_engines_launch_like_the_fleet_launcher() -> None:
             command = [str(item) for item in service["command"]]
             assert command[1:3] == ["-m", "sglang.launch_server"], name
             got = options(command)
+            # a key on a command line shows in `ps`: sglang_launch_args(key_file=) uses --config
+            assert not {"--api-key", "--admin-api-key"} & set(got), f"{name}: key in argv"
             for option, value in expected.items():
                 assert option in got, f"{name}: {option} missing"
                 if value not in {"TARGET", "DRAFT"}:
@@ -324,3 +352,28 @@ def test_docker_compose_config_refuses_a_missing_secret(tmp_path: Path) -> None:
     refused = _run_config(env_file, "-q")
     assert refused.returncode != 0
     assert "TIDE_POSTGRES_PASSWORD" in refused.stderr + refused.stdout
+
+
+def test_engines_take_their_keys_through_a_file(tmp_path: Path) -> None:
+    """Issue 13: engines ran without keys (SGLang reads them from argv only); the compose
+    engines' entrypoint writes them into SGLang's --config YAML and execs the server."""
+    for host, names in HOSTS.items():
+        for name in names if host.startswith("engine") else ():
+            service = _services()[name]
+            assert service["entrypoint"][-1] == "tide_lib.serving.launch_with_keys", name
+            env = _environment(service)
+            assert {"TIDE_SERVE__API_KEY", "TIDE_SERVE__ADMIN_API_KEY"} <= set(env), name
+    keys = {"TIDE_SERVE__API_KEY": "k" * 20, "TIDE_SERVE__ADMIN_API_KEY": "a" * 20}
+    key_file = tmp_path / "keys.yaml"
+    shown = tmp_path / "argv.json"
+    script = f"import json, sys; json.dump(sys.argv[1:], open({str(shown)!r}, 'w'))"
+    subprocess.run(
+        [sys.executable, "-m", "tide_lib.serving.launch_with_keys", sys.executable, "-c", script],
+        env={**os.environ, **keys, "TIDE_SGLANG_KEY_FILE": str(key_file)},
+        check=True,
+        timeout=120,
+    )
+    argv = json.loads(shown.read_text())
+    assert argv == ["--config", str(key_file)]
+    assert yaml.safe_load(key_file.read_text()) == {"api-key": "k" * 20, "admin-api-key": "a" * 20}
+    assert key_file.stat().st_mode & 0o077 == 0

@@ -105,4 +105,5 @@ def dag_test(
     assert result.returncode == 0, result.stderr[-4000:]
     outcome: dict = json.loads(result.stdout.strip().splitlines()[-1])
     assert outcome["state"].endswith("success"), result.stderr[-4000:]
+    outcome["output"] = result.stdout + result.stderr  # every task's log, in order
     return outcome

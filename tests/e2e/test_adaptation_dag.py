@@ -9,6 +9,8 @@ nothing new.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import time
 import uuid
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import TEST_SECRETS
 from tests.e2e.conftest import dag_test, xcoms
 from tests.serving.conftest import engine_metric, start_engine
 from tide_lib.config import LakeConfig, TideConfig, load_config
@@ -27,6 +30,12 @@ from tide_lib.serving.process import EngineProcess
 from tide_lib.target import load_corpus, render_prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+# The engines' SGLang keys; the fleet client of the promote task sends them.
+KEYS = {
+    "TIDE_SERVE__API_KEY": secrets.token_urlsafe(16),
+    "TIDE_SERVE__ADMIN_API_KEY": secrets.token_urlsafe(16),
+}
+AUTH = {"Authorization": f"Bearer {KEYS['TIDE_SERVE__API_KEY']}"}
 
 
 def _wait_until_captures_are_committed(
@@ -61,6 +70,28 @@ def _strings(value: object) -> list[str]:
     if isinstance(value, list):
         return [s for item in value for s in _strings(item)]
     return []
+
+
+def _assert_no_secret_left(secret_values: list[str], texts: list[str], folders: list[Path]) -> None:
+    """Issue 13: no secret a run was given shows up in what it leaves behind: its task
+    logs, XComs, MLflow params, tags and metrics, and every file it wrote."""
+    for secret in secret_values:
+        assert len(secret) >= 16
+        for text in texts:
+            assert secret not in text, "a secret leaked into a log, an XCom or MLflow"
+        for folder in folders:
+            for path in folder.rglob("*"):
+                if path.is_file() and path.name != "passwords.json":
+                    assert secret.encode() not in path.read_bytes(), f"a secret is in {path}"
+
+
+def _mlflow_texts(registry: DraftRegistry) -> list[str]:
+    experiment = registry.client.get_experiment_by_name(registry.name)
+    runs = registry.client.search_runs([experiment.experiment_id])
+    versions = registry.client.search_model_versions(f"name = '{registry.name}'")
+    return [json.dumps(run.data.to_dictionary(), default=str) for run in runs] + [
+        json.dumps(dict(version.tags or {})) for version in versions
+    ]
 
 
 def _assert_no_local_path(values: dict[str, object], local_roots: list[Path]) -> None:
@@ -109,6 +140,7 @@ def test_adaptation_cycle_promotes_a_new_champion(
                     stack=stack,
                     capture=True,
                     prefix=prefix,
+                    env=KEYS,
                 )
             )
         prompts = [render_prompt(doc.turns[0]) for doc in load_corpus().domain("ko_chat")[:24]]
@@ -116,6 +148,7 @@ def test_adaptation_cycle_promotes_a_new_champion(
             response = httpx.post(
                 f"{engines[index % 2].url}/generate",
                 json={"text": prompt, "sampling_params": {"max_new_tokens": 16}},
+                headers=AUTH,
                 timeout=120,
             )
             assert response.status_code == 200
@@ -135,6 +168,7 @@ def test_adaptation_cycle_promotes_a_new_champion(
             "TIDE_TRAINING__DRAFT_VOCAB_SIZE": "512",
             "TIDE_TRAINING__LEARNING_RATE": "0.003",
             "TIDE_GATE__K": "3",
+            **KEYS,
         }
         logical_date = "2026-11-01T00:00:00+00:00"
         outcome = dag_test(env, "tide_adaptation", tmp_path, logical_date=logical_date)
@@ -154,7 +188,8 @@ def test_adaptation_cycle_promotes_a_new_champion(
         assert champion is not None and champion.tags["tide.gate.decision"] == "promote"
         assert champion.tags["tide.cycle_id"] == outcome["run_id"]
         for engine in engines:
-            served = httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"]
+            served = httpx.get(f"{engine.url}/get_weight_version", headers=AUTH).json()
+            served = served["weight_version"]
             assert served == f"{registry.name}-v{champion.version}"
         snapshot = cycle.snapshot_window(config, outcome["run_id"])
         assert cycle.read_watermark(config) == snapshot.watermark_after
@@ -162,6 +197,15 @@ def test_adaptation_cycle_promotes_a_new_champion(
             xcoms(airflow_env, "tide_adaptation", outcome["run_id"]), [tmp_path, tiny_target]
         )
         assert cycle.new_tokens(config) == 0
+        _assert_no_secret_left(
+            [os.environ[name] for name in TEST_SECRETS] + list(KEYS.values()),
+            [
+                outcome["output"],
+                json.dumps(xcoms(airflow_env, "tide_adaptation", outcome["run_id"]), default=str),
+                *_mlflow_texts(registry),
+            ],
+            [tmp_path, Path(airflow_env["AIRFLOW_HOME"])],
+        )
 
         experiment = registry.client.get_experiment_by_name(registry.name)
         runs_before = registry.client.search_runs([experiment.experiment_id])
@@ -175,7 +219,8 @@ def test_adaptation_cycle_promotes_a_new_champion(
         assert registry.alias(CHAMPION) == champion  # same version, same tags
         assert len(registry.client.search_runs([experiment.experiment_id])) == len(runs_before)
         for engine in engines:
-            served = httpx.get(f"{engine.url}/get_weight_version").json()["weight_version"]
+            served = httpx.get(f"{engine.url}/get_weight_version", headers=AUTH).json()
+            served = served["weight_version"]
             assert served == f"{registry.name}-v{champion.version}"
         assert cycle.read_watermark(config) == snapshot.watermark_after
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import secrets
 import shutil
 import sys
@@ -39,11 +40,13 @@ import httpx
 import psycopg2
 import pytest
 import redis
+from pydantic import SecretStr
 
 from tests.multihost import netns
 from tide_lib.config import TideConfig, load_config
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.registry import CHAMPION, DraftRegistry
+from tide_lib.stack.airflow_api import AirflowAPI
 from tide_lib.target import load_corpus, render_prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.multihost]
@@ -54,6 +57,19 @@ PREFIX = "multihost"
 POSTGRES_RELAY, REDIS_RELAY, BROKER_DB = 15432, 16379, 8
 ENGINE_PORT, AIRFLOW_PORT = 30000, 8080
 TIDE = str(Path(sys.executable).parent / "tide")
+# Every engine requires SGLang's keys (they listen on the bridge); Airflow's fleet client
+# sends them. The session's other secrets (S3, MLflow, Airflow logins) come from conftest.
+ENGINE_KEYS = {
+    "TIDE_SERVE__API_KEY": secrets.token_urlsafe(16),
+    "TIDE_SERVE__ADMIN_API_KEY": secrets.token_urlsafe(16),
+}
+AUTH = {"Authorization": f"Bearer {ENGINE_KEYS['TIDE_SERVE__API_KEY']}"}
+SECRETS_OF_EVERY_HOST = (
+    "TIDE_STORE__SECRET_KEY",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+)
+AIRFLOW_LOGINS = ("TIDE_STACK__AIRFLOW_ADMIN_PASSWORD", "TIDE_STACK__AIRFLOW_VIEWER_PASSWORD")
 CONTROL_SERVICES = [
     "airflow-api-server",
     "airflow-scheduler",
@@ -79,6 +95,11 @@ class Topology:
     def airflow(self) -> str:
         return f"http://{self.net.hosts['control'].address}:{AIRFLOW_PORT}"
 
+    @property
+    def api(self) -> AirflowAPI:
+        password = SecretStr(os.environ["TIDE_STACK__AIRFLOW_ADMIN_PASSWORD"])
+        return AirflowAPI(self.airflow, "admin", password, timeout_s=60)
+
     def engine_url(self, name: str) -> str:
         return f"http://{self.net.hosts[name].address}:{ENGINE_PORT}"
 
@@ -89,6 +110,8 @@ class Topology:
 
 def _common_env(data: str) -> dict[str, str]:
     return {
+        **{name: os.environ[name] for name in SECRETS_OF_EVERY_HOST},
+        **ENGINE_KEYS,
         "TIDE_STORE__ENDPOINT": f"http://{data}:8333",
         "TIDE_STORE__TIMEOUT_S": "2",
         "TIDE_MLFLOW__TRACKING_URI": f"http://{data}:5000",
@@ -104,6 +127,7 @@ def _airflow_env(net: netns.Network, name: str, database: str) -> dict[str, str]
     hosts = net.hosts
     engines = [f"http://{hosts[e].address}:{ENGINE_PORT}" for e in ("engine-1", "engine-2")]
     return {
+        **{login: os.environ[login] for login in AIRFLOW_LOGINS},
         "TIDE_STACK__STATE_DIR": "stack",
         "TIDE_STACK__HOST": hosts[name].address,
         "TIDE_STACK__EXECUTOR": "CeleryExecutor",
@@ -251,6 +275,7 @@ def _send_traffic(top: Topology, engines: list[str], count: int) -> None:
                 "text": render_prompt(document.turns[0]),
                 "sampling_params": {"max_new_tokens": 16},
             },
+            headers=AUTH,
             timeout=300,
         )
         assert response.status_code == 200, response.text
@@ -289,7 +314,7 @@ def _wait_for_lake(top: Topology, timeout_s: float = 240) -> list[str]:
 
 
 def _weight_version(top: Topology, name: str) -> str:
-    response = httpx.get(f"{top.engine_url(name)}/get_weight_version", timeout=30)
+    response = httpx.get(f"{top.engine_url(name)}/get_weight_version", headers=AUTH, timeout=30)
     return str(response.json()["weight_version"])
 
 
@@ -322,10 +347,9 @@ def _trigger(top: Topology) -> str:
     deadline = time.monotonic() + 300
     while True:
         with contextlib.suppress(httpx.HTTPError):
-            response = httpx.post(
-                f"{top.airflow}/api/v2/dags/tide_adaptation/dagRuns",
+            response = top.api.post(
+                "/api/v2/dags/tide_adaptation/dagRuns",
                 json={"logical_date": None, "dag_run_id": run_id},
-                timeout=60,
             )
             if response.status_code == 200:
                 return run_id
@@ -335,8 +359,8 @@ def _trigger(top: Topology) -> str:
 
 def _run_state(top: Topology, run_id: str) -> str:
     with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-        url = f"{top.airflow}/api/v2/dags/tide_adaptation/dagRuns/{run_id}"
-        return str(httpx.get(url, timeout=30).json()["state"])
+        url = f"/api/v2/dags/tide_adaptation/dagRuns/{run_id}"
+        return str(top.api.get(url).json()["state"])
     return "unknown"
 
 
@@ -351,8 +375,8 @@ def _wait_for_run(top: Topology, run_id: str, timeout_s: float = 900) -> tuple[s
 
 
 def _task_states(top: Topology, run_id: str) -> dict[str, str]:
-    url = f"{top.airflow}/api/v2/dags/tide_adaptation/dagRuns/{run_id}/taskInstances"
-    instances = httpx.get(url, timeout=30).json()["task_instances"]
+    url = f"/api/v2/dags/tide_adaptation/dagRuns/{run_id}/taskInstances"
+    instances = top.api.get(url).json()["task_instances"]
     return {item["task_id"]: item["state"] for item in instances}
 
 

@@ -30,6 +30,10 @@ TIDE_ENV: Final = (
     "TIDE_STORE__ACCESS_KEY",
     "TIDE_STORE__SECRET_KEY",
     "TIDE_MLFLOW__TRACKING_URI",
+    "MLFLOW_TRACKING_USERNAME",  # MLflow runs its basic-auth app
+    "MLFLOW_TRACKING_PASSWORD",
+    "TIDE_SERVE__API_KEY",  # engines require SGLang's keys, the fleet client sends them
+    "TIDE_SERVE__ADMIN_API_KEY",
     "TIDE_SCRATCH_DIR",
 )
 # Variables of the Airflow processes on `control` and `trainer` (one JWT secret for all).

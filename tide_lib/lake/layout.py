@@ -25,16 +25,19 @@ import dataclasses
 import json
 import re
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 __all__ = [
     "CommitMarker",
+    "InvalidMarkerError",
     "commit_key",
+    "commit_position",
     "commit_prefix",
     "commit_stamp_key",
     "commit_time",
     "new_shard_id",
+    "parse_commit_key",
     "quarantine_key",
     "shard_key",
     "target_prefix",
@@ -43,6 +46,20 @@ __all__ = [
 
 MARKER_VERSION: Final = 1
 _SLUG_UNSAFE = re.compile(r"[^a-z0-9._-]+")
+_MARKER_NAME = re.compile(
+    r"(?P<stamp>\d{8}T\d{12})Z-(?P<shard_id>[A-Za-z0-9_-][A-Za-z0-9._-]*)\.json"
+)
+_SHARD_TAIL = re.compile(
+    r"dt=\d{4}-\d{2}-\d{2}/hour=\d{2}/part-(?P<shard_id>[A-Za-z0-9._-]+)\.parquet"
+)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# S3 reports Last-Modified to the second; a marker is late only past this much extra.
+LAST_MODIFIED_RESOLUTION: Final = timedelta(seconds=1)
+LATE_TOLERANCE: Final = timedelta(seconds=2)
+
+
+class InvalidMarkerError(ValueError):
+    """A commit marker (or an object where one should be) cannot be trusted; says why."""
 
 
 def target_slug(target_id: str) -> str:
@@ -89,9 +106,47 @@ def commit_stamp_key(prefix: str, slug: str, moment: datetime) -> str:
 
 
 def commit_time(key: str) -> datetime:
-    """When the marker at ``key`` was stamped: the time its key sorts by."""
-    stamp = key.rsplit("/", 1)[-1].split("Z-", 1)[0]
+    """When the marker at ``key`` was stamped: the time its key sorts by.
+
+    Also takes a stamp key (:func:`commit_stamp_key`); raises ``ValueError`` for others.
+    """
+    stamp = key.rsplit("/", 1)[-1].split("Z", 1)[0]
     return datetime.strptime(stamp, "%Y%m%dT%H%M%S%f").replace(tzinfo=UTC)
+
+
+def parse_commit_key(prefix: str, key: str) -> tuple[str, datetime, str] | None:
+    """``(slug, stamp, shard_id)`` of a marker key; None for any other object (a stray)."""
+    head = f"{prefix}/_commits/target="
+    if not key.startswith(head):
+        return None
+    slug, _, name = key.removeprefix(head).partition("/")
+    match = _MARKER_NAME.fullmatch(name)
+    if not slug or match is None or ".." in name:
+        return None
+    try:
+        stamp = datetime.strptime(match["stamp"], "%Y%m%dT%H%M%S%f").replace(tzinfo=UTC)
+    except ValueError:
+        return None
+    return slug, stamp, match["shard_id"]
+
+
+def commit_position(key: str, last_modified: datetime | None, settle_s: float) -> str:
+    """Where a commit sorts for watermarks: its key, unless it landed late.
+
+    A marker that landed more than ``settle_s`` after its stamp may be behind a
+    watermark that moved on meanwhile; its position is then a key of the same shape
+    stamped ``settle_s`` before it landed (by the store's clock), which is past every
+    watermark set before it landed, so it is counted once, and late rather than never.
+    """
+    if last_modified is None:
+        return key
+    stamp = commit_time(key)
+    landed = last_modified.astimezone(UTC) + LAST_MODIFIED_RESOLUTION  # an upper bound
+    if landed - stamp <= timedelta(seconds=settle_s) + LATE_TOLERANCE + LAST_MODIFIED_RESOLUTION:
+        return key
+    head, name = key.rsplit("/", 1)
+    moment = landed - timedelta(seconds=settle_s)
+    return f"{head}/{moment:%Y%m%dT%H%M%S%f}Z-{name.split('Z-', 1)[1]}"
 
 
 def quarantine_key(prefix: str, key: str) -> str:
@@ -116,10 +171,17 @@ class CommitMarker:
     committed_at: datetime
     writer_id: str
     key: str = ""  # the marker's own object key, filled in when listed
+    position: str = ""  # where it sorts for watermarks (see commit_position); key if empty
+
+    @property
+    def order(self) -> str:
+        """The string a watermark is compared with: ``position``, else ``key``."""
+        return self.position or self.key
 
     def to_json(self) -> bytes:
         payload: dict[str, Any] = dataclasses.asdict(self)
         payload.pop("key")
+        payload.pop("position")
         for name in ("min_finished_at", "max_finished_at", "committed_at"):
             payload[name] = payload[name].isoformat()
         payload["version"] = MARKER_VERSION
@@ -127,9 +189,74 @@ class CommitMarker:
 
     @classmethod
     def from_json(cls, raw: bytes, key: str = "") -> CommitMarker:
-        payload = json.loads(raw)
+        """Parse a marker; :class:`InvalidMarkerError` names what breaks the schema."""
+        try:
+            payload = json.loads(raw)
+        except ValueError as error:
+            raise InvalidMarkerError(f"commit marker {key} is not JSON: {error}") from None
+        if not isinstance(payload, dict):
+            raise InvalidMarkerError(f"commit marker {key} is not a JSON object")
         if payload.pop("version", None) != MARKER_VERSION:
-            raise ValueError(f"commit marker {key} has an unknown version")
+            raise InvalidMarkerError(f"commit marker {key} has an unknown version")
+        expected = {f.name for f in dataclasses.fields(cls)} - {"key", "position"}
+        if set(payload) != expected:
+            raise InvalidMarkerError(
+                f"commit marker {key}: missing fields {sorted(expected - set(payload))}, "
+                f"unknown fields {sorted(set(payload) - expected)}"
+            )
         for name in ("min_finished_at", "max_finished_at", "committed_at"):
-            payload[name] = datetime.fromisoformat(payload[name])
+            payload[name] = _aware_time(payload[name], name, key)
+        for name in ("num_records", "num_tokens", "num_output_tokens", "size_bytes"):
+            value = payload[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidMarkerError(f"commit marker {key}: {name}={value!r} is not a count")
+        for name in ("shard_key", "target_slug", "sha256", "writer_id"):
+            if not isinstance(payload[name], str):
+                raise InvalidMarkerError(f"commit marker {key}: {name} is not a string")
         return cls(key=key, **payload)
+
+    def validate(self, prefix: str) -> None:
+        """Raise :class:`InvalidMarkerError` unless this marker may be acted on.
+
+        Its ``shard_key`` must be a shard of its own target under ``prefix`` (the
+        shard its key names), and its counts must add up.
+        """
+        parsed = parse_commit_key(prefix, self.key)
+        if parsed is None:
+            raise InvalidMarkerError(f"{self.key!r} is not a commit-marker key under {prefix}/")
+        slug, _, shard_id = parsed
+        if self.target_slug != slug:
+            raise InvalidMarkerError(
+                f"commit marker {self.key} says target {self.target_slug!r}, its key {slug!r}"
+            )
+        tail = self.shard_key.removeprefix(f"{prefix}/target={slug}/")
+        match = _SHARD_TAIL.fullmatch(tail)
+        if tail == self.shard_key or match is None or match["shard_id"] != shard_id:
+            raise InvalidMarkerError(
+                f"commit marker {self.key} points at {self.shard_key!r}, not at its own shard "
+                f"{prefix}/target={slug}/dt=.../hour=../part-{shard_id}.parquet"
+            )
+        problems = [
+            "num_records is 0" if self.num_records < 1 else "",
+            "fewer tokens than records" if self.num_tokens < self.num_records else "",
+            "more output tokens than tokens" if self.num_output_tokens > self.num_tokens else "",
+            "size_bytes is 0" if self.size_bytes < 1 else "",
+            "sha256 is not 64 hex digits" if not _SHA256.fullmatch(self.sha256) else "",
+            "min_finished_at > max_finished_at"
+            if self.min_finished_at > self.max_finished_at
+            else "",
+        ]
+        if any(problems):
+            raise InvalidMarkerError(
+                f"commit marker {self.key}: {'; '.join(p for p in problems if p)}"
+            )
+
+
+def _aware_time(value: Any, name: str, key: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        raise InvalidMarkerError(f"commit marker {key}: {name}={value!r} is no time") from None
+    if moment.tzinfo is None:
+        raise InvalidMarkerError(f"commit marker {key}: {name} has no time zone")
+    return moment

@@ -4,7 +4,11 @@ The schema is the contract between the serving fleet (producer) and training and
 evaluation (consumers). Hidden states travel as raw little-endian float16/bfloat16
 bytes: Parquet has no bfloat16 type, and raw buffers keep the writer's per-record
 cost to a memory copy. ``validate_record`` runs on the caller's thread, so it only
-inspects shapes and dtypes; it never touches tensor data.
+inspects shapes and dtypes; it never touches tensor data. ``values_problem`` does:
+it finds states that are NaN/inf, token ids outside the target's vocabulary and a
+hidden size that is not the target's (one such record made a whole cycle's loss
+NaN), and runs where reading every value costs serving nothing (the writer's
+batcher thread, the reader).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ __all__ = [
     "record_nbytes",
     "records_to_table",
     "validate_record",
+    "values_problem",
 ]
 
 SCHEMA_VERSION: Final = 1
@@ -177,6 +182,42 @@ def validate_record(record: CapturedRecord) -> None:
             raise InvalidRecordError(
                 f"request {record.request_id}: {name} must be a non-negative int, got {value!r}"
             )
+
+
+def values_problem(
+    input_ids: Any,
+    hidden_states: Any,
+    aux_hidden_states: Any,
+    *,
+    hidden_size: int | None = None,
+    vocab_size: int | None = None,
+) -> str | None:
+    """Why a record's values must not train a draft, or None if they may.
+
+    Checks a shape-valid record's hidden size against the target's (when known),
+    its token ids against the target's vocabulary (when known) and every state
+    for NaN/inf (always). Reads every value: never call it on a serving thread.
+    """
+    width = _shape(hidden_states)[-1]
+    if hidden_size is not None and width != hidden_size:
+        return f"hidden size {width}, the target's is {hidden_size}"
+    ids = _int_list(input_ids, "int64")
+    if ids.size and int(ids.min()) < 0:
+        return f"token id {int(ids.min())} is negative"
+    if vocab_size is not None and ids.size and int(ids.max()) >= vocab_size:
+        return f"token id {int(ids.max())} is outside the target's vocabulary of {vocab_size}"
+    for name, value in (("hidden_states", hidden_states), ("aux_hidden_states", aux_hidden_states)):
+        if not _all_finite(value):
+            return f"{name} holds NaN or inf"
+    return None
+
+
+def _all_finite(value: Any) -> bool:
+    if _is_torch(value):
+        import torch  # noqa: PLC0415  (only torch tensors get here)
+
+        return bool(torch.isfinite(value).all())
+    return bool(np.isfinite(np.asarray(value)).all())
 
 
 def record_nbytes(record: CapturedRecord) -> int:

@@ -23,7 +23,14 @@ from minio.error import S3Error
 
 from tide_lib.config import ObjectStoreConfig
 
-__all__ = ["ObjectInfo", "ObjectStore", "StoreIO", "StoreUnavailableError", "process_io"]
+__all__ = [
+    "NoSuchObjectError",
+    "ObjectInfo",
+    "ObjectStore",
+    "StoreIO",
+    "StoreUnavailableError",
+    "process_io",
+]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -31,6 +38,19 @@ T = TypeVar("T")
 
 class StoreUnavailableError(ConnectionError):
     """The S3 server did not answer; the message names the endpoint and what to check."""
+
+
+class NoSuchObjectError(LookupError):
+    """The object asked for is not in the bucket (deleted meanwhile, or never written)."""
+
+
+_MISSING_CODES = frozenset({"NoSuchKey", "NoSuchObject", "ResourceNotFound"})
+
+
+def _missing(error: S3Error, key: str) -> Exception:
+    if error.code in _MISSING_CODES:
+        return NoSuchObjectError(f"{key} is not in the bucket")
+    return error
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,7 +107,7 @@ class ObjectStore:
         self._client = Minio(
             config.host_port,
             access_key=config.access_key,
-            secret_key=config.secret_key.get_secret_value(),
+            secret_key=config.secret(),
             secure=config.secure,
             region=config.region,
             http_client=http,
@@ -143,7 +163,11 @@ class ObjectStore:
         )
 
     def get_bytes(self, key: str) -> bytes:
-        response = self._call(f"reading {key}", self._client.get_object, self.bucket, key)
+        """The object's bytes; :class:`NoSuchObjectError` if it is not there."""
+        try:
+            response = self._call(f"reading {key}", self._client.get_object, self.bucket, key)
+        except S3Error as error:
+            raise _missing(error, key) from error
         try:
             data = bytes(response.read())
         except (urllib3.exceptions.HTTPError, OSError) as error:
@@ -155,7 +179,11 @@ class ObjectStore:
         return data
 
     def get_file(self, key: str, path: Path) -> None:
-        self._call(f"downloading {key}", self._client.fget_object, self.bucket, key, str(path))
+        """Download to ``path``; :class:`NoSuchObjectError` if the object is not there."""
+        try:
+            self._call(f"downloading {key}", self._client.fget_object, self.bucket, key, str(path))
+        except S3Error as error:
+            raise _missing(error, key) from error
         _count(self.io, gets=1, bytes_read=path.stat().st_size)
 
     def list(self, prefix: str, start_after: str | None = None) -> Iterator[ObjectInfo]:
@@ -176,19 +204,23 @@ class ObjectStore:
         try:
             self._call(f"checking {key}", self._client.stat_object, self.bucket, key)
         except S3Error as error:
-            if error.code in {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}:
+            if error.code in _MISSING_CODES:
                 return False
             raise
         return True
 
     def move(self, key: str, new_key: str) -> None:
-        self._call(
-            f"copying {key}",
-            self._client.copy_object,
-            self.bucket,
-            new_key,
-            CopySource(self.bucket, key),
-        )
+        """Copy then delete; :class:`NoSuchObjectError` if ``key`` is not there."""
+        try:
+            self._call(
+                f"copying {key}",
+                self._client.copy_object,
+                self.bucket,
+                new_key,
+                CopySource(self.bucket, key),
+            )
+        except S3Error as error:
+            raise _missing(error, key) from error
         self.remove(key)
 
     def remove(self, key: str) -> None:

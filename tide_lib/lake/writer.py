@@ -8,6 +8,8 @@ spool is the outbox: when the store is unreachable shards wait there (bounded by
 ``spool_max_bytes``) and go up when it is back, including after a restart of the
 process. Memory is bounded by ``queue_max_records`` and ``memory_max_bytes``;
 a full queue, full memory or a full spool drops records and counts them.
+The batcher refuses (counts and logs) records whose values would poison training:
+NaN/inf states, token ids outside the target's vocabulary, another hidden size.
 
 Exactly-once: a shard is uploaded before its marker; a retried upload rewrites
 the same shard key, and a marker whose PUT may have landed is looked up before a
@@ -33,7 +35,13 @@ import pyarrow.parquet as pq
 
 from tide_lib.config import LakeConfig
 from tide_lib.lake.layout import CommitMarker, commit_key, new_shard_id, shard_key, target_slug
-from tide_lib.lake.schema import CapturedRecord, record_nbytes, records_to_table, validate_record
+from tide_lib.lake.schema import (
+    CapturedRecord,
+    record_nbytes,
+    records_to_table,
+    validate_record,
+    values_problem,
+)
 from tide_lib.lake.store import ObjectStore, StoreUnavailableError
 
 __all__ = ["LakeWriter", "WriterStats"]
@@ -47,7 +55,11 @@ _BINARY_COLUMNS: Final = ("hidden_states", "aux_hidden_states")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WriterStats:
-    """Counters of a writer's life so far; ``dropped_records`` is never silently lost."""
+    """Counters of a writer's life so far; ``dropped_records`` is never silently lost.
+
+    ``refused_records`` were accepted by ``submit`` but their values were bad
+    (NaN/inf states, out-of-vocabulary ids, another hidden size): never written.
+    """
 
     submitted_records: int
     dropped_records: int
@@ -59,6 +71,7 @@ class WriterStats:
     spooled_bytes: int
     upload_errors: int
     store_reachable: bool
+    refused_records: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,11 +86,22 @@ class LakeWriter:
 
     Use as a context manager, or call :meth:`close` on shutdown: it flushes the
     queue and uploads what it can within ``timeout``; the rest stays spooled.
+    ``hidden_size`` and ``vocab_size`` are the target's (from its ``config.json``):
+    records that disagree are refused; NaN/inf states are refused always.
     """
 
-    def __init__(self, store: ObjectStore, config: LakeConfig) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        config: LakeConfig,
+        *,
+        hidden_size: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
         self.store = store
         self.config = config
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
         self.writer_id = uuid.uuid4().hex[:12]
         self._queue: queue.Queue[CapturedRecord] = queue.Queue(maxsize=config.queue_max_records)
         self._spool = Path(config.spool_dir)
@@ -89,6 +113,8 @@ class LakeWriter:
         self._submit_lock = threading.Lock()
         self._submitted = 0
         self._dropped = 0
+        self._refused = 0
+        self._last_refuse_log = 0.0
         self._shards_written = 0
         self._shards_uploaded = 0
         self._records_uploaded = 0
@@ -161,6 +187,7 @@ class LakeWriter:
                 spooled_bytes=sum(spooled),
                 upload_errors=self._upload_errors,
                 store_reachable=self._store_reachable,
+                refused_records=self._refused,
             )
 
     def flush(self, timeout: float = 60.0) -> bool:
@@ -249,6 +276,12 @@ class LakeWriter:
             drained += 1
 
     def _add(self, buffers: dict[tuple[str, str], _Buffer], record: CapturedRecord) -> None:
+        problem = self._values_problem(record)
+        if problem is not None:
+            with self._counter_lock:
+                self._held_bytes -= record_nbytes(record)
+            self._count_refused(record.request_id, problem)
+            return
         finished = record.finished_at.astimezone(UTC)
         partition = (target_slug(record.target_id), f"{finished:%Y-%m-%d %H}")
         buffer = buffers.setdefault(partition, _Buffer())
@@ -320,6 +353,34 @@ class LakeWriter:
         }
         _write_json_atomic(self._spool / f"{shard_id}.json", sidecar)
         tmp_path.replace(self._spool / f"{shard_id}.parquet")
+
+    def _values_problem(self, record: CapturedRecord) -> str | None:
+        try:
+            return values_problem(
+                record.input_ids,
+                record.hidden_states,
+                record.aux_hidden_states,
+                hidden_size=self.hidden_size,
+                vocab_size=self.vocab_size,
+            )
+        except Exception as error:  # a record that cannot even be checked is not written
+            return f"its values could not be checked ({error})"
+
+    def _count_refused(self, request_id: str, reason: str) -> None:
+        with self._counter_lock:
+            self._refused += 1
+            total = self._refused
+            should_log = time.monotonic() - self._last_refuse_log >= _DROP_LOG_EVERY_S
+            if should_log:
+                self._last_refuse_log = time.monotonic()
+        if should_log:
+            logger.warning(
+                "refused captured request %s: %s (%d refused so far; fix the capture hook or "
+                "the target it reads from)",
+                request_id,
+                reason,
+                total,
+            )
 
     def _count_drops(self, count: int, reason: str) -> None:
         with self._counter_lock:

@@ -17,6 +17,7 @@ State lives in the lake bucket under ``<prefix>/_state/target=<slug>/``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ import torch
 from tide_lib.config import TideConfig
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
-from tide_lib.lake.reader import TrainingSample
+from tide_lib.lake.reader import TrainingSample, watermark
 from tide_lib.orchestration.handoff import Decision, Promotion, Snapshot, Trained
 
 if TYPE_CHECKING:
@@ -77,11 +78,36 @@ def _state_key(config: TideConfig, name: str) -> str:
 
 
 def read_watermark(config: TideConfig) -> str | None:
+    """The order (a commit key, see ``CommitMarker.order``) up to which the lake is consumed."""
     store, key = _store(config), _state_key(config, "watermark.json")
     if not store.exists(key):
         return None
     value: str | None = json.loads(store.get_bytes(key))["watermark"]
     return value
+
+
+def _sample_reader(config: TideConfig) -> LakeReader:
+    """A reader that skips records not fit for this target: its hidden and vocabulary sizes.
+
+    They come from the target's ``config.json`` where this host has the target; a
+    host without it still skips records whose states are NaN/inf.
+    """
+    sizes: dict[str, int | None] = {"hidden_size": None, "vocab_size": None}
+    path = Path(config.cycle.target_path) / "config.json"
+    if path.is_file():
+        declared = json.loads(path.read_text())
+        for name in sizes:
+            value = declared.get(name)
+            sizes[name] = value if isinstance(value, int) else None
+    else:
+        logger.info("no target config at %s: checking captured records for NaN/inf only", path)
+    return LakeReader(_store(config), config.lake, **sizes)
+
+
+def _log_debris(reader: LakeReader, what: str) -> None:
+    debris = {k: v for k, v in dataclasses.asdict(reader.debris).items() if v}
+    if debris:
+        logger.warning("%s skipped lake debris: %s", what, debris)
 
 
 def new_tokens(config: TideConfig) -> int:
@@ -132,6 +158,8 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> Snapshot:
             f"{config.lake.commit_settle_s:g} s old (lake.commit_settle_s)"
         )
     window_tokens = sum(m.num_tokens for m in window)
+    after = watermark(window, before)
+    assert after is not None  # the window is not empty
     older = _older_keys(config, reader, slug, before)
     shuffled = random.Random(cycle_id).sample(older, len(older))
     replay = _take(reader, shuffled, config.cycle.replay_share * window_tokens)
@@ -149,7 +177,7 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> Snapshot:
         cycle_id=cycle_id,
         target_id=config.cycle.target_id,
         watermark_before=before,
-        watermark_after=window[-1].key,
+        watermark_after=after,
         window=[m.key for m in window],
         replay=sorted(m.key for m in replay),
         held_out_older=sorted(m.key for m in held_out),
@@ -172,6 +200,7 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> Snapshot:
         len(held_out),
         len(older),
     )
+    _log_debris(reader, f"cycle {cycle_id} snapshot")
     return snapshot
 
 
@@ -214,7 +243,9 @@ def _held_out(sample: TrainingSample, percent: int) -> bool:
     return hashlib.sha256(sample.request_id.encode()).digest()[0] * 100 // 256 < percent
 
 
-def _window_split(config: TideConfig, snapshot: Snapshot) -> Iterator[tuple[bool, TrainingSample]]:
+def _window_split(
+    config: TideConfig, snapshot: Snapshot, reader: LakeReader
+) -> Iterator[tuple[bool, TrainingSample]]:
     """The window's requests in commit order, each with whether it is held out.
 
     The one held-out rule (a hash of the request id), so a request judged now is
@@ -222,15 +253,18 @@ def _window_split(config: TideConfig, snapshot: Snapshot) -> Iterator[tuple[bool
     even if a shard is quarantined in between. The window's first request is
     held out too, so a small window still has recent traffic to judge on.
     """
-    reader = _reader(config)
     percent = config.cycle.held_out_percent
     for position, sample in enumerate(reader.iter_samples(_markers(reader, snapshot.window))):
         yield position == 0 or _held_out(sample, percent), sample
 
 
 def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> int:
-    """Write the training set (window minus held-out, plus replay) in SpecForge's layout."""
-    reader = _reader(config)
+    """Write the training set (window minus held-out, plus replay) in SpecForge's layout.
+
+    Lake debris (a marker whose shard is gone, a corrupt shard, bad records) is
+    quarantined or skipped, counted and logged; the cycle goes on without it.
+    """
+    reader = _sample_reader(config)
     count = 0
 
     def save(sample: TrainingSample) -> None:
@@ -239,21 +273,24 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
         torch.save(sample.to_specforge(), out / f"data_{count:08d}.ckpt")
         count += 1
 
-    for held, sample in _window_split(config, snapshot):
+    for held, sample in _window_split(config, snapshot, reader):
         if not held:
             save(sample)
     for sample in reader.iter_samples(_markers(reader, snapshot.replay)):
         if not _held_out(sample, config.cycle.held_out_percent):
             save(sample)
     logger.info("cycle %s: %d training samples", snapshot.cycle_id, count)
+    _log_debris(reader, f"cycle {snapshot.cycle_id} export")
     return count
 
 
 def held_out_samples(config: TideConfig, snapshot: Snapshot) -> dict[str, list[TrainingSample]]:
     """The gate's traffic, read from the lake: ``recent`` (window) and ``older`` held-out."""
-    reader = _reader(config)
+    reader = _sample_reader(config)
     segments: dict[str, list[TrainingSample]] = {
-        config.gate.recent_segment: [s for held, s in _window_split(config, snapshot) if held]
+        config.gate.recent_segment: [
+            s for held, s in _window_split(config, snapshot, reader) if held
+        ]
     }
     older: list[TrainingSample] = []
     budget = config.cycle.held_out_older_tokens
@@ -264,6 +301,7 @@ def held_out_samples(config: TideConfig, snapshot: Snapshot) -> dict[str, list[T
             older.append(sample)
     if older:
         segments["older"] = older
+    _log_debris(reader, f"cycle {snapshot.cycle_id} held-out")
     return segments
 
 
@@ -285,11 +323,19 @@ def _training_run(registry: DraftRegistry, cycle_id: str) -> tuple[str, str | No
 
     experiment = registry.experiment_id()
     runs = registry.client.search_runs(
-        [experiment], filter_string=f"tags.`tide.cycle_id` = '{cycle_id}'", max_results=1
+        [experiment],
+        filter_string=f"tags.`tide.cycle_id` = '{cycle_id}'",
+        order_by=["attributes.start_time ASC"],
     )
     if runs:
-        run_id = str(runs[0].info.run_id)
-        parent = runs[0].data.tags.get("tide.parent_version") or None
+        kept, *strays = runs
+        for stray in strays:  # attempts that raced the first one: never left RUNNING
+            if stray.info.status == "RUNNING":
+                _end_run(registry, str(stray.info.run_id), "KILLED")
+        run_id = str(kept.info.run_id)
+        if kept.info.status != "RUNNING":  # an earlier attempt failed: this one resumes it
+            registry.client.update_run(run_id, status="RUNNING")
+        parent = kept.data.tags.get("tide.parent_version") or None
         logger.info("cycle %s: continuing its MLflow run %s", cycle_id, run_id)
         return run_id, parent
     champion = registry.alias(CHAMPION)
@@ -302,6 +348,14 @@ def _training_run(registry: DraftRegistry, cycle_id: str) -> tuple[str, str | No
     return str(run.info.run_id), parent
 
 
+def _end_run(registry: DraftRegistry, run_id: str, status: str) -> None:
+    """End an MLflow run; an unreachable server is logged, never hides the task's own error."""
+    try:
+        registry.client.set_terminated(run_id, status)
+    except Exception as error:  # the caller's error is the one to report
+        logger.error("could not mark MLflow run %s %s: %s", run_id, status, error)
+
+
 def _checkpoint_prefix(config: TideConfig, cycle_id: str) -> str:
     return _state_key(config, f"cycles/{cycle_id}/checkpoints")
 
@@ -310,10 +364,10 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
     """Train the cycle's challenger on this (trainer) host; hand back an MLflow artifact URI.
 
     Warm-starts from the champion. Checkpoints are mirrored to the lake bucket, so
-    a retry on any trainer host resumes; the draft goes to the run's artifacts.
+    a retry on any trainer host resumes; the draft goes to the run's artifacts. The
+    cycle has one MLflow run: a failed attempt marks it FAILED, a retry resumes it,
+    and a retry after the draft was logged reuses that draft.
     """
-    from tide_lib.training.launch import TrainJob, run_training  # noqa: PLC0415
-
     registry = _registry(config)
     cycle_id = snapshot.cycle_id
     registered = registry.find_by_tag("tide.cycle_id", cycle_id)
@@ -325,6 +379,30 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
             parent_version=registered.tags.get("tide.parent_version") or None,
         )
     run_id, parent_version = _training_run(registry, cycle_id)
+    try:
+        draft_uri = registry.client.get_run(run_id).data.tags.get("tide.draft_uri")
+        if draft_uri:
+            logger.info("cycle %s: run %s logged its draft before: reusing it", cycle_id, run_id)
+        else:
+            draft_uri = _train_in_run(config, registry, snapshot, run_id, parent_version)
+    except BaseException:
+        _end_run(registry, run_id, "FAILED")  # never left RUNNING; a retry resumes it
+        raise
+    registry.client.set_terminated(run_id)
+    return Trained(run_id=run_id, draft_uri=draft_uri, parent_version=parent_version)
+
+
+def _train_in_run(
+    config: TideConfig,
+    registry: DraftRegistry,
+    snapshot: Snapshot,
+    run_id: str,
+    parent_version: str | None,
+) -> str:
+    """Train in ``run_id`` and log the draft to it; returns the draft's URI."""
+    from tide_lib.training.launch import TrainJob, run_training  # noqa: PLC0415
+
+    cycle_id = snapshot.cycle_id
     with task_scratch(config, f"train-{cycle_id}") as work:
         export_training_data(config, snapshot, work / "data")
         parent = registry.download(parent_version, work / "parent") if parent_version else None
@@ -342,8 +420,8 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
     client = registry.client
     client.log_param(run_id, "window_tokens", snapshot.window_tokens)
     client.log_param(run_id, "replay_tokens", snapshot.replay_tokens)
-    client.set_terminated(run_id)
-    return Trained(run_id=run_id, draft_uri=draft_uri, parent_version=parent_version)
+    client.set_tag(run_id, "tide.draft_uri", draft_uri)
+    return draft_uri
 
 
 def register(config: TideConfig, snapshot: Snapshot, trained: Trained) -> str:
@@ -431,6 +509,7 @@ def promote(config: TideConfig, version: str, decision: Decision) -> Promotion:
         return Promotion(promoted=False, reason=why)
     current = registry.alias(CHAMPION)
     if current is not None and current.version == version:
+        registry.promote(version)  # a retry after the alias moved: finishes the tags
         return Promotion(promoted=False, reason=f"v{version} is already champion")
     if registry.get(version).tags.get("tide.promoted") == "true":
         why = f"v{version} was promoted before; serve it again with tide_rollback"
@@ -478,15 +557,32 @@ def advance_watermark(config: TideConfig, snapshot: Snapshot) -> str:
     return consumed_until
 
 
-def rollback(config: TideConfig, version: str) -> dict[str, Any]:
-    """Serve an earlier version (a number, or an alias such as ``previous-champion``)."""
+def rollback(config: TideConfig, version: str, run_id: str | None = None) -> dict[str, Any]:
+    """Serve an earlier version (a number, or an alias such as ``previous-champion``).
+
+    With the DAG run's ``run_id``, the version it resolved is kept in the lake, so a
+    retry of that run goes to the same version (``previous-champion`` moves once the
+    first attempt promoted) and, once that version is champion, does nothing.
+    """
     from tide_lib.registry import CHAMPION  # noqa: PLC0415
 
     registry = _registry(config)
-    resolved = registry.alias(version) if not version.isdigit() else None
-    number = resolved.version if resolved is not None else version
-    if not number.isdigit():
-        raise ValueError(f"{registry.name} has no version or alias {version!r}")
+    remembered = _rollback_target(config, run_id) if run_id else None
+    if remembered is not None:
+        number = remembered
+        champion = registry.alias(CHAMPION)
+        if champion is not None and champion.version == number:
+            logger.info("rollback %s served v%s before: nothing to do", run_id, number)
+            return {"version": number}
+        logger.info("rollback %s: resuming the rollback to v%s", run_id, number)
+    else:
+        number = _resolve_version(registry, version)
+        if run_id:
+            _store(config).put_bytes(
+                _rollback_key(config, run_id),
+                json.dumps({"requested": version, "version": number}).encode(),
+                content_type="application/json",
+            )
     if config.cycle.servers:
         current = registry.alias(CHAMPION)
         _fleet(config).promote(
@@ -498,23 +594,72 @@ def rollback(config: TideConfig, version: str) -> dict[str, Any]:
     return {"version": number}
 
 
+def _resolve_version(registry: DraftRegistry, version: str) -> str:
+    resolved = registry.alias(version) if not version.isdigit() else None
+    number = resolved.version if resolved is not None else version
+    if not number.isdigit():
+        raise ValueError(
+            f"{registry.name} has no version or alias {version!r}: give a registered version "
+            "number or an alias (champion, previous-champion)"
+        )
+    return number
+
+
+def _rollback_key(config: TideConfig, run_id: str) -> str:
+    return _state_key(config, f"rollbacks/{run_id}.json")
+
+
+def _rollback_target(config: TideConfig, run_id: str) -> str | None:
+    """The version an earlier attempt of DAG run ``run_id`` resolved, if any."""
+    store, key = _store(config), _rollback_key(config, run_id)
+    if not store.exists(key):
+        return None
+    number: str = json.loads(store.get_bytes(key))["version"]
+    return number
+
+
+def _beyond_skew(config: TideConfig, marker: CommitMarker) -> bool:
+    """A marker that landed further behind its stamp than cycles look back (logged)."""
+    late = commit_time(marker.order) - commit_time(marker.key)
+    if late <= timedelta(seconds=config.lake.max_clock_skew_s):
+        return False
+    logger.warning(
+        "keeping %s: it landed %.0f s after its stamp, more than lake.max_clock_skew_s, so "
+        "cycles may not have seen it; fix the clock of writer %s, raise max_clock_skew_s, "
+        "or delete it and its shard %s by hand once it is not needed",
+        marker.key,
+        late.total_seconds(),
+        marker.writer_id,
+        marker.shard_key,
+    )
+    return True
+
+
 def apply_retention(config: TideConfig, now: Any = None) -> dict[str, int]:
-    """Delete consumed shards older than ``lake.retention_days``; never unconsumed ones."""
+    """Delete consumed shards older than ``lake.retention_days``; never unconsumed ones.
+
+    A marker goes before its shard: a crash in between leaves a shard no reader
+    sees (harmless), never a marker without its shard. Whether a marker is consumed
+    is judged by its order, so a late marker of a writer whose clock is behind
+    is kept until a cycle took it; one stamped further behind than
+    ``lake.max_clock_skew_s`` may never have been listed by a cycle, so it is kept
+    (and logged) rather than judged.
+    """
     from datetime import UTC, datetime, timedelta  # noqa: PLC0415
 
     store, reader = _store(config), _reader(config)
     slug = target_slug(config.cycle.target_id)
-    watermark = read_watermark(config)
+    consumed_until = read_watermark(config)
     cutoff = (now or datetime.now(UTC)) - timedelta(days=config.lake.retention_days)
     deleted = kept_unconsumed = 0
     for marker in reader.list_shards(slug):
         if marker.max_finished_at >= cutoff:
             continue
-        if watermark is None or marker.key > watermark:
+        if consumed_until is None or marker.order > consumed_until or _beyond_skew(config, marker):
             kept_unconsumed += 1
             continue
-        store.remove(marker.shard_key)
         store.remove(marker.key)
+        store.remove(marker.shard_key)
         deleted += 1
     logger.info(
         "retention on %s: deleted %d shards older than %s, kept %d not yet consumed",

@@ -31,7 +31,8 @@ from typing import Any, Literal
 import httpx
 from pydantic import Field
 
-from tide_lib.config import StrictModel, TideConfig, TrainConfig
+from tide_lib.config import StrictModel, TideConfig, TrainConfig, secrets_dir
+from tide_lib.stack.airflow_api import AirflowAPI
 
 __all__ = ["DemoSettings", "run_demo"]
 
@@ -146,11 +147,11 @@ class _Traffic(threading.Thread):
 
 
 class _Airflow:
-    """The few REST calls the demo makes (no login: the local stack runs all-admins)."""
+    """The few REST calls the demo makes, logged in as the stack's admin."""
 
-    def __init__(self, base_url: str) -> None:
-        self.base = f"{base_url}/api/v2/dags/{DAG_ID}"
-        self.client = httpx.Client(timeout=30)
+    def __init__(self, config: TideConfig) -> None:
+        self.base = f"/api/v2/dags/{DAG_ID}"
+        self.client = AirflowAPI.for_stack(config)
 
     def wait_for_dag(self, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
@@ -301,6 +302,12 @@ def run_demo(
         _restart_airflow(manager)
         manager.up()
         airflow_url = f"http://{config.stack.host}:{config.stack.airflow_port}"
+        if config.stack.auth:
+            say(
+                f"Airflow and MLflow ask for a login: user admin, passwords in "
+                f"{secrets_dir()}/TIDE_STACK__AIRFLOW_ADMIN_PASSWORD and "
+                "MLFLOW_TRACKING_PASSWORD (or your environment)"
+            )
         mlflow_url = config.mlflow.tracking_uri
         registry = DraftRegistry(mlflow_url, target_id)
         static = registry.seed_champion(static_dir)
@@ -331,7 +338,7 @@ def run_demo(
                         },
                     )
                 )
-            airflow = _Airflow(airflow_url)
+            airflow = _Airflow(manager.config)
             airflow.wait_for_dag()
             for run in airflow.runs():
                 leftover = datetime.fromisoformat(run["run_after"]) < demo_started

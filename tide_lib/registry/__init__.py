@@ -170,9 +170,15 @@ class DraftRegistry:
             return None
 
     def promote(self, version: str) -> None:
-        """``champion`` -> ``version``; the champion it replaces becomes ``previous-champion``."""
+        """``champion`` -> ``version``; the champion it replaces becomes ``previous-champion``.
+
+        Idempotent: promoting the champion again only finishes what an interrupted
+        promotion left undone (its ``tide.promoted`` tag).
+        """
         current = self.alias(CHAMPION)
         if current is not None and current.version == version:
+            if current.tags.get("tide.promoted") != "true":
+                self.client.set_model_version_tag(self.name, version, "tide.promoted", "true")
             return
         if current is not None:
             self.client.set_registered_model_alias(self.name, PREVIOUS_CHAMPION, current.version)

@@ -5,14 +5,16 @@ works the same against real SGLang servers and against TIDE's reference engine.
 A promotion updates one server at a time (``/update_weights_from_disk`` with a
 draft URI each server resolves itself), then checks that server's health,
 weight version (``/model_info``) and, with probe prompts, its acceptance length;
-if any check fails every server already touched is rolled back to the
-registry's champion, and the promotion fails loudly.
+if any check fails, or anything else goes wrong (a reset connection, an answer
+that is not SGLang's), every server already touched is rolled back to the
+registry's champion, and the promotion fails loudly: never a mixed fleet.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shlex
 import string
 import subprocess
@@ -23,6 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import httpx
+import yaml
 from pydantic import SecretStr
 
 from tide_lib.serving.auth import bearer_for
@@ -34,9 +37,13 @@ __all__ = [
     "RestartLauncher",
     "ServerState",
     "sglang_launch_args",
+    "write_sglang_key_file",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+_SECRET_FLAGS = ("--api-key", "--admin-api-key")
 
 
 def sglang_launch_args(
@@ -45,10 +52,25 @@ def sglang_launch_args(
     *,
     num_steps: int = 4,
     port: int = 30000,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
+    key_file: str | Path | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """``python -m sglang.launch_server`` arguments for an EAGLE3 server TIDE can manage."""
+    """``python -m sglang.launch_server`` arguments for an EAGLE3 server TIDE can manage.
+
+    The server listens on loopback unless ``host`` says otherwise. Keys never go on
+    the command line, where ``ps`` shows them: SGLang 0.5.14 reads no key from the
+    environment, but its ``--config <file.yaml>`` is merged into the options inside
+    the server process, so ``key_file`` (written by :func:`write_sglang_key_file`)
+    carries ``api-key``/``admin-api-key`` and the command line only its path.
+    """
+    for arg in extra:
+        if arg.split("=", 1)[0] in _SECRET_FLAGS:
+            raise ValueError(
+                f"{arg.split('=', 1)[0]} would show the key in `ps`: write the keys with "
+                "write_sglang_key_file() and pass its path as key_file"
+            )
+    config = ["--config", str(key_file)] if key_file is not None else []
     return [
         "python",
         "-m",
@@ -70,8 +92,30 @@ def sglang_launch_args(
         host,
         "--port",
         str(port),
+        *config,
         *extra,
     ]
+
+
+def write_sglang_key_file(
+    path: Path, *, api_key: SecretStr | None, admin_api_key: SecretStr | None = None
+) -> Path:
+    """Write SGLang's ``--config`` YAML with the server's keys, readable by its owner only."""
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise ValueError(f"SGLang reads --config only from a .yaml/.yml file, not {path.name}")
+    keys = {
+        name: key.get_secret_value()
+        for name, key in (("api-key", api_key), ("admin-api-key", admin_api_key))
+        if key is not None
+    }
+    if not keys:
+        raise ValueError("no key given: set serve.api_key (TIDE_SERVE__API_KEY)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # an existing file keeps its mode otherwise
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(keys, handle)
+    return path
 
 
 class FleetError(RuntimeError):
@@ -303,23 +347,30 @@ class FleetManager:
         path, never a later one, so it is only the fallback.
         """
         path = str(model_path)
-        previous: list[tuple[EngineClient, ServerState]] = []
+        touched: list[tuple[EngineClient, ServerState]] = []
+        where = "the fleet"
         try:
             for client in self.clients:
+                where = client.url
                 before = client.state()
                 if not before.healthy:
                     raise FleetError(
                         f"{client.url} is not healthy before the update: {before.error}"
                     )
-                previous.append((client, before))
+                touched.append((client, before))
                 logger.info("promoting %s (%s) on %s", path, weight_version, client.url)
                 self._apply(client, path, weight_version)
                 self._check(
                     client, weight_version, probe_prompts, min_accept_length, probe_max_new_tokens
                 )
-        except (FleetError, httpx.HTTPError, ValueError, KeyError) as error:
-            self._roll_back(previous, rollback_to)
-            raise FleetError(f"promotion of {path} failed and was rolled back: {error}") from error
+        except Exception as error:
+            # Any error (a refusal, a reset connection, an answer that is not what SGLang
+            # sends): no server may keep the new draft while the others serve the old one.
+            left = self._roll_back(touched, rollback_to)
+            raise FleetError(_failure(path, where, left, error)) from error
+        except BaseException:
+            self._roll_back(touched, rollback_to)  # interrupted: still leave no mixed fleet
+            raise
         return self.status()
 
     @staticmethod
@@ -352,15 +403,34 @@ class FleetManager:
                 )
 
     def _roll_back(
-        self, previous: list[tuple[EngineClient, ServerState]], rollback_to: tuple[str, str] | None
-    ) -> None:
-        for client, before in reversed(previous):
+        self, touched: list[tuple[EngineClient, ServerState]], rollback_to: tuple[str, str] | None
+    ) -> list[str]:
+        """Put every touched server back on the previous draft; the URLs that could not be."""
+        left: list[str] = []
+        for client, before in reversed(touched):
             draft, version = rollback_to or (before.draft_path, before.weight_version)
             if draft is None or version is None:
                 logger.error("cannot roll back %s: its previous draft is unknown", client.url)
+                left.append(client.url)
                 continue
             try:
                 self._apply(client, draft, version)
                 logger.warning("rolled %s back to %s", client.url, version)
-            except (FleetError, httpx.HTTPError) as error:
-                logger.error("rollback of %s failed: %s", client.url, error)
+            except Exception as error:
+                logger.error("rollback of %s failed: %s", client.url, _describe(error))
+                left.append(client.url)
+        return left
+
+
+def _describe(error: BaseException) -> str:
+    return str(error) if isinstance(error, FleetError) else f"{type(error).__name__}: {error}"
+
+
+def _failure(path: str, where: str, left: list[str], error: Exception) -> str:
+    if not left:
+        return f"promotion of {path} failed and was rolled back: {where}: {_describe(error)}"
+    return (
+        f"promotion of {path} failed ({where}: {_describe(error)}) and {', '.join(left)} could "
+        "not be rolled back: they may serve the new draft; serve the champion everywhere "
+        "with the tide_rollback DAG (version=champion) once they answer"
+    )

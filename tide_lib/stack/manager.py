@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from tide_lib.config import TideConfig
+from tide_lib.stack.secrets import ensure_stack_secrets
 from tide_lib.stack.services import SERVICES, Service
 
 __all__ = ["ServiceStatus", "StackError", "StackManager", "free_ports", "pid_alive"]
@@ -85,6 +86,8 @@ class StackManager:
     """The local S3 server and MLflow server, as configured."""
 
     def __init__(self, config: TideConfig, services: tuple[Service, ...] = SERVICES) -> None:
+        # No secret has a default: those not given are generated once into the secrets dir.
+        config = ensure_stack_secrets(config)
         self.config = config
         wanted = set(config.stack.services)
         unknown = wanted - {service.name for service in services}

@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 
 from tide_lib.config import TideConfig
 from tide_lib.lake.store import ObjectStore
+from tide_lib.stack.secrets import mlflow_username
 
 __all__ = ["SERVICES", "Service", "airflow_env", "find_binary", "repo_root"]
 
@@ -73,7 +74,7 @@ def _seaweedfs_command(config: TideConfig, state: Path) -> list[str]:
                 "credentials": [
                     {
                         "accessKey": config.store.access_key,
-                        "secretKey": config.store.secret_key.get_secret_value(),
+                        "secretKey": config.store.secret(),
                     }
                 ],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
@@ -130,12 +131,30 @@ def _create_buckets(config: TideConfig) -> None:
 # -- MLflow tracking server, artifacts proxied into S3 ------------------------------
 
 
+def _mlflow_auth_config(state: Path) -> Path:
+    """MLflow's basic-auth settings; the admin's credentials go in the environment."""
+    path = state / "mlflow-auth.ini"
+    database = (state / "mlflow-auth.db").resolve()
+    path.write_text(
+        "[mlflow]\n"
+        "default_permission = READ\n"
+        f"database_uri = sqlite:///{database}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        # A password hash per request costs ~0.1 s of CPU; a minute of cache keeps a
+        # training run's metric logging cheap.
+        "auth_cache_ttl_seconds = 60\n"
+    )
+    return path
+
+
 def _mlflow_command(config: TideConfig, state: Path) -> list[str]:
     backend = config.mlflow.backend_store_uri or f"sqlite:///{(state / 'mlflow.db').resolve()}"
     mlflow = find_binary("mlflow", "install it with `pip install mlflow==3.17.2` (make venv does)")
+    auth = ["--app-name", "basic-auth"] if config.stack.auth else []
     return [
         mlflow,
         "server",
+        *auth,
         "--backend-store-uri",
         backend,
         "--artifacts-destination",
@@ -151,10 +170,23 @@ def _mlflow_command(config: TideConfig, state: Path) -> list[str]:
 
 def _mlflow_env(config: TideConfig) -> dict[str, str]:
     local = _stack_store_config(config)
+    auth = {}
+    if config.stack.auth:
+        state = Path(config.stack.state_dir).resolve()
+        auth = {
+            "MLFLOW_AUTH_CONFIG_PATH": str(_mlflow_auth_config(state)),
+            "MLFLOW_AUTH_ADMIN_USERNAME": mlflow_username(),
+            "MLFLOW_AUTH_ADMIN_PASSWORD": os.environ.get("MLFLOW_TRACKING_PASSWORD", ""),
+            # Signs the auth app's CSRF tokens: one per stack, kept in its state dir.
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": _stack_secret(
+                state, "mlflow_flask_secret", "MLFLOW_FLASK_SERVER_SECRET_KEY"
+            ),
+        }
     return {
+        **auth,
         "MLFLOW_S3_ENDPOINT_URL": local.store.endpoint,
         "AWS_ACCESS_KEY_ID": local.store.access_key,
-        "AWS_SECRET_ACCESS_KEY": local.store.secret_key.get_secret_value(),
+        "AWS_SECRET_ACCESS_KEY": local.store.secret(),
         "AWS_DEFAULT_REGION": local.store.region,
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
     }
@@ -200,6 +232,47 @@ def _stack_secret(home: Path, name: str, variable: str) -> str:
     return path.read_text().strip()
 
 
+AIRFLOW_USERS = {"admin": "admin", "viewer": "viewer"}  # user name: role
+
+
+def _airflow_auth_env(config: TideConfig, home: Path) -> dict[str, str]:
+    """Simple auth manager with passwords (users and roles), or all-admins for the demo."""
+    if not config.stack.auth:
+        return {"AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True"}
+    passwords = {
+        "admin": config.stack.airflow_admin_password,
+        "viewer": config.stack.airflow_viewer_password,
+    }
+    missing = [user for user, password in passwords.items() if password is None]
+    if missing:
+        raise ValueError(
+            f"stack.auth is on but the Airflow password of {missing} is unset: set "
+            "TIDE_STACK__AIRFLOW_<USER>_PASSWORD, or let `tide stack up` generate them"
+        )
+    path = home / "passwords.json"
+    home.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(
+        json.dumps({user: p.get_secret_value() for user, p in passwords.items() if p is not None})
+    )
+    return {
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(
+            f"{user}:{role}" for user, role in AIRFLOW_USERS.items()
+        ),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(path),
+    }
+
+
+def _task_secrets(config: TideConfig) -> dict[str, str]:
+    """What the cycle's tasks need to reach S3 and MLflow, passed on in the environment."""
+    secrets_ = {"TIDE_STORE__SECRET_KEY": config.store.secret()}
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        if config.stack.auth and os.environ.get(name):
+            secrets_[name] = os.environ[name]
+    return secrets_
+
+
 def airflow_env(config: TideConfig) -> dict[str, str]:
     root = repo_root()
     stack = config.stack
@@ -214,6 +287,8 @@ def airflow_env(config: TideConfig) -> dict[str, str]:
         }
     return {
         **celery,
+        **_airflow_auth_env(config, home),
+        **_task_secrets(config),
         "AIRFLOW_HOME": str(home),
         "AIRFLOW_CONFIG": str(root / "airflow.cfg"),
         "AIRFLOW__CORE__EXECUTOR": _EXECUTORS[stack.executor],

@@ -18,6 +18,12 @@ samples an uninterrupted one would.
 Multi-GPU: run the same entry point under ``torchrun``; each process takes its
 share of every step's samples and gradients are averaged by DDP. Device and
 world size are configuration, nothing else changes.
+
+A step whose loss or gradients are not finite (a bad record that slipped past the
+lake's checks, an overflow) is skipped: no optimizer step, counted and logged, so
+one bad sample cannot turn the draft's weights into NaN. Training fails, with a
+clear error, only once more than ``max_skipped_step_fraction`` of the steps were
+skipped: then the data, not one sample, is the problem.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -77,6 +84,7 @@ class TrainResult:
     trained_tokens: int
     seconds: float
     loss_backend: str
+    skipped_steps: int = 0  # steps with a non-finite loss or gradient: no optimizer step
 
     @property
     def tokens_per_s(self) -> float:
@@ -385,6 +393,44 @@ def _resume(
     return int(state["step"])
 
 
+class _NonFiniteSteps:
+    """Counts skipped steps; raises once more than the allowed share of all steps was skipped."""
+
+    def __init__(self, config: TrainConfig, skipped: int = 0) -> None:
+        self.allowed = config.max_skipped_step_fraction * config.steps
+        self.skipped = skipped
+
+    def check(self, loss: float, grad_norm: torch.Tensor, step: int) -> bool:
+        """True if this step is finite everywhere (in every process); else count and log it."""
+        bad = torch.tensor(
+            0.0 if math.isfinite(loss) and bool(torch.isfinite(grad_norm)) else 1.0,
+            device=grad_norm.device,
+        )
+        if torch.distributed.is_initialized():  # every process skips the same steps
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if not bool(bad):
+            return True
+        self.skipped += 1
+        logger.warning(
+            "step %d: loss %s, gradient norm %s are not finite: skipping the optimizer step "
+            "(%d skipped, at most %.0f allowed)",
+            step + 1,
+            loss,
+            float(grad_norm),
+            self.skipped,
+            self.allowed,
+        )
+        if self.skipped > self.allowed:
+            raise RuntimeError(
+                f"{self.skipped} of {step + 1} training steps had a non-finite loss or gradient, "
+                f"more than train.max_skipped_step_fraction allows: the window holds bad "
+                "records (NaN/inf states, out-of-vocabulary ids) or the learning rate is too "
+                "high. Check the lake's debris counts in the export log, lower "
+                "train.learning_rate, or raise train.max_skipped_step_fraction"
+            )
+        return False
+
+
 def train_draft(
     data_dir: Path,
     target_dir: Path,
@@ -424,6 +470,7 @@ def train_draft(
         on_stale_checkpoint=on_stale_checkpoint,
     )
     start_step = resumed_from or 0
+    nonfinite = _NonFiniteSteps(config, _skipped_before(checkpoint_dir, resumed_from))
 
     started = time.perf_counter()
     trained_tokens = 0
@@ -452,19 +499,27 @@ def train_draft(
             step_loss += float(output.loss.detach()) / config.batch_size
             trained_tokens += int(raw["input_ids"].numel())
             accuracy.add(output.metrics)
-        torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
-        optimizer.step()
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
+        finite = nonfinite.check(step_loss, grad_norm, step)
+        if finite:
+            optimizer.step()
+        else:
+            optimizer.zero_grad(set_to_none=True)
         scheduler.step()
 
         step_metrics = {"loss": step_loss, "lr": float(scheduler.get_last_lr()[0])}
         step_metrics |= {f"acc_{i}": value for i, value in enumerate(accuracy.values())}
-        for key, value in step_metrics.items():
-            window.setdefault(key, []).append(value)
+        if finite:  # a skipped step's NaN would poison the logged averages
+            for key, value in step_metrics.items():
+                window.setdefault(key, []).append(value)
+        window.setdefault("skipped_steps", []).append(float(nonfinite.skipped))
         done = step + 1
         if rank == 0 and (done % config.log_every == 0 or done == config.steps):
             last = {key: sum(values) / len(values) for key, values in window.items()}
             window.clear()
-            progress.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last.get('acc_0', 0):.3f}")
+            progress.set_postfix(
+                loss=f"{last.get('loss', math.nan):.3f}", acc0=f"{last.get('acc_0', 0):.3f}"
+            )
             if metrics is not None:
                 metrics.log_metrics(last, step=done)
         if rank == 0 and (done % config.checkpoint_every == 0 or done == config.steps):
@@ -477,6 +532,7 @@ def train_draft(
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(),
                     "rng": torch.get_rng_state(),
+                    "skipped_steps": nonfinite.skipped,
                 },
                 config.keep_checkpoints,
             )
@@ -494,12 +550,21 @@ def train_draft(
         draft_dir=draft_dir,
         steps=config.steps,
         resumed_from_step=resumed_from,
-        final_loss=last["loss"],
+        final_loss=last.get("loss", math.nan),
         accuracy=final_accuracy,
         trained_tokens=trained_tokens,
         seconds=seconds,
         loss_backend=backend,
+        skipped_steps=nonfinite.skipped,
     )
+
+
+def _skipped_before(checkpoint_dir: Path, resumed_from: int | None) -> int:
+    """Steps the resumed run had skipped (its checkpoint remembers them)."""
+    latest = _latest_checkpoint(checkpoint_dir) if resumed_from else None
+    if latest is None:
+        return 0
+    return int(torch.load(latest, weights_only=False).get("skipped_steps", 0))
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ import base64
 import html
 import logging
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,8 +136,10 @@ target="_blank">{html.escape(data["model_name"])}</a> in MLflow.</p>
 </body></html>"""
 
 
-def create_app() -> FastAPI:
-    app = FastAPI(title="TIDE", description=__doc__)
+def create_app(dependencies: Sequence[Any] = ()) -> FastAPI:
+    """The view; ``dependencies`` guard every route (the Airflow plugin passes Airflow's
+    own login check, so the view is exactly as protected as the Airflow UI)."""
+    app = FastAPI(title="TIDE", description=__doc__, dependencies=list(dependencies))
 
     @app.get("/", response_class=HTMLResponse)
     def dashboard(target: str | None = Query(None, description="target id")) -> str:
