@@ -14,7 +14,10 @@ batcher thread, the reader).
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
@@ -28,9 +31,12 @@ __all__ = [
     "InvalidRecordError",
     "record_nbytes",
     "records_to_table",
+    "target_limits",
     "validate_record",
     "values_problem",
 ]
+
+logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION: Final = 1
 HIDDEN_DTYPES: Final = ("float16", "bfloat16")
@@ -182,6 +188,23 @@ def validate_record(record: CapturedRecord) -> None:
             raise InvalidRecordError(
                 f"request {record.request_id}: {name} must be a non-negative int, got {value!r}"
             )
+
+
+def target_limits(target_dir: str | Path) -> dict[str, int | None]:
+    """``hidden_size`` and ``vocab_size`` of an HF target (its ``config.json``, or the
+    ``text_config`` inside it), for :func:`values_problem`; None where a host lacks them."""
+    path = Path(target_dir) / "config.json"
+    limits: dict[str, int | None] = {"hidden_size": None, "vocab_size": None}
+    try:
+        declared = json.loads(path.read_text())
+    except (OSError, ValueError):
+        logger.info("no readable target config at %s: records are checked for NaN/inf only", path)
+        return limits
+    text = declared.get("text_config") if isinstance(declared.get("text_config"), dict) else {}
+    for name in limits:
+        value = declared.get(name, text.get(name))
+        limits[name] = value if isinstance(value, int) else None
+    return limits
 
 
 def values_problem(

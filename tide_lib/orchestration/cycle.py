@@ -34,6 +34,7 @@ from tide_lib.config import TideConfig
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
 from tide_lib.lake.reader import TrainingSample, watermark
+from tide_lib.lake.schema import target_limits
 from tide_lib.orchestration.handoff import Decision, Promotion, Snapshot, Trained
 
 if TYPE_CHECKING:
@@ -92,16 +93,7 @@ def _sample_reader(config: TideConfig) -> LakeReader:
     They come from the target's ``config.json`` where this host has the target; a
     host without it still skips records whose states are NaN/inf.
     """
-    sizes: dict[str, int | None] = {"hidden_size": None, "vocab_size": None}
-    path = Path(config.cycle.target_path) / "config.json"
-    if path.is_file():
-        declared = json.loads(path.read_text())
-        for name in sizes:
-            value = declared.get(name)
-            sizes[name] = value if isinstance(value, int) else None
-    else:
-        logger.info("no target config at %s: checking captured records for NaN/inf only", path)
-    return LakeReader(_store(config), config.lake, **sizes)
+    return LakeReader(_store(config), config.lake, **target_limits(config.cycle.target_path))
 
 
 def _log_debris(reader: LakeReader, what: str) -> None:

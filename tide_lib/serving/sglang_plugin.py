@@ -65,6 +65,7 @@ import torch
 
 from tide_lib.config import TideConfig
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
+from tide_lib.lake.schema import target_limits
 from tide_lib.serving.capture import sampled, serves_well
 from tide_lib.serving.sglang_swap import (
     MODEL_INFO_TARGET,
@@ -234,13 +235,16 @@ class SGLangCapture:
         writer: LakeWriter | None = None,
         *,
         warmup_prompts: set[tuple[int, ...]] | None = None,
+        target_dir: str | None = None,
     ) -> None:
         self.config = config
         self.target_id = target_id
         self.draft_version = draft_version
         self.num_steps = num_steps
         self.writer = writer or LakeWriter(
-            ObjectStore(config.store, config.store.lake_bucket), config.lake
+            ObjectStore(config.store, config.store.lake_bucket),
+            config.lake,
+            **(target_limits(target_dir) if target_dir else {}),
         )
         self.max_held_bytes = config.serve.capture_max_held_bytes
         self.warmup_prompts = warmup_prompts or set()
@@ -579,6 +583,7 @@ def _start_capture(worker: Any) -> SGLangCapture | None:
         version,
         worker.speculative_num_steps,
         warmup_prompts=_warmup_prompts(args),
+        target_dir=args.model_path,  # the writer refuses records unfit for this target
     )
     logger.info("TIDE capture on: target %s, draft %s, spool %s", target_id, version, spool)
     return _Process.capture
