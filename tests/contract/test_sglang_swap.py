@@ -9,6 +9,8 @@ drafts are real exported checkpoints, one of them fetched from the real S3 lake.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.contract import sglang_release as release
 from tests.contract.sglang_stub import request_models
@@ -96,6 +98,17 @@ class _Manager:
 
     def flush_cache_after_weight_update(self, _recv_req: Any) -> None:
         self.flushed += 1
+
+
+@pytest.fixture(autouse=True)
+def draft_sources(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_drafts: dict[str, Path]
+) -> None:
+    """This host allows drafts from the session's drafts, the test's dir and the lake's drafts."""
+    roots = [os.path.commonpath([str(p) for p in tiny_drafts.values()]), str(tmp_path)]
+    sources = [*roots, "s3://tide-lake/drafts", "s3://tide-lake/no"]
+    monkeypatch.setenv("TIDE_SERVE__DRAFT_SOURCES", json.dumps(sources))
+    monkeypatch.setenv("TIDE_SCRATCH_DIR", str(tmp_path / "scratch"))
 
 
 @pytest.fixture
@@ -184,11 +197,10 @@ def test_a_draft_uri_is_fetched_on_this_host(
     tmp_path: Path,
 ) -> None:
     store = ObjectStore(stack.store, stack.store.lake_bucket)
-    prefix = f"drafts-{uuid.uuid4().hex[:6]}/ko"
+    prefix = f"drafts/{uuid.uuid4().hex[:6]}/ko"
     for path in tiny_drafts["ko"].iterdir():
         store.put_file(f"{prefix}/{path.name}", path)
     monkeypatch.setenv("TIDE_STORE__ENDPOINT", stack.store.endpoint)
-    monkeypatch.setenv("TIDE_SCRATCH_DIR", str(tmp_path / "scratch"))
     worker = _serving(tiny_drafts["en"])
     request = sglang_types["UpdateWeightFromDiskReqInput"](
         model_path=f"s3://{stack.store.lake_bucket}/{prefix}", weight_version="from-s3"
@@ -197,7 +209,38 @@ def test_a_draft_uri_is_fetched_on_this_host(
     assert out.success, out.message
     ko = load_file(tiny_drafts["ko"] / "model.safetensors")["d2t"]
     assert torch.equal(worker.hot_token_id, ko + torch.arange(ko.shape[0]))
-    assert not any((tmp_path / "scratch").iterdir())  # the download is gone once loaded
+    # one cached copy of this version, no temporary ones
+    assert [p.name for p in (tmp_path / "scratch").iterdir()] == ["drafts"]
+    assert len(list((tmp_path / "scratch" / "drafts").iterdir())) == 1
+
+
+def test_the_hook_refuses_what_the_engine_refuses(
+    sglang_types: dict[str, Any], tiny_drafts: dict[str, Path], tmp_path: Path
+) -> None:
+    """Issue 13 A and C in the SGLang hook: sources, and the one complete checkpoint check."""
+    worker = _serving(tiny_drafts["en"])
+    make = sglang_types["UpdateWeightFromDiskReqInput"]
+    out_of_vocab = shutil.copytree(tiny_drafts["ko"], tmp_path / "d2t-out")
+    state = load_file(out_of_vocab / "model.safetensors")
+    state["d2t"][-1] = 5000
+    save_file(state, out_of_vocab / "model.safetensors")
+    out = sglang_swap.draft_only_swap(
+        _not_called, _Manager(worker), make(model_path=str(out_of_vocab))
+    )
+    assert not out.success and "d2t" in out.message
+    bad_dtype = shutil.copytree(tiny_drafts["ko"], tmp_path / "fc-int")
+    state = load_file(bad_dtype / "model.safetensors")
+    state["fc.weight"] = state["fc.weight"].to(torch.int32)
+    save_file(state, bad_dtype / "model.safetensors")
+    out = sglang_swap.draft_only_swap(
+        _not_called, _Manager(worker), make(model_path=str(bad_dtype))
+    )
+    assert not out.success and "fc.weight has dtype int32" in out.message
+    outside = shutil.copytree(tiny_drafts["ko"], tmp_path.parent / f"outside-{uuid.uuid4().hex}")
+    for path in (str(outside), "s3://elsewhere/drafts/ko", "models:/../x"):
+        out = sglang_swap.draft_only_swap(_not_called, _Manager(worker), make(model_path=path))
+        assert not out.success and "TIDE_SERVE__DRAFT_SOURCES" in out.message
+    assert worker.loaded == []
 
 
 def test_the_served_model_keeps_its_name_after_a_draft_swap(tiny_drafts: dict[str, Path]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +33,17 @@ def start_engine(
     prefix: str = "serving",
     env: dict[str, str] | None = None,
 ) -> EngineProcess:
+    """An engine whose drafts may come from this session's temp dirs and ``s3://<artifacts>/drafts``.
+
+    Its scratch dir is ``tmp/scratch-<port>`` and its ``TMPDIR`` ``tmp/tmp-<port>``, so a
+    test can list what it leaves behind.
+    """
     (port,) = free_ports(1, start=ENGINE_PORTS + (os.getpid() % 500) * 2)
+    sources = [str(tmp.parent), f"s3://{stack.store.artifact_bucket}/drafts"]
+    (tmp / f"tmp-{port}").mkdir(parents=True, exist_ok=True)
     base = {
+        "TIDE_SERVE__DRAFT_SOURCES": json.dumps(sources),
+        "TMPDIR": str(tmp / f"tmp-{port}"),
         "TIDE_LAKE__SPOOL_DIR": str(tmp / f"spool-{port}"),
         "TIDE_STORE__ENDPOINT": stack.store.endpoint,
         "TIDE_MLFLOW__TRACKING_URI": stack.mlflow.tracking_uri,

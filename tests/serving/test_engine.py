@@ -313,7 +313,7 @@ def test_update_of_the_target_is_refused(
     response = httpx.post(url, json={"model_path": str(tiny_target)})
     assert response.status_code == 400 and "draft models only" in response.text
     response = httpx.post(url, json={"model_path": "/x"})
-    assert response.status_code == 400 and "not a directory" in response.text
+    assert response.status_code == 400 and "not a draft under this server's" in response.text
 
 
 def test_sglang_launch_args_name_eagle3_options() -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "DraftFetchError",
     "fetch_draft",
     "is_portable",
+    "object_destination",
 ]
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,12 @@ def fetch_draft(uri: str, config: TideConfig, dest: Path) -> Path:
             raise DraftFetchError(f"cannot download draft {uri}: {error}") from error
         return Path(local)
     if uri.startswith("s3://"):
-        return _fetch_s3(uri, config, dest)
+        try:
+            return _fetch_s3(uri, config, dest)
+        except DraftFetchError:
+            raise
+        except Exception as error:  # the store's own errors: unreachable, no such bucket, ...
+            raise DraftFetchError(f"cannot download draft {uri}: {error}") from error
     raise DraftFetchError(
         f"{uri!r} is not a draft URI (expected one of {', '.join(PORTABLE_SCHEMES)})"
     )
@@ -80,6 +86,25 @@ def _model_source(uri: str, tracking_uri: str) -> str:
     return str(client.get_model_version_download_uri(name, version))
 
 
+def object_destination(dest: Path, key: str, prefix: str) -> Path:
+    """Where object ``key`` (under ``prefix``) lands in ``dest``; keys that escape are refused.
+
+    An object store hands back whatever keys a writer chose: an absolute one, or one
+    with ``..`` or empty segments, would write outside ``dest`` or somewhere surprising.
+    """
+    relative = key[len(prefix) :] if key.startswith(prefix) else ""
+    parts = relative.split("/")
+    if not relative or relative.startswith("/") or any(p in {"", ".", ".."} for p in parts):
+        raise DraftFetchError(
+            f"object key {key!r} would land outside the draft directory; remove it from the "
+            "store or publish the draft under a clean prefix"
+        )
+    destination = (dest / relative).resolve()
+    if not destination.is_relative_to(dest.resolve()):
+        raise DraftFetchError(f"object key {key!r} would land outside {dest}")
+    return destination
+
+
 def _fetch_s3(uri: str, config: TideConfig, dest: Path) -> Path:
     from tide_lib.lake.store import ObjectStore  # noqa: PLC0415
 
@@ -87,11 +112,8 @@ def _fetch_s3(uri: str, config: TideConfig, dest: Path) -> Path:
     prefix = prefix.rstrip("/") + "/"
     store = ObjectStore(config.store, bucket)
     found = False
-    root = dest.resolve()
     for info in store.list(prefix):
-        destination = (dest / info.key[len(prefix) :]).resolve()
-        if not destination.is_relative_to(root):
-            raise DraftFetchError(f"object {info.key} under {uri} would land outside {dest}")
+        destination = object_destination(dest, info.key, prefix)
         destination.parent.mkdir(parents=True, exist_ok=True)
         store.get_file(info.key, destination)
         found = True

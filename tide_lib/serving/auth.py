@@ -10,15 +10,28 @@ the rules it meets in production:
 - every other route: the API key when one is set, else open.
 
 Keys are compared in constant time. The client side is :func:`bearer_for`.
+TIDE is stricter than SGLang in one place: a server bound beyond loopback must
+have both keys (:func:`require_keys_off_loopback`), so an engine is never open
+to the network by accident. Keys are never logged or echoed.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 
 from pydantic import SecretStr
 
-__all__ = ["ADMIN_ROUTES", "allowed", "bearer_for"]
+from tide_lib.config import ServeConfig
+
+__all__ = [
+    "ADMIN_ROUTES",
+    "InsecureBindError",
+    "allowed",
+    "bearer_for",
+    "is_loopback",
+    "require_keys_off_loopback",
+]
 
 ADMIN_ROUTES = frozenset({"/update_weights_from_disk"})
 _OPEN_PREFIXES = ("/health", "/metrics")
@@ -53,3 +66,36 @@ def bearer_for(
     """The ``Authorization`` header a client sends to ``path`` (none when no key applies)."""
     key = _key_for(path, api_key, admin_api_key)
     return {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
+
+
+class InsecureBindError(ValueError):
+    """A server would listen beyond loopback without its bearer keys."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine reaches; a host name is never assumed to be."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def require_keys_off_loopback(serve: ServeConfig) -> None:
+    """Refuse a non-loopback ``serve.host`` unless both the API and the admin key are set."""
+    if is_loopback(serve.host) or (serve.api_key and serve.admin_api_key):
+        return
+    missing = [
+        name
+        for name, key in (
+            ("TIDE_SERVE__API_KEY", serve.api_key),
+            ("TIDE_SERVE__ADMIN_API_KEY", serve.admin_api_key),
+        )
+        if not key
+    ]
+    raise InsecureBindError(
+        f"refusing to serve on {serve.host}, which other hosts reach, without bearer keys: "
+        f"set {' and '.join(missing)} (the API key guards every route but /health and "
+        "/metrics, the admin key /update_weights_from_disk), or bind 127.0.0.1"
+    )

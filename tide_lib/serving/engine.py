@@ -8,6 +8,13 @@ requests the draft already serves well, as Moreh's SGLang fork does) decide
 which requests are kept. A draft swap is validated and loaded off the worker,
 then applied by the worker between requests: in-flight requests finish on the
 draft they started with and none fail.
+
+The engine cannot be stalled or steered by what it is sent: the queue is bounded
+(a full one is refused, :class:`EngineBusyError`), a request whose client went
+away is cancelled before it takes the worker, and drafts load only from the
+configured sources (:mod:`.draft_sources`), validated completely against this
+target (:func:`~tide_lib.training.draft.validate_draft_dir`) and run once on
+this engine's device before a swap is acknowledged.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ import dataclasses
 import logging
 import queue
 import random
-import tempfile
 import threading
 import time
 from datetime import UTC, datetime
@@ -28,19 +34,25 @@ import torch
 
 from tide_lib.config import ServeConfig, TideConfig
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
-from tide_lib.registry.uris import DraftFetchError, fetch_draft, is_portable
+from tide_lib.lake.schema import target_limits
+from tide_lib.registry.uris import DraftFetchError
 from tide_lib.serving.capture import capture_wanted
-from tide_lib.serving.speculative import Generation, SpeculativeDecoder
-from tide_lib.training.draft import InvalidCheckpointError, load_draft
+from tide_lib.serving.draft_sources import DraftCache, DraftSources, local_draft
+from tide_lib.serving.speculative import DraftRunner, Generation, SpeculativeDecoder
+from tide_lib.training.draft import DraftTarget, InvalidCheckpointError, load_draft
 from tide_lib.training.specforge_runtime import prepare_specforge
 
-__all__ = ["Engine", "EngineRequest", "EngineResult", "RequestError"]
+__all__ = ["Engine", "EngineBusyError", "EngineRequest", "EngineResult", "RequestError"]
 
 logger = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
     """A request the engine refuses; the message is returned to the client (HTTP 400)."""
+
+
+class EngineBusyError(RuntimeError):
+    """The request queue is full; the client should retry later (HTTP 503, Retry-After)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +62,7 @@ class EngineRequest:
     temperature: float
     seed: int | None
     rid: str
+    ignore_eos: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +122,11 @@ class Engine:
         self.target_id = serve.served_model_name or self.target_dir.name
         self.draft_path = serve.speculative_draft_model_path
         self.weight_version = serve.weight_version
-        draft = self._load_draft(self.draft_path) if self.draft_path else None
+        self.draft_target = DraftTarget.of(self.target.config)
+        self.sources = DraftSources.of(serve, self.draft_path)
+        self.cache = DraftCache(config.scratch_dir / "drafts", serve.draft_cache_versions)
+        self._swap_lock = threading.Lock()
+        draft = self._load_draft(self.draft_path, self.weight_version) if self.draft_path else None
         self.decoder = SpeculativeDecoder(
             self.target, draft, serve.speculative_num_steps, self.tokenizer.eos_token_id
         )
@@ -119,6 +136,7 @@ class Engine:
         self._lock = threading.Lock()
         self._queue: queue.Queue[Any] = queue.Queue()
         self._running = 0
+        self._waiting = 0  # requests queued, not yet taken by the worker nor cancelled
         self._rng = random.Random(0)
         self._worker = threading.Thread(target=self._work, name="tide-engine", daemon=True)
         self._worker.start()
@@ -148,13 +166,27 @@ class Engine:
             raise RequestError(f"input_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def submit(self, request: EngineRequest) -> concurrent.futures.Future[EngineResult]:
+        """Queue a checked request; cancelling the future before it runs frees its place."""
         self.check(request)
+        with self._lock:
+            if self._waiting >= self.serve.max_queued_requests:
+                raise EngineBusyError(
+                    f"{self._waiting} requests are queued, the most this server holds "
+                    "(--max-queued-requests): retry later"
+                )
+            self._waiting += 1
         future: concurrent.futures.Future[EngineResult] = concurrent.futures.Future()
+        future.add_done_callback(self._left_if_cancelled)
         self._queue.put((request, future))
         return future
 
+    def _left_if_cancelled(self, future: concurrent.futures.Future[EngineResult]) -> None:
+        if future.cancelled():
+            with self._lock:
+                self._waiting -= 1
+
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return self._waiting
 
     def running(self) -> int:
         return self._running
@@ -169,7 +201,9 @@ class Engine:
                 continue
             request, future = item
             if not future.set_running_or_notify_cancel():
-                continue
+                continue  # its client went away while it waited
+            with self._lock:
+                self._waiting -= 1
             self._running = 1
             try:
                 future.set_result(self._generate(request))
@@ -192,6 +226,7 @@ class Engine:
             temperature=request.temperature,
             speculative=self.speculative,
             generator=generator,
+            ignore_eos=request.ignore_eos,
         )
         with self._lock:
             self.counters.requests += 1
@@ -219,7 +254,10 @@ class Engine:
 
     @staticmethod
     def _capture_writer(config: TideConfig) -> LakeWriter:
-        return LakeWriter(ObjectStore(config.store, config.store.lake_bucket), config.lake)
+        """The lake writer; it refuses records unfit for the served target (sizes, NaN)."""
+        limits = target_limits(config.serve.model_path) if config.serve.model_path else {}
+        store = ObjectStore(config.store, config.store.lake_bucket)
+        return LakeWriter(store, config.lake, **limits)
 
     def _capture(
         self, request: EngineRequest, generation: Generation, started_at: datetime, version: str
@@ -253,40 +291,44 @@ class Engine:
 
     # -- drafts ------------------------------------------------------------------------------
 
-    def _load_draft(self, path: str) -> Any:
-        if is_portable(path):
-            # This host downloads its own copy, loads it into memory and keeps no files.
-            self.config.scratch_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(
-                prefix="tide-draft-", dir=self.config.scratch_dir
-            ) as tmp:
-                try:
-                    local = fetch_draft(path, self.config, Path(tmp))
-                except DraftFetchError as error:
-                    raise InvalidCheckpointError(str(error)) from error
-                return self._load_local(local, path)
-        local = Path(path)
-        if not local.is_dir():
-            raise InvalidCheckpointError(f"draft path {path} is not a directory")
-        return self._load_local(local, path)
+    def _load_draft(self, path: str, version: str) -> Any:
+        """An allowed draft, validated against this target and probed; nothing kept on failure.
 
-    def _load_local(self, local: Path, path: str) -> Any:
-        draft = load_draft(local, self.target_dir)
-        hidden = self.target.config.hidden_size
-        if (
-            draft.config.hidden_size != hidden
-            or draft.config.vocab_size != self.target.config.vocab_size
-        ):
-            raise InvalidCheckpointError(
-                f"draft {path} is shaped for another target (hidden {draft.config.hidden_size}, "
-                f"vocab {draft.config.vocab_size}); this target has hidden {hidden}, "
-                f"vocab {self.target.config.vocab_size}"
-            )
+        Raises :class:`DraftRefusedError` (not an allowed source, or missing) or
+        :class:`InvalidCheckpointError` (download, validation or probe failed).
+        """
+        try:
+            with local_draft(path, version, self.sources, self.cache, self.config) as local:
+                draft = load_draft(local, self.target_dir, self.draft_target)
+                self._probe(draft)
+        except DraftFetchError as error:
+            raise InvalidCheckpointError(str(error)) from error
         return draft
+
+    def _probe(self, draft: Any) -> None:
+        """One draft forward pass on this engine's device: a draft that cannot run is refused."""
+        device = next(self.target.parameters()).device
+        hidden = self.draft_target.hidden_size
+        try:
+            runner = DraftRunner(draft.to(device))
+            aux = torch.randn(2, 3 * hidden, generator=torch.Generator().manual_seed(0))
+            states, logits = runner.step(torch.tensor([0, 1]), runner.project(aux.to(device)))
+            ids = runner.to_target_ids(torch.arange(int(logits.shape[-1]), device=device))
+        except Exception as error:  # any failure here would fail every request later
+            message = f"the draft fails a forward pass on {device}: {error}"
+            raise InvalidCheckpointError(message) from error
+        vocab = self.draft_target.vocab_size
+        if not (bool(torch.isfinite(logits).all()) and bool(torch.isfinite(states).all())):
+            raise InvalidCheckpointError("the draft's probe forward pass gives non-finite values")
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise InvalidCheckpointError(
+                f"d2t maps draft tokens outside the vocabulary [0, {vocab})"
+            )
 
     def swap_draft(self, path: str, version: str, timeout: float = 540.0) -> None:
         """Validate and load a draft here, then let the worker swap it in between requests."""
-        draft = self._load_draft(path)  # raises InvalidCheckpointError: old draft keeps serving
+        with self._swap_lock:  # one download and load at a time
+            draft = self._load_draft(path, version)  # raises: the old draft keeps serving
         pending = _PendingSwap(draft=draft, path=path, version=version)
         self._queue.put(pending)  # requests queued before it finish on the old draft
         if not pending.applied.wait(timeout):

@@ -9,11 +9,19 @@ ignored, as SGLang drops it), behind SGLang's bearer keys (:mod:`.auth`).
 ``GET /get_weight_version`` stays for TIDE's own tools; SGLang answers it 404.
 Anything TIDE does against this server it can do against a real SGLang fleet.
 Malformed or hostile requests get a 400 with a message; the server keeps serving.
+
+Nothing a client sends can stall it: bodies over ``serve.max_request_bytes`` get
+413 before they are parsed, text is tokenised off the event loop, a full queue
+answers 503 with ``Retry-After``, and a request whose client hung up is
+cancelled before it takes the worker. Drafts load only from the configured
+sources (:mod:`.draft_sources`); a server bound beyond loopback refuses to start
+without both bearer keys.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from pathlib import Path
@@ -22,11 +30,20 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tide_lib.config import TideConfig
-from tide_lib.serving.auth import allowed
-from tide_lib.serving.engine import Engine, EngineRequest, RequestError
+from tide_lib.config import ServeConfig, TideConfig
+from tide_lib.serving.auth import InsecureBindError, allowed, require_keys_off_loopback
+from tide_lib.serving.draft_sources import DraftRefusedError
+from tide_lib.serving.engine import (
+    Engine,
+    EngineBusyError,
+    EngineRequest,
+    EngineResult,
+    RequestError,
+)
 from tide_lib.serving.sglang_swap import is_draft_reference
 from tide_lib.training.draft import InvalidCheckpointError
 
@@ -40,7 +57,18 @@ class SamplingParams(BaseModel):
 
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=100.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    ignore_eos: bool = False
+
+
+def _encodable(value: str | None) -> str | None:
+    """Text must be valid Unicode (JSON admits lone surrogates, UTF-8 does not)."""
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError("is not valid Unicode (it holds a lone surrogate)") from error
+    return value
 
 
 class GenerateRequest(BaseModel):
@@ -51,7 +79,9 @@ class GenerateRequest(BaseModel):
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: SamplingParams = SamplingParams()
-    rid: str | None = None
+    rid: str | None = Field(None, max_length=256)
+
+    _unicode = field_validator("text", "rid")(_encodable)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -67,18 +97,106 @@ class UpdateWeightsRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_path: str = Field(min_length=1)
+    model_path: str = Field(min_length=1, max_length=4096)
     is_draft_model: bool = False  # dropped by SGLang 0.5.14; accepted here, ignored
-    weight_version: str | None = None
+    weight_version: str | None = Field(None, max_length=256)
     load_format: str | None = None
 
+    _unicode = field_validator("model_path", "weight_version", "load_format")(_encodable)
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}})
+
+class _JSON(JSONResponse):
+    """JSON with non-ASCII escaped: an echoed odd character can never fail a response."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    content = {"error": {"message": message, "code": status}}
+    return _JSON(status_code=status, content=content, headers=headers)
+
+
+class _Guard:
+    """Bearer keys and the body-size limit, checked before FastAPI reads a request."""
+
+    def __init__(self, app: ASGIApp, serve: ServeConfig) -> None:
+        self.app = app
+        self.serve = serve
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        serve = self.serve
+        if not allowed(
+            scope["path"], headers.get("authorization"), serve.api_key, serve.admin_api_key
+        ):
+            message = "missing or wrong bearer key (Authorization: Bearer <key>)"
+            await _error(401, message)(scope, receive, send)
+            return
+        body = await self._body(headers, receive)
+        if body is None:
+            limit = serve.max_request_bytes
+            message = f"the request body exceeds {limit} bytes (--max-request-bytes)"
+            await _error(413, message)(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _body(self, headers: Headers, receive: Receive) -> bytes | None:
+        """The whole body, or None past the limit (read no further than the limit)."""
+        limit = self.serve.max_request_bytes
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return None
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client went away; the app sees it on its next receive
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()  # http.disconnect once the client hangs up
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+_DISCONNECT_POLL_S = 0.2
+
+
+async def _result(future: Any, request: Request) -> EngineResult | None:
+    """The engine's result, or None once the client hung up (its request is cancelled)."""
+    waiting = asyncio.wrap_future(future)
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            result: EngineResult = waiting.result()
+            return result
+        if await request.is_disconnected():
+            future.cancel()  # frees its place in the queue unless the worker took it
+            return None
 
 
 def create_app(engine: Engine) -> FastAPI:
-    app = FastAPI(title="TIDE reference engine", description=__doc__)
+    app = FastAPI(title="TIDE reference engine", description=__doc__, default_response_class=_JSON)
+    app.add_middleware(_Guard, serve=engine.serve)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -87,14 +205,6 @@ def create_app(engine: Engine) -> FastAPI:
 
         details = "; ".join(f"{where(item)}: {item['msg']}" for item in error.errors())
         return _error(400, f"invalid request: {details}")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Any:
-        serve = engine.serve
-        header = request.headers.get("authorization")
-        if not allowed(request.url.path, header, serve.api_key, serve.admin_api_key):
-            return _error(401, "missing or wrong bearer key (Authorization: Bearer <key>)")
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -110,21 +220,16 @@ def create_app(engine: Engine) -> FastAPI:
         }
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest) -> Any:
-        input_ids = body.input_ids if body.input_ids is not None else engine.encode(body.text or "")
-        params = body.sampling_params
-        request = EngineRequest(
-            input_ids=input_ids,
-            max_new_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            seed=params.seed,
-            rid=body.rid or uuid.uuid4().hex,
-        )
+    async def generate(body: GenerateRequest, http: Request) -> Any:
         try:
-            future = engine.submit(request)
+            future = engine.submit(await _engine_request(engine, body))
         except RequestError as error:
             return _error(400, str(error))
-        result = await asyncio.wrap_future(future)
+        except EngineBusyError as error:
+            return _error(503, str(error), headers={"Retry-After": "1"})
+        result = await _result(future, http)
+        if result is None:
+            return _error(499, "the client closed the request")
         return {
             "text": result.text,
             "output_ids": result.output_ids,
@@ -168,7 +273,12 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsRequest) -> Any:
-        if Path(body.model_path).is_dir() and not is_draft_reference(body.model_path):
+        try:
+            local = engine.sources.resolve(body.model_path)
+        except DraftRefusedError as error:
+            logger.warning("refused draft: %s", error)
+            return _JSON(status_code=400, content={"success": False, "message": str(error)})
+        if isinstance(local, Path) and not is_draft_reference(str(local)):
             return _error(
                 400,
                 f"{body.model_path} is not an EAGLE3 draft (config.json architectures lacks "
@@ -177,15 +287,15 @@ def create_app(engine: Engine) -> FastAPI:
         version = body.weight_version or body.model_path
         try:
             await asyncio.to_thread(engine.swap_draft, body.model_path, version)
-        except (InvalidCheckpointError, FileNotFoundError, KeyError) as error:
+        except (InvalidCheckpointError, DraftRefusedError, OSError, KeyError) as error:
             logger.warning("refused draft %s: %s", body.model_path, error)
-            return JSONResponse(
+            return _JSON(
                 status_code=400,
                 content={"success": False, "message": f"refused draft {body.model_path}: {error}"},
             )
         except TimeoutError as error:
             logger.warning("draft swap to %s is late: %s", version, error)
-            return JSONResponse(
+            return _JSON(
                 status_code=503,
                 content={
                     "success": False,
@@ -226,9 +336,34 @@ def _prometheus(engine: Engine) -> str:
     return "\n".join(lines) + "\n"
 
 
+async def _engine_request(engine: Engine, body: GenerateRequest) -> EngineRequest:
+    """The engine's request; text is tokenised in a thread, never on the event loop."""
+    input_ids = body.input_ids
+    if input_ids is None:
+        try:
+            input_ids = await asyncio.to_thread(engine.encode, body.text or "")
+        except Exception as error:  # the tokenizer's own errors: reported, never a 500
+            raise RequestError(f"text cannot be tokenised: {error}") from error
+    params = body.sampling_params
+    return EngineRequest(
+        input_ids=input_ids,
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        seed=params.seed,
+        rid=body.rid or uuid.uuid4().hex,
+        ignore_eos=params.ignore_eos,
+    )
+
+
 def run_server(config: TideConfig) -> None:
+    """Serve until stopped; refuses to start beyond loopback without both bearer keys."""
     import uvicorn  # noqa: PLC0415
 
+    try:
+        require_keys_off_loopback(config.serve)
+    except InsecureBindError as error:
+        logger.error("%s", error)
+        raise SystemExit(2) from error
     engine = Engine(config)
     logger.info(
         "serving %s on http://%s:%d (draft %s, k=%d, capture %s)",

@@ -8,10 +8,14 @@ exits; a tied one serves the draft as the model). Upstream's draft-only swap
 was closed unmerged. This AROUND hook on
 ``SchedulerWeightUpdaterManager.update_weights_from_disk`` recognises an EAGLE3
 draft (``LlamaForCausalLMEagle3`` in its ``config.json``) or a ``models:/``,
-``runs:/`` or ``s3://`` URI of one, downloads it on this host, validates it,
-and reloads the draft worker alone: weights in place, CUDA graphs recaptured,
-the hot token map (``d2t``, which the draft's graphs bake in) copied into the
-tensor the graphs read, the cache flushed. Any other ``model_path`` goes to
+``runs:/`` or ``s3://`` URI of one, from the sources this host allows
+(:mod:`.draft_sources`, ``TIDE_SERVE__DRAFT_SOURCES``), downloads it into the
+per-version draft cache, validates it with the check the reference engine uses
+(:func:`~tide_lib.training.draft.validate_draft_dir`, against the serving
+draft's hidden and vocabulary sizes), and reloads the draft worker alone:
+weights in place, CUDA graphs recaptured, the hot token map (``d2t``, which
+the draft's graphs bake in) copied into the tensor the graphs read, the cache
+flushed. Any other ``model_path`` goes to
 SGLang's method untouched, so upstream clients keep working. A draft that
 fails to download or validate is refused with SGLang's failure output; the
 old draft keeps serving.
@@ -22,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,10 @@ class DraftSwapError(ValueError):
     """A draft cannot be swapped in; the message names what is wrong."""
 
 
+class _LoadFailedError(RuntimeError):
+    """SGLang's own load answered failure: its message goes back, the download is dropped."""
+
+
 def is_draft_reference(model_path: str) -> bool:
     """A draft URI, or a local directory whose ``config.json`` names an EAGLE3 draft."""
     from tide_lib.registry.uris import is_portable  # noqa: PLC0415
@@ -72,11 +79,32 @@ def _output_type() -> Any:
     return UpdateWeightFromDiskReqOutput
 
 
-def _validate(draft_dir: Path) -> None:
+def _draft_target(manager: Any) -> Any:
+    """The serving draft's hidden and vocabulary sizes (the target's), when SGLang shows them."""
+    from tide_lib.training.draft import DraftTarget  # noqa: PLC0415
+
+    worker = getattr(manager, "draft_worker", None)
+    draft = getattr(worker, "_draft_worker", worker)
+    runner = getattr(draft, "draft_runner", None)
+    hf_config = getattr(getattr(runner, "model_config", None), "hf_config", None)
+    if hf_config is None:
+        return None
+    return DraftTarget(int(hf_config.hidden_size), int(hf_config.vocab_size))
+
+
+def _startup_draft(manager: Any) -> str | None:
+    worker = getattr(manager, "draft_worker", None)
+    draft = getattr(worker, "_draft_worker", worker)
+    args = getattr(getattr(draft, "draft_runner", None), "server_args", None)
+    path = getattr(args, "speculative_draft_model_path", None)
+    return str(path) if path else None
+
+
+def _validate(draft_dir: Path, target: Any = None) -> None:
     from tide_lib.training.draft import InvalidCheckpointError, validate_draft_dir  # noqa: PLC0415
 
     try:
-        validate_draft_dir(draft_dir)
+        validate_draft_dir(draft_dir, target)
     except InvalidCheckpointError as error:
         raise DraftSwapError(str(error)) from error
 
@@ -144,23 +172,35 @@ def draft_only_swap(original: Any, manager: Any, recv_req: Any, *args: Any, **kw
     path = str(recv_req.model_path)
     if not is_draft_reference(path):
         return original(manager, recv_req, *args, **kwargs)
-    from tide_lib.config import TideConfig  # noqa: PLC0415
-    from tide_lib.registry.uris import DraftFetchError, fetch_draft, is_portable  # noqa: PLC0415
+    from tide_lib.registry.uris import DraftFetchError  # noqa: PLC0415
+    from tide_lib.serving.draft_sources import DraftRefusedError  # noqa: PLC0415
 
-    config = TideConfig()
-    config.scratch_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with tempfile.TemporaryDirectory(prefix="tide-draft-", dir=config.scratch_dir) as tmp:
-            local = fetch_draft(path, config, Path(tmp)) if is_portable(path) else Path(path)
-            _validate(local)
-            success, message = _swap(manager, recv_req, local)
-    except (DraftSwapError, DraftFetchError, OSError) as error:
+        message = _fetch_validate_swap(manager, recv_req, path)
+    except _LoadFailedError as failed:
+        return _output_type()(False, str(failed), 0)
+    except (DraftSwapError, DraftFetchError, DraftRefusedError, OSError) as error:
         logger.error("draft swap to %s refused: %s", path, error)
         return _output_type()(False, f"TIDE draft swap refused {path}: {error}", 0)
     except Exception as error:  # the scheduler must never see TIDE's exceptions
         logger.exception("draft swap to %s failed inside TIDE's plugin", path)
         return _output_type()(False, f"TIDE draft swap of {path} failed: {error!r}", 0)
-    if success:
-        version = recv_req.weight_version
-        logger.info("serving draft %s (%s); the target was not touched", path, version)
-    return _output_type()(success, message, 0)
+    logger.info("serving draft %s (%s); the target was not touched", path, recv_req.weight_version)
+    return _output_type()(True, message, 0)
+
+
+def _fetch_validate_swap(manager: Any, recv_req: Any, path: str) -> str:
+    """An allowed draft, downloaded (cached per version), validated, then swapped in."""
+    from tide_lib.config import TideConfig  # noqa: PLC0415
+    from tide_lib.serving.draft_sources import DraftCache, DraftSources, local_draft  # noqa: PLC0415
+
+    config = TideConfig()
+    sources = DraftSources.of(config.serve, _startup_draft(manager))
+    cache = DraftCache(config.scratch_dir / "drafts", config.serve.draft_cache_versions)
+    version = str(recv_req.weight_version or path)
+    with local_draft(path, version, sources, cache, config) as local:
+        _validate(local, _draft_target(manager))
+        success, message = _swap(manager, recv_req, local)
+        if not success:
+            raise _LoadFailedError(message)  # leaves the with: a downloaded copy is dropped
+    return message

@@ -26,7 +26,7 @@ import torch
 from tide_lib.lake.reader import TrainingSample
 from tide_lib.target.hidden import HiddenStateCapture
 
-__all__ = ["DraftRunner", "Generation", "SpeculativeDecoder"]
+__all__ = ["MIN_TEMPERATURE", "DraftRunner", "Generation", "SpeculativeDecoder"]
 
 
 @dataclasses.dataclass
@@ -135,6 +135,10 @@ class DraftRunner:
         return mapped
 
 
+# Below this, sampling is greedy (as in SGLang): dividing by it would overflow the softmax.
+MIN_TEMPERATURE = 1e-5
+
+
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
@@ -175,8 +179,10 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         speculative: bool = True,
         generator: torch.Generator | None = None,
+        ignore_eos: bool = False,
     ) -> Generation:
-        greedy = temperature <= 0.0
+        greedy = temperature < MIN_TEMPERATURE
+        eos = None if ignore_eos else self.eos_token_id
 
         def sample(logits: torch.Tensor) -> int:
             if greedy:
@@ -194,7 +200,7 @@ class SpeculativeDecoder:
             self.runner.reset()
             tokens = torch.tensor(prompt_ids[1:] + output[-1:])
             hidden, draft_logits = self.runner.step(tokens, self.runner.project(auxes))
-        while len(output) < max_new_tokens and output[-1] != self.eos_token_id:
+        while len(output) < max_new_tokens and output[-1] != eos:
             if not use_draft:
                 logits, cache, finals, auxes = self._target_forward(output[-1:], cache)
                 final_chunks.append(finals)
@@ -244,9 +250,9 @@ class SpeculativeDecoder:
                         bonus = int(torch.multinomial(residual, 1, generator=generator))
                         break
                 accepted += 1
-                if token == self.eos_token_id:
+                if token == eos:
                     break
-            stopped = accepted > 0 and drafted[accepted - 1] == self.eos_token_id
+            stopped = accepted > 0 and drafted[accepted - 1] == eos
             if bonus is None and not stopped:
                 bonus = sample(logits[accepted])
             accepted_total += accepted
@@ -258,11 +264,11 @@ class SpeculativeDecoder:
             output.extend(new_tokens)
             # Rebuild the draft's positions from the verified target features.
             self.runner.crop(position)
-            if output[-1] != self.eos_token_id and len(output) < max_new_tokens:
+            if output[-1] != eos and len(output) < max_new_tokens:
                 tokens = torch.tensor(output[-kept:])
                 hidden, draft_logits = self.runner.step(tokens, self.runner.project(auxes[:kept]))
             position += kept
-        finish = "stop" if output and output[-1] == self.eos_token_id else "length"
+        finish = "stop" if output and output[-1] == eos else "length"
         output = output[:max_new_tokens]
         return Generation(
             prompt_ids=list(prompt_ids),

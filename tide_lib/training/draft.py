@@ -9,12 +9,16 @@ and ``t2d``. The token embedding is the target's (frozen, not exported): SGLang
 shares the target's embedding with the draft, and so does TIDE's engine.
 
 Nothing downstream sees a checkpoint before :func:`validate_draft_dir` accepted it:
-every expected tensor present with the right shape, every value finite, and the
-vocabulary mapping consistent.
+config fields typed and consistent, every expected tensor present with the right
+shape and dtype, every value finite, and the vocabulary mapping in range and
+consistent. Servers also pass a :class:`DraftTarget`, so a draft of another target
+is refused before it is loaded; the reference engine and TIDE's SGLang plugin use
+this one check, so a checkpoint one accepts the other accepts too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import Counter
@@ -32,8 +36,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DRAFT_ARCHITECTURE",
+    "DraftTarget",
     "InvalidCheckpointError",
     "build_vocab_mapping",
+    "check_vocab_mapping",
     "draft_config_for",
     "export_draft",
     "load_draft",
@@ -156,11 +162,13 @@ def new_draft(
     return draft
 
 
-def load_draft(draft_dir: Path, target_dir: Path) -> LlamaForCausalLMEagle3:
-    """An exported (and validated) draft, with the target's embedding attached."""
+def load_draft(
+    draft_dir: Path, target_dir: Path, target: DraftTarget | None = None
+) -> LlamaForCausalLMEagle3:
+    """An exported draft, validated (against ``target`` when given), the target's embedding on."""
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3  # noqa: PLC0415
 
-    config = validate_draft_dir(draft_dir)
+    config = validate_draft_dir(draft_dir, target)
     draft = LlamaForCausalLMEagle3(config)
     with safe_open(str(draft_dir / WEIGHTS_FILE), framework="pt") as handle:
         state = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
@@ -191,11 +199,102 @@ def export_draft(draft: LlamaForCausalLMEagle3, out_dir: Path) -> Path:
     return out_dir
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftTarget:
+    """What a draft must fit: the serving target's shape (checked when known)."""
+
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int | None = None
+
+    @classmethod
+    def of(cls, target_config: Any) -> DraftTarget:
+        """From an HF target config (``text_config`` of a multimodal one)."""
+        text = getattr(target_config, "text_config", target_config)
+        layers = getattr(text, "num_hidden_layers", None)
+        return cls(int(text.hidden_size), int(text.vocab_size), layers)
+
+
+_FLOAT_DTYPES: Final = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES: Final = (torch.int64, torch.int32)
+_POSITIVE_INTS: Final = (
+    "hidden_size",
+    "vocab_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_config(config_path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidCheckpointError(f"{config_path} is not valid JSON: {error}") from error
+    if not isinstance(raw, dict):
+        raise InvalidCheckpointError(f"{config_path} must hold a JSON object")
+    if raw.get("architectures") != [DRAFT_ARCHITECTURE]:
+        raise InvalidCheckpointError(
+            f"{config_path}: architectures is {raw.get('architectures')}, "
+            f"expected [{DRAFT_ARCHITECTURE}]"
+        )
+    for field in ("draft_vocab_size", *_POSITIVE_INTS):
+        if not (_is_int(raw.get(field)) and raw[field] > 0):
+            raise InvalidCheckpointError(f"{config_path}: {field} must be a positive integer")
+    if raw["draft_vocab_size"] > raw["vocab_size"]:
+        raise InvalidCheckpointError(
+            f"{config_path}: draft_vocab_size {raw['draft_vocab_size']} exceeds vocab_size "
+            f"{raw['vocab_size']}"
+        )
+    return raw
+
+
+def _check_eagle_config(config_path: Path, raw: dict[str, Any], target: DraftTarget | None) -> None:
+    eagle = raw.get("eagle_config")
+    if not isinstance(eagle, dict):
+        raise InvalidCheckpointError(f"{config_path}: eagle_config must be a JSON object")
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    field = "eagle_config.eagle_aux_hidden_state_layer_ids"
+    if not (isinstance(ids, list) and len(ids) == 3 and all(_is_int(i) and i >= 0 for i in ids)):
+        raise InvalidCheckpointError(f"{config_path}: {field} must list 3 layers (integers >= 0)")
+    layers = target.num_hidden_layers if target is not None else None
+    if layers is not None and max(ids) > layers - 2:
+        raise InvalidCheckpointError(
+            f"{config_path}: {field} {ids} name layers this target lacks (it has {layers}; "
+            f"ids must be at most {layers - 2})"
+        )
+    if not isinstance(eagle.get("use_aux_hidden_state", True), bool):
+        raise InvalidCheckpointError(f"{config_path}: eagle_config.use_aux_hidden_state is no bool")
+
+
+def _check_fits_target(config_path: Path, raw: dict[str, Any], target: DraftTarget) -> None:
+    fits = {
+        "hidden_size": target.hidden_size,
+        "target_hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+    }
+    for field, wanted in fits.items():
+        value = raw.get(field, wanted)
+        if value != wanted:
+            raise InvalidCheckpointError(
+                f"{config_path}: {field} is {value}, this target needs {wanted}: the draft was "
+                "trained for another target"
+            )
+
+
 def _expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3  # noqa: PLC0415
 
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLMEagle3(config)
+    try:
+        with torch.device("meta"):
+            skeleton = LlamaForCausalLMEagle3(config)
+    except Exception as error:  # inconsistent sizes (heads not dividing hidden, ...)
+        raise InvalidCheckpointError(f"the draft's config.json is inconsistent: {error}") from error
     return {
         key: tuple(value.shape)
         for key, value in skeleton.state_dict().items()
@@ -203,62 +302,84 @@ def _expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     }
 
 
-def validate_draft_dir(draft_dir: Path) -> Any:
-    """Check an exported draft; returns its config, raises :class:`InvalidCheckpointError`."""
-    from transformers import LlamaConfig  # noqa: PLC0415
+def _check_tensor(
+    weights_path: Path, key: str, tensor: torch.Tensor, shape: tuple[int, ...]
+) -> None:
+    if tuple(tensor.shape) != shape:
+        raise InvalidCheckpointError(
+            f"{weights_path}: tensor {key} has shape {tuple(tensor.shape)}, expected {shape}"
+        )
+    wanted = {"d2t": _INDEX_DTYPES, "t2d": (torch.bool,)}.get(key, _FLOAT_DTYPES)
+    if tensor.dtype not in wanted:
+        names = ", ".join(str(dtype).removeprefix("torch.") for dtype in wanted)
+        raise InvalidCheckpointError(
+            f"{weights_path}: tensor {key} has dtype {str(tensor.dtype).removeprefix('torch.')}, "
+            f"expected {names}"
+        )
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise InvalidCheckpointError(f"{weights_path}: tensor {key} has non-finite values")
 
-    config_path, weights_path = draft_dir / CONFIG_FILE, draft_dir / WEIGHTS_FILE
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise InvalidCheckpointError(f"draft checkpoint {draft_dir} has no {path.name}")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise InvalidCheckpointError(f"{config_path} is not valid JSON: {error}") from error
-    if raw.get("architectures") != [DRAFT_ARCHITECTURE]:
-        raise InvalidCheckpointError(
-            f"{config_path}: architectures is {raw.get('architectures')}, "
-            f"expected [{DRAFT_ARCHITECTURE}]"
-        )
-    for field in ("draft_vocab_size", "eagle_config"):
-        if field not in raw:
-            raise InvalidCheckpointError(f"{config_path} has no {field}")
-    layer_ids = raw["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
-    if not (isinstance(layer_ids, list) and len(layer_ids) == 3):
-        raise InvalidCheckpointError(
-            f"{config_path}: eagle_aux_hidden_state_layer_ids must list 3 layers"
-        )
-    config = LlamaConfig.from_pretrained(draft_dir)
-    expected = _expected_shapes(config)
+
+def _read_tensors(
+    weights_path: Path, expected: dict[str, tuple[int, ...]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         with safe_open(str(weights_path), framework="pt") as handle:
             present = set(handle.keys())
             for key, shape in expected.items():
                 if key not in present:
                     raise InvalidCheckpointError(f"{weights_path}: tensor {key} is missing")
-                tensor = handle.get_tensor(key)
-                if tuple(tensor.shape) != shape:
-                    raise InvalidCheckpointError(
-                        f"{weights_path}: tensor {key} has shape {tuple(tensor.shape)}, "
-                        f"expected {shape}"
-                    )
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    raise InvalidCheckpointError(
-                        f"{weights_path}: tensor {key} has non-finite values"
-                    )
-            d2t, t2d = handle.get_tensor("d2t"), handle.get_tensor("t2d")
+                _check_tensor(weights_path, key, handle.get_tensor(key), shape)
+            return handle.get_tensor("d2t"), handle.get_tensor("t2d")
     except InvalidCheckpointError:
         raise
     except Exception as error:  # safetensors raises its own error types for corrupt files
         raise InvalidCheckpointError(f"{weights_path} cannot be read: {error}") from error
-    if int(t2d.sum()) != config.draft_vocab_size:
+
+
+def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int) -> None:
+    """``d2t`` maps each draft token to a distinct target token that ``t2d`` selects."""
+    if int(t2d.sum()) != draft_vocab_size:
         raise InvalidCheckpointError(
-            f"{weights_path}: t2d selects {int(t2d.sum())} tokens, "
-            f"draft_vocab_size is {config.draft_vocab_size}"
+            f"t2d selects {int(t2d.sum())} tokens, draft_vocab_size is {draft_vocab_size}"
         )
-    targets = torch.arange(d2t.numel()) + d2t
-    if int(targets.max()) >= t2d.numel() or not bool(t2d[targets].all()):
+    targets = torch.arange(d2t.numel()) + d2t.to(torch.int64)
+    if int(targets.min()) < 0 or int(targets.max()) >= t2d.numel():
         raise InvalidCheckpointError(
-            f"{weights_path}: d2t points at tokens that t2d does not select"
+            f"d2t maps draft tokens to target ids outside the vocabulary [0, {t2d.numel()})"
         )
+    if not bool(t2d[targets].all()) or int(torch.unique(targets).numel()) != targets.numel():
+        raise InvalidCheckpointError(
+            "d2t maps draft tokens to target ids that t2d does not select, or to one id twice"
+        )
+
+
+def validate_draft_dir(draft_dir: Path, target: DraftTarget | None = None) -> Any:
+    """Check an exported draft completely; returns its config.
+
+    Files present; ``config.json`` fields typed and consistent (and fitting ``target``
+    when given); every tensor present with its shape and dtype, finite; ``d2t`` and
+    ``t2d`` in range and consistent. Raises :class:`InvalidCheckpointError` naming the
+    field. The one check every consumer of a checkpoint uses (export, registry,
+    reference engine, SGLang plugin).
+    """
+    from transformers import LlamaConfig  # noqa: PLC0415
+
+    config_path, weights_path = draft_dir / CONFIG_FILE, draft_dir / WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise InvalidCheckpointError(f"draft checkpoint {draft_dir} has no {path.name}")
+    raw = _read_config(config_path)
+    _check_eagle_config(config_path, raw, target)
+    if target is not None:
+        _check_fits_target(config_path, raw, target)
+    try:
+        config = LlamaConfig.from_pretrained(draft_dir)
+    except Exception as error:  # transformers raises many types for odd field values
+        raise InvalidCheckpointError(f"{config_path} is not a Llama config: {error}") from error
+    d2t, t2d = _read_tensors(weights_path, _expected_shapes(config))
+    try:
+        check_vocab_mapping(d2t, t2d, config.draft_vocab_size)
+    except InvalidCheckpointError as error:
+        raise InvalidCheckpointError(f"{weights_path}: {error}") from error
     return config
