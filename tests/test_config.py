@@ -6,10 +6,9 @@ import os
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
 import tide_lib.config
-from tide_lib.config import load_config, load_secret_files
+from tide_lib.config import ConfigError, load_config, load_secret_files
 
 
 def test_defaults_describe_the_local_stack() -> None:
@@ -46,12 +45,12 @@ def test_missing_config_file_says_where(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 
 def test_unknown_keys_are_rejected() -> None:
-    with pytest.raises(ValidationError, match="shard_max_byte"):
+    with pytest.raises(ConfigError, match="shard_max_byte"):
         load_config(lake={"shard_max_byte": 1})
 
 
 def test_bad_endpoint_is_explained() -> None:
-    with pytest.raises(ValidationError, match="http://host:port"):
+    with pytest.raises(ConfigError, match="http://host:port"):
         load_config(store={"endpoint": "minio:9000"})
 
 
@@ -108,3 +107,18 @@ def test_stack_generates_missing_secrets_once(
     again = ensure_stack_secrets(load_config())
     assert again.store.secret() == first.store.secret() and len(first.store.secret()) >= 32
     assert again.stack.airflow_admin_password == first.stack.airflow_admin_password
+
+
+def test_a_config_error_never_shows_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13: a section-level check printed the whole section, passwords included, and the
+    CLI logged it."""
+    monkeypatch.setenv("TIDE_STACK__AIRFLOW_ADMIN_PASSWORD", "pw-never-shown")
+    monkeypatch.setenv("TIDE_STACK__EXECUTOR", "CeleryExecutor")  # without a Postgres URL
+    monkeypatch.setenv("TIDE_SERVE__API_KEY", "key-never-shown")
+    monkeypatch.setenv("TIDE_SERVE__PORT", "not-a-port")
+    with pytest.raises(ConfigError) as raised:
+        load_config()
+    message = str(raised.value)
+    assert "stack: Value error, CeleryExecutor needs a PostgreSQL" in message
+    assert "serve.port" in message
+    assert "never-shown" not in message and raised.value.__cause__ is None

@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from pydantic import ValidationError
 
-from tide_lib.config import ServeConfig, StrictModel, TideConfig, TrainConfig, load_config
+from tide_lib.config import (
+    ConfigError,
+    ServeConfig,
+    StrictModel,
+    TideConfig,
+    TrainConfig,
+    load_config,
+)
 
 if TYPE_CHECKING:
     from tide_lib.stack import ServiceStatus
@@ -699,8 +706,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config()
         return handler(args, config)
-    except ValidationError as error:
-        logger.error("invalid TIDE configuration:\n%s", error)
+    except ConfigError as error:
+        logger.error("%s", error)
+    except ValidationError as error:  # a model built from arguments, not from the environment
+        logger.error("invalid arguments:\n%s", error)
     except (
         StackError,
         StoreUnavailableError,

@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -24,6 +32,7 @@ from pydantic_settings import (
 )
 
 __all__ = [
+    "ConfigError",
     "CycleConfig",
     "FleetConfig",
     "GateConfig",
@@ -508,8 +517,24 @@ class TideConfig(BaseSettings):
         return tuple(sources)
 
 
+class ConfigError(ValueError):
+    """The configuration is invalid: the message names each field and what is wrong with it,
+    never the value given (a section's values may hold keys and passwords)."""
+
+
 def load_config(**overrides: Any) -> TideConfig:
     """Build the configuration: ``overrides`` over the environment (secret files of
-    ``$TIDE_SECRETS_DIR`` included, see :func:`load_secret_files`) over ``$TIDE_CONFIG``."""
+    ``$TIDE_SECRETS_DIR`` included, see :func:`load_secret_files`) over ``$TIDE_CONFIG``.
+
+    Raises :class:`ConfigError` without the inputs: pydantic's own error would print a
+    whole section, secrets included, when a section-level check fails.
+    """
     load_secret_files()
-    return TideConfig(**overrides)
+    try:
+        return TideConfig(**overrides)
+    except ValidationError as error:
+        problems = [
+            f"  {'.'.join(str(part) for part in item['loc']) or 'config'}: {item['msg']}"
+            for item in error.errors(include_input=False, include_url=False)
+        ]
+        raise ConfigError("invalid TIDE configuration:\n" + "\n".join(problems)) from None
