@@ -25,10 +25,12 @@ TEST_SECRETS = (
     "MLFLOW_TRACKING_PASSWORD",
     "TIDE_STACK__AIRFLOW_ADMIN_PASSWORD",
     "TIDE_STACK__AIRFLOW_VIEWER_PASSWORD",
+    "TIDE_SERVE__ADMIN_API_KEY",  # engines refuse swaps without it; fleet clients send it
 )
 for _name in TEST_SECRETS:
     os.environ.setdefault(_name, secrets.token_urlsafe(24))
 os.environ.setdefault("MLFLOW_TRACKING_USERNAME", "admin")
+ADMIN_AUTH = {"Authorization": f"Bearer {os.environ['TIDE_SERVE__ADMIN_API_KEY']}"}
 
 _GRPC_OFFSET = 10000
 # Port bases stay below Linux's ephemeral range (32768-60999), gRPC twins included: an

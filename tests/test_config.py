@@ -93,16 +93,17 @@ def test_stack_generates_missing_secrets_once(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """`tide stack up` has nobody to ask: it generates what is missing, 0600, and reuses it."""
-    from tide_lib.stack.secrets import AUTH_SECRETS, ensure_stack_secrets
+    from tide_lib.stack.secrets import AUTH_SECRETS, ENGINE_SECRETS, ensure_stack_secrets
 
-    for name in ("TIDE_STORE__SECRET_KEY", *AUTH_SECRETS):
+    generated = ("TIDE_STORE__SECRET_KEY", *ENGINE_SECRETS, *AUTH_SECRETS)
+    for name in generated:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TIDE_SECRETS_DIR", str(tmp_path / "secrets"))
     first = ensure_stack_secrets(load_config())
     files = sorted(p.name for p in (tmp_path / "secrets").iterdir())
-    assert files == sorted(("TIDE_STORE__SECRET_KEY", *AUTH_SECRETS))
+    assert files == sorted(generated)
     assert all(((tmp_path / "secrets" / f).stat().st_mode & 0o077) == 0 for f in files)
-    for name in ("TIDE_STORE__SECRET_KEY", *AUTH_SECRETS):
+    for name in generated:
         monkeypatch.delenv(name)
     again = ensure_stack_secrets(load_config())
     assert again.store.secret() == first.store.secret() and len(first.store.secret()) >= 32

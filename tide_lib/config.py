@@ -50,7 +50,9 @@ __all__ = [
 
 DEFAULT_HOME = Path(".tide")
 SECRETS_DIR_VARIABLE = "TIDE_SECRETS_DIR"
-_VARIABLE_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+# Only TIDE's variables and the clients' credentials: a secrets dir must not be able to
+# set PATH, LD_PRELOAD or PYTHONPATH for every process started from here.
+_VARIABLE_NAME = re.compile(r"(TIDE_|MLFLOW_TRACKING_|AWS_)[A-Z0-9_]+")
 
 
 def secrets_dir() -> Path:
@@ -348,6 +350,14 @@ class ServeConfig(StrictModel):
             "from TIDE_SERVE__ADMIN_API_KEY only"
         ),
     )
+    admin_key_required: bool = Field(
+        True,
+        description=(
+            "admin routes (/update_weights_from_disk) need the admin key and answer 403 on a "
+            "server without one (SGLang's ADMIN_FORCE); false: SGLang 0.5.14's default for "
+            "the route (ADMIN_OPTIONAL: open when no key is set)"
+        ),
+    )
     served_model_name: str | None = Field(
         None, description="target id in captures (default: dir name)"
     )
@@ -386,6 +396,13 @@ class ServeConfig(StrictModel):
     max_queued_requests: int = Field(
         64, gt=0, description="requests waiting for the worker; more get 503 with Retry-After"
     )
+
+    @field_validator("api_key", "admin_api_key", mode="before")
+    @classmethod
+    def _empty_key_is_no_key(cls, value: Any) -> Any:
+        # An empty variable would otherwise be a key that "Bearer " matches.
+        raw = value.get_secret_value() if isinstance(value, SecretStr) else value
+        return None if raw is None or not str(raw).strip() else value
 
 
 class FleetConfig(StrictModel):

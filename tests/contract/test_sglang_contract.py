@@ -121,6 +121,25 @@ def test_tide_auth_decides_as_sglang_does() -> None:
             path, header, SecretStr(api) if api else None, SecretStr(admin) if admin else None
         )
         assert ours == theirs, (path, api, admin, header)
+        # TIDE's default for admin routes is SGLang's stricter ADMIN_FORCE level.
+        force = sglang.AuthLevel.ADMIN_FORCE if level == sglang.AuthLevel.ADMIN_OPTIONAL else level
+        theirs_forced = sglang.decide_request_auth(
+            method="GET",
+            path=path,
+            authorization_header=header,
+            api_key=api,
+            admin_api_key=admin,
+            auth_level=force,
+        )
+        ours_forced = auth.decide(
+            path,
+            header,
+            SecretStr(api) if api else None,
+            SecretStr(admin) if admin else None,
+            admin_force=True,
+        )
+        expected = 200 if theirs_forced.allowed else theirs_forced.error_status_code or 401
+        assert ours_forced == expected, ("forced", path, api, admin, header)
         sent = auth.bearer_for(
             path, SecretStr(api) if api else None, SecretStr(admin) if admin else None
         ).get("Authorization")

@@ -14,6 +14,7 @@ from pydantic import SecretStr
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from tests.conftest import ADMIN_AUTH
 from tests.serving.conftest import engine_metric, start_engine
 from tide_lib.config import TideConfig
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
@@ -122,6 +123,7 @@ def test_swap_under_load_fails_no_request(
             "is_draft_model": True,
             "weight_version": "ko-1",
         },
+        headers=ADMIN_AUTH,
         timeout=120,
     )
     time.sleep(1.0)
@@ -147,6 +149,7 @@ def test_bad_checkpoint_is_refused_and_serving_continues(
     response = httpx.post(
         f"{engine.url}/update_weights_from_disk",
         json={"model_path": str(broken), "is_draft_model": True, "weight_version": "broken"},
+        headers=ADMIN_AUTH,
         timeout=60,
     )
     assert response.status_code == 400
@@ -169,6 +172,7 @@ def test_draft_from_s3_uri(
             "is_draft_model": True,
             "weight_version": "en-s3",
         },
+        headers=ADMIN_AUTH,
         timeout=120,
     )
     assert response.status_code == 200, response.text
@@ -189,6 +193,7 @@ def test_concurrent_swaps_both_apply_in_turn(
                 "is_draft_model": True,
                 "weight_version": f"both-{language}",
             },
+            headers=ADMIN_AUTH,
             timeout=120,
         )
 
@@ -310,9 +315,9 @@ def test_update_of_the_target_is_refused(
     engines: dict[str, EngineProcess], tiny_target: Path
 ) -> None:
     url = f"{engines['plain'].url}/update_weights_from_disk"
-    response = httpx.post(url, json={"model_path": str(tiny_target)})
+    response = httpx.post(url, json={"model_path": str(tiny_target)}, headers=ADMIN_AUTH)
     assert response.status_code == 400 and "draft models only" in response.text
-    response = httpx.post(url, json={"model_path": "/x"})
+    response = httpx.post(url, json={"model_path": "/x"}, headers=ADMIN_AUTH)
     assert response.status_code == 400 and "not a draft under this server's" in response.text
 
 
@@ -322,3 +327,23 @@ def test_sglang_launch_args_name_eagle3_options() -> None:
     assert "--speculative-algorithm EAGLE3" in joined
     assert "--speculative-num-steps 5" in joined and "--speculative-num-draft-tokens 6" in joined
     assert "--speculative-eagle-topk 1" in joined
+
+
+def test_an_engine_without_an_admin_key_refuses_every_swap(
+    stack: TideConfig, tiny_target: Path, tiny_drafts: dict[str, Path], tmp_path: Path
+) -> None:
+    """Issue 13: an anonymous POST /update_weights_from_disk swapped the draft (200) on an
+    engine started without keys. The admin route is SGLang's ADMIN_FORCE by default: 403."""
+    draft = ["--speculative-draft-model-path", str(tiny_drafts["en"])]
+    no_keys = {"TIDE_SERVE__ADMIN_API_KEY": "", "TIDE_SERVE__API_KEY": ""}
+    engine = start_engine(tmp_path, tiny_target, *draft, stack=stack, env=no_keys)
+    try:
+        update = {"model_path": str(tiny_drafts["en"]), "weight_version": "anonymous"}
+        url = f"{engine.url}/update_weights_from_disk"
+        refused = httpx.post(url, json=update, timeout=120)
+        assert refused.status_code == 403 and "TIDE_SERVE__ADMIN_API_KEY" in refused.text
+        assert httpx.post(url, json=update, headers=ADMIN_AUTH, timeout=120).status_code == 403
+        assert httpx.get(f"{engine.url}/model_info").json()["weight_version"] == "initial"
+        assert _generate(engine, PROMPTS[0], max_new_tokens=2)["meta_info"]["completion_tokens"]
+    finally:
+        engine.stop()

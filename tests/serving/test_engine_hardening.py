@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.conftest import ADMIN_AUTH
 from tests.serving.conftest import engine_metric, start_engine
 from tide_lib.config import TideConfig
 from tide_lib.lake import ObjectStore
@@ -66,7 +67,7 @@ def _bucket(stack: TideConfig) -> str:
 
 def _swap(engine: EngineProcess, model_path: str, version: str = "v") -> httpx.Response:
     body = {"model_path": model_path, "weight_version": version}
-    return httpx.post(f"{engine.url}{UPDATE}", json=body, timeout=120)
+    return httpx.post(f"{engine.url}{UPDATE}", json=body, headers=ADMIN_AUTH, timeout=120)
 
 
 def _version(engine: EngineProcess) -> str:

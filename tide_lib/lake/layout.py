@@ -53,9 +53,8 @@ _SHARD_TAIL = re.compile(
     r"dt=\d{4}-\d{2}-\d{2}/hour=\d{2}/part-(?P<shard_id>[A-Za-z0-9._-]+)\.parquet"
 )
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-# S3 reports Last-Modified to the second; a marker is late only past this much extra.
+# S3 reports Last-Modified to the second: the time a marker landed is at most this later.
 LAST_MODIFIED_RESOLUTION: Final = timedelta(seconds=1)
-LATE_TOLERANCE: Final = timedelta(seconds=2)
 
 
 class InvalidMarkerError(ValueError):
@@ -142,10 +141,12 @@ def commit_position(key: str, last_modified: datetime | None, settle_s: float) -
         return key
     stamp = commit_time(key)
     landed = last_modified.astimezone(UTC) + LAST_MODIFIED_RESOLUTION  # an upper bound
-    if landed - stamp <= timedelta(seconds=settle_s) + LATE_TOLERANCE + LAST_MODIFIED_RESOLUTION:
+    moment = landed - timedelta(seconds=settle_s)
+    # No tolerance band: a marker landing even slightly after ``stamp + settle`` may
+    # already be behind a watermark, so it always takes the later of the two positions.
+    if moment <= stamp:
         return key
     head, name = key.rsplit("/", 1)
-    moment = landed - timedelta(seconds=settle_s)
     return f"{head}/{moment:%Y%m%dT%H%M%S%f}Z-{name.split('Z-', 1)[1]}"
 
 

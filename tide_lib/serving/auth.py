@@ -6,7 +6,9 @@ the rules it meets in production:
 
 - ``/health*`` and ``/metrics*`` are always open (probes and Prometheus carry no secret);
 - admin routes (``/update_weights_from_disk``): the admin key when one is set, else
-  the API key when one is set, else open;
+  the API key when one is set, else open (SGLang's ``ADMIN_OPTIONAL``); with
+  ``admin_force`` (``serve.admin_key_required``, TIDE's default) SGLang's
+  ``ADMIN_FORCE`` instead: the admin key only, and 403 when none is configured;
 - every other route: the API key when one is set, else open.
 
 Keys are compared in constant time. The client side is :func:`bearer_for`.
@@ -29,6 +31,7 @@ __all__ = [
     "InsecureBindError",
     "allowed",
     "bearer_for",
+    "decide",
     "is_loopback",
     "require_keys_off_loopback",
 ]
@@ -50,14 +53,35 @@ def _key_for(
     return (admin_api_key or api_key) if path in ADMIN_ROUTES else api_key
 
 
+def decide(
+    path: str,
+    header: str | None,
+    api_key: SecretStr | None,
+    admin_api_key: SecretStr | None,
+    *,
+    admin_force: bool = False,
+) -> int:
+    """The status a request to ``path`` gets from the key check: 200 (go on), 401 or 403."""
+    if path.startswith(_OPEN_PREFIXES):
+        return 200
+    if admin_force and path in ADMIN_ROUTES:
+        if admin_api_key is None:
+            return 403
+        return 200 if _matches(header, admin_api_key) else 401
+    key = _key_for(path, api_key, admin_api_key)
+    return 200 if key is None or _matches(header, key) else 401
+
+
 def allowed(
-    path: str, header: str | None, api_key: SecretStr | None, admin_api_key: SecretStr | None
+    path: str,
+    header: str | None,
+    api_key: SecretStr | None,
+    admin_api_key: SecretStr | None,
+    *,
+    admin_force: bool = False,
 ) -> bool:
     """Whether a request to ``path`` with this ``Authorization`` header may go on."""
-    if path.startswith(_OPEN_PREFIXES):
-        return True
-    key = _key_for(path, api_key, admin_api_key)
-    return key is None or _matches(header, key)
+    return decide(path, header, api_key, admin_api_key, admin_force=admin_force) == 200
 
 
 def bearer_for(

@@ -6,10 +6,14 @@ draft loads only from a configured source (``serve.draft_sources``: local roots 
 ``s3://bucket/prefix`` prefixes), the directory holding the startup draft, or the
 configured MLflow server (``models:/``, ``runs:/``, ``mlflow-artifacts:/``). A
 refused path and a missing one get the same answer, so the route tells nothing
-about what exists elsewhere. Downloads land in ``<scratch>/drafts``, one directory
-per (URI, weight version): kept while they are among the newest few, removed at
-once when the download, validation or load fails; a crash leaves ``.partial-*``
-directories, removed at the next start.
+about what exists elsewhere. MLflow URIs that name a host are refused: MLflow's
+client would send this server's MLflow login to that host. Downloads land in
+``<scratch>/drafts/pid-<pid>``, a directory per serving process (tensor-parallel
+ranks and engines sharing a scratch dir never touch each other's downloads), one
+entry per (URI, weight version): kept while among the newest few, removed at once
+when the download, validation or load fails. A swap without a weight version is
+never cached (an alias or a re-published prefix must be fetched again). Directories
+of processes that died are removed when the next one starts.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
+from urllib.parse import urlparse
 
 from tide_lib.config import ServeConfig, TideConfig
 from tide_lib.registry.uris import MLFLOW_SCHEMES, fetch_draft
@@ -50,6 +56,16 @@ def _s3_parts(uri: str) -> tuple[str, str] | None:
     return bucket, key
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _under(key: str, prefix: str) -> bool:
     return not prefix or key == prefix or key.startswith(prefix + "/")
 
@@ -74,12 +90,13 @@ class DraftSources:
                 prefixes.append(parts)
             else:
                 roots.append(Path(source).resolve())
+        # The startup draft itself, never its parent (a draft in /tmp/x must not open /tmp).
         if startup and not startup.startswith(("s3://", *MLFLOW_SCHEMES)):
-            roots.append(Path(startup).resolve().parent)
+            roots.append(Path(startup).resolve())
         elif startup and startup.startswith("s3://"):
             parts = _s3_parts(startup)
-            if parts is not None:
-                prefixes.append((parts[0], parts[1].rpartition("/")[0]))
+            if parts is not None and parts[1]:  # never a whole bucket
+                prefixes.append(parts)
         return cls(tuple(roots), tuple(prefixes))
 
     def describe(self) -> str:
@@ -99,6 +116,8 @@ class DraftSources:
         if "\0" in model_path or ".." in model_path.split("/"):
             raise self._refused(model_path)
         if model_path.startswith(MLFLOW_SCHEMES):
+            if urlparse(model_path).netloc:  # mlflow-artifacts://elsewhere/: our login goes there
+                raise self._refused(model_path)
             return model_path
         if model_path.startswith("s3://"):
             parts = _s3_parts(model_path)
@@ -121,11 +140,15 @@ class DraftCache:
     """Downloaded drafts under ``root``, one directory per (URI, weight version)."""
 
     def __init__(self, root: Path, keep: int) -> None:
-        self.root = root
+        self.root = root / f"pid-{os.getpid()}"
         self.keep = keep
-        root.mkdir(parents=True, exist_ok=True)
-        for leftover in root.glob(f"{_PARTIAL}*"):
+        self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.root.glob(f"{_PARTIAL}*"):
             shutil.rmtree(leftover, ignore_errors=True)
+        for other in root.glob("pid-*"):
+            pid = other.name.removeprefix("pid-")
+            if pid.isdigit() and not _process_alive(int(pid)):
+                shutil.rmtree(other, ignore_errors=True)
 
     def _entry(self, uri: str, version: str) -> Path:
         digest = hashlib.sha256(f"{uri}\0{version}".encode()).hexdigest()[:20]
@@ -133,7 +156,15 @@ class DraftCache:
 
     @contextlib.contextmanager
     def fetch(self, uri: str, version: str, config: TideConfig) -> Iterator[Path]:
-        """The draft directory of ``uri``; the download is dropped if the body raises."""
+        """The draft directory of ``uri``; the download is dropped if the body raises, and
+        never kept when ``version`` is the URI itself (no weight version was given)."""
+        if version == uri:
+            partial = self.root / f"{_PARTIAL}{uuid.uuid4().hex}"
+            try:
+                yield fetch_draft(uri, config, partial)
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+            return
         entry = self._entry(uri, version)
         source = entry / _SOURCE_FILE
         if source.is_file():

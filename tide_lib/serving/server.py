@@ -35,7 +35,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tide_lib.config import ServeConfig, TideConfig
-from tide_lib.serving.auth import InsecureBindError, allowed, require_keys_off_loopback
+from tide_lib.serving.auth import InsecureBindError, decide, require_keys_off_loopback
 from tide_lib.serving.draft_sources import DraftRefusedError
 from tide_lib.serving.engine import (
     Engine,
@@ -130,11 +130,21 @@ class _Guard:
             return
         headers = Headers(scope=scope)
         serve = self.serve
-        if not allowed(
-            scope["path"], headers.get("authorization"), serve.api_key, serve.admin_api_key
-        ):
-            message = "missing or wrong bearer key (Authorization: Bearer <key>)"
-            await _error(401, message)(scope, receive, send)
+        status = decide(
+            scope["path"],
+            headers.get("authorization"),
+            serve.api_key,
+            serve.admin_api_key,
+            admin_force=serve.admin_key_required,
+        )
+        if status != 200:
+            message = (
+                "missing or wrong bearer key (Authorization: Bearer <key>)"
+                if status == 401
+                else "admin routes are off: this server has no admin key; start it with "
+                "TIDE_SERVE__ADMIN_API_KEY set"
+            )
+            await _error(status, message)(scope, receive, send)
             return
         body = await self._body(headers, receive)
         if body is None:
@@ -287,12 +297,6 @@ def create_app(engine: Engine) -> FastAPI:
         version = body.weight_version or body.model_path
         try:
             await asyncio.to_thread(engine.swap_draft, body.model_path, version)
-        except (InvalidCheckpointError, DraftRefusedError, OSError, KeyError) as error:
-            logger.warning("refused draft %s: %s", body.model_path, error)
-            return _JSON(
-                status_code=400,
-                content={"success": False, "message": f"refused draft {body.model_path}: {error}"},
-            )
         except TimeoutError as error:
             logger.warning("draft swap to %s is late: %s", version, error)
             return _JSON(
@@ -302,6 +306,12 @@ def create_app(engine: Engine) -> FastAPI:
                     "message": f"{error}: the requests queued before it are still running; it "
                     "applies once they finish (watch /model_info)",
                 },
+            )
+        except (InvalidCheckpointError, ValueError, OSError, KeyError) as error:
+            logger.warning("refused draft %s: %s", body.model_path, error)
+            return _JSON(
+                status_code=400,
+                content={"success": False, "message": f"refused draft {body.model_path}: {error}"},
             )
         return {"success": True, "message": f"serving {body.model_path}", "weight_version": version}
 

@@ -19,11 +19,20 @@ from pydantic import SecretStr
 
 from tide_lib.config import TideConfig, secrets_dir
 
-__all__ = ["AUTH_SECRETS", "STORE_SECRETS", "ensure_stack_secrets", "mlflow_username"]
+__all__ = [
+    "AUTH_SECRETS",
+    "ENGINE_SECRETS",
+    "STORE_SECRETS",
+    "ensure_stack_secrets",
+    "mlflow_username",
+]
 
 logger = logging.getLogger(__name__)
 
 STORE_SECRETS = ("TIDE_STORE__SECRET_KEY",)
+# The admin key of engines started here (`tide serve`, the demo): without one an engine
+# refuses every swap, and the cycle's fleet client sends this one.
+ENGINE_SECRETS = ("TIDE_SERVE__ADMIN_API_KEY",)
 AUTH_SECRETS = (
     "MLFLOW_TRACKING_PASSWORD",
     "TIDE_STACK__AIRFLOW_ADMIN_PASSWORD",
@@ -38,11 +47,15 @@ def mlflow_username() -> str:
 
 def _secret_file(folder: Path, name: str) -> Path:
     path = folder / name
-    if not path.is_file():
+    if not path.is_file() or not path.read_text().strip():
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o700)
-        path.touch(mode=0o600)
-        path.write_text(secrets.token_urlsafe(32))
+        # Written whole, then renamed: an interrupted run never leaves an empty secret.
+        partial = folder / f".{name}.{os.getpid()}"
+        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(secrets.token_urlsafe(32))
+        partial.replace(path)
         logger.info("generated %s into %s (mode 0600)", name, path)
     return path
 
@@ -57,8 +70,9 @@ def ensure_stack_secrets(config: TideConfig) -> TideConfig:
         "TIDE_STORE__SECRET_KEY": config.store.secret_key,
         "TIDE_STACK__AIRFLOW_ADMIN_PASSWORD": config.stack.airflow_admin_password,
         "TIDE_STACK__AIRFLOW_VIEWER_PASSWORD": config.stack.airflow_viewer_password,
+        "TIDE_SERVE__ADMIN_API_KEY": config.serve.admin_api_key,
     }
-    names = STORE_SECRETS + (AUTH_SECRETS if config.stack.auth else ())
+    names = STORE_SECRETS + ENGINE_SECRETS + (AUTH_SECRETS if config.stack.auth else ())
     for name in names:
         value = given.get(name)
         if value is not None:
@@ -72,10 +86,13 @@ def ensure_stack_secrets(config: TideConfig) -> TideConfig:
         return SecretStr(os.environ[name]) if os.environ.get(name) else None
 
     store = config.store.model_copy(update={"secret_key": env_secret("TIDE_STORE__SECRET_KEY")})
+    serve = config.serve.model_copy(
+        update={"admin_api_key": env_secret("TIDE_SERVE__ADMIN_API_KEY")}
+    )
     stack = config.stack.model_copy(
         update={
             "airflow_admin_password": env_secret("TIDE_STACK__AIRFLOW_ADMIN_PASSWORD"),
             "airflow_viewer_password": env_secret("TIDE_STACK__AIRFLOW_VIEWER_PASSWORD"),
         }
     )
-    return config.model_copy(update={"store": store, "stack": stack})
+    return config.model_copy(update={"store": store, "stack": stack, "serve": serve})
