@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -221,7 +222,8 @@ def test_concurrent_swaps_both_apply_in_turn(
 def test_fleet_of_two_is_promoted_and_rolled_back(
     engines: dict[str, EngineProcess], tiny_drafts: dict[str, Path]
 ) -> None:
-    fleet = FleetManager([engines["spec"].url, engines["spec2"].url])
+    admin = SecretStr(os.environ["TIDE_SERVE__ADMIN_API_KEY"])
+    fleet = FleetManager([engines["spec"].url, engines["spec2"].url], admin_api_key=admin)
     fleet.promote(tiny_drafts["en"], "fleet-en")
     assert [s.weight_version for s in fleet.status()] == ["fleet-en", "fleet-en"]
 

@@ -151,7 +151,8 @@ def test_a_s3_swaps_are_cached_per_version_and_failures_leave_nothing(
         response = _swap(guarded, f"s3://{_bucket(stack)}/drafts/hardening-ko", "s3-ko")
         assert response.status_code == 200, response.text
     added = sorted(set(_scratch(guarded)) - set(before))
-    assert len([p for p in added if p.count("/") == 2]) == 1, added  # scratch/drafts/<entry>
+    # scratch/drafts/pid-<engine>/<entry>: one cached copy
+    assert len([p for p in added if p.count("/") == 3]) == 1, added
     assert not [p for p in _scratch(guarded) if "tide-draft-" in p or ".partial-" in p]
 
 
@@ -396,7 +397,7 @@ def test_e_a_server_beyond_loopback_needs_both_keys(
             "--host",
             "0.0.0.0",
             stack=stack,
-            env={"TIDE_SERVE__API_KEY": "only-the-api-key-e1"},
+            env={"TIDE_SERVE__API_KEY": "only-the-api-key-e1", "TIDE_SERVE__ADMIN_API_KEY": ""},
         )
     assert "only-the-api-key-e1" not in str(refused.value)
     assert "TIDE_SERVE__API_KEY and" not in str(refused.value)  # that one is set

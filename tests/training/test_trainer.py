@@ -174,7 +174,7 @@ def _broken_copy(source: Path, tmp_path: Path) -> tuple[Path, dict[str, torch.Te
         ("architecture", "architectures is"),
         ("truncate", "cannot be read"),
         ("no_config", "has no config.json"),
-        ("bad_d2t", "d2t points at tokens"),
+        ("bad_d2t", "d2t maps draft tokens to target ids outside the vocabulary"),
     ],
 )
 def test_bad_checkpoints_are_refused_naming_the_problem(

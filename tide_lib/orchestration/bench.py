@@ -188,7 +188,12 @@ def run_adaptation_bench(
         registry.seed_champion(static_dir)
 
         engine = _engine(
-            run_config, target_dir, static_dir, capture=True, served_model_name=target_id
+            run_config,
+            target_dir,
+            static_dir,
+            capture=True,
+            served_model_name=target_id,
+            draft_sources=[str(work / "served")],  # where each promoted version is downloaded
         )
         versions: dict[str, Path] = {"static": static_dir}
         threshold_to_serving: list[float] = []
