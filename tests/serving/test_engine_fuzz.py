@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import ADMIN_AUTH
 from tests.serving.conftest import start_engine
 from tide_lib.config import TideConfig
 from tide_lib.serving.process import EngineProcess
@@ -177,7 +178,8 @@ def _fuzz_route(
     )
     @given(body=bodies, params=query)
     def one(body: bytes | None, params: dict[str, str]) -> None:
-        headers = {"content-type": "application/json"} if body is not None else {}
+        # The admin key, so the swap handler itself is fuzzed rather than the key check.
+        headers = {**ADMIN_AUTH, "content-type": "application/json"} if body is not None else {}
         response = client.request(
             method.upper(), path, content=body, params=params, headers=headers
         )
