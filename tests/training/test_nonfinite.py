@@ -56,3 +56,26 @@ def test_defect5_too_many_non_finite_steps_fail_with_a_clear_error(
     data = _window_with_one_inf(captured, tmp_path / "data")
     with pytest.raises(RuntimeError, match="max_skipped_step_fraction"):
         train_draft(data, tiny_target, tmp_path / "run", CONFIG)  # default: at most 10%
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (Path.touch, (str(self.marker),))  # type: ignore[return-value]
+
+
+def test_a_checkpoint_from_the_lake_cannot_run_code(tmp_path: Path) -> None:
+    """Issue 13 review: checkpoints come back from the lake bucket, which engines can write;
+    a pickle that runs code on load is refused, not executed."""
+    import pickle
+
+    from tide_lib.training.trainer import _load_checkpoint
+
+    marker = tmp_path / "ran"
+    evil = tmp_path / "step-00000004.pt"
+    torch.save({"step": 4, "payload": _Payload(marker)}, evil)
+    with pytest.raises(pickle.UnpicklingError):
+        _load_checkpoint(evil)
+    assert not marker.exists()

@@ -334,6 +334,13 @@ def _initial_draft(
     return draft
 
 
+def _load_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint, tensors and plain values only: checkpoints come back from the lake
+    bucket, which serving hosts can write, and must never run code when loaded."""
+    state: dict[str, Any] = torch.load(path, weights_only=True)
+    return state
+
+
 def _latest_checkpoint(directory: Path) -> Path | None:
     checkpoints = sorted(directory.glob("step-*.pt"))
     return checkpoints[-1] if checkpoints else None
@@ -369,7 +376,7 @@ def _resume(
     latest = _latest_checkpoint(checkpoint_dir)
     if latest is None:
         return None
-    state = torch.load(latest, weights_only=False)
+    state = _load_checkpoint(latest)
     if state["fingerprint"] != fingerprint:
         if on_stale_checkpoint is None:
             raise RuntimeError(
@@ -564,7 +571,7 @@ def _skipped_before(checkpoint_dir: Path, resumed_from: int | None) -> int:
     latest = _latest_checkpoint(checkpoint_dir) if resumed_from else None
     if latest is None:
         return 0
-    return int(torch.load(latest, weights_only=False).get("skipped_steps", 0))
+    return int(_load_checkpoint(latest).get("skipped_steps", 0))
 
 
 @torch.no_grad()
