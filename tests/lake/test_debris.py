@@ -240,6 +240,7 @@ def test_defect7_marker_of_a_writer_behind_the_store_is_counted_once_and_logged(
 ) -> None:
     config = lake_config.model_copy(update={"commit_settle_s": 1.0, "max_clock_skew_s": 3600})
     _write(lake_store, config, [make_record(0)])
+    time.sleep(1.1)  # stamps come from the store's clock, which tells whole seconds
     _write(lake_store, config, [make_record(1)])
     reader = LakeReader(lake_store, config)
     written = reader.list_shards(SLUG)
@@ -265,3 +266,29 @@ def test_defect7_marker_of_a_writer_behind_the_store_is_counted_once_and_logged(
     assert fresh.list_shards(SLUG, after=again, settled=True) == []  # never counted twice
     assert fresh.commit_keys(SLUG, after=None, until=again) == [late.key, written[0].key]
     assert fresh.commit_keys(SLUG, after=None, until=str(mark)) == [written[0].key]
+
+
+def test_defect7_a_writer_whose_clock_is_an_hour_behind_stamps_by_the_stores_clock(
+    lake_store: ObjectStore,
+    lake_config: LakeConfig,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A writer whose clock is behind stamped its markers below the watermark: never counted,
+    later deleted by retention. Markers now carry the store's time; the skew is logged."""
+    import tide_lib.lake.writer as writer_module
+
+    class _Behind(datetime):
+        @classmethod
+        def now(cls, tz: object = None) -> datetime:  # type: ignore[override]
+            return datetime.now(UTC) - timedelta(hours=1)
+
+    monkeypatch.setattr(writer_module, "datetime", _Behind)
+    reader = LakeReader(lake_store, lake_config)
+    watermark = commit_key(lake_config.prefix, SLUG, datetime.now(UTC) - timedelta(minutes=5), "w")
+    with caplog.at_level(logging.WARNING, logger="tide_lib.lake.writer"):
+        _write(lake_store, lake_config, [make_record(0)])
+    assert "clock is 3600 s behind" in caplog.text or "clock is 3599 s behind" in caplog.text
+    (marker,) = reader.list_shards(SLUG)
+    assert abs(marker.committed_at - datetime.now(UTC)) < timedelta(seconds=30)
+    assert [m.key for m in reader.list_shards(SLUG, after=watermark)] == [marker.key]

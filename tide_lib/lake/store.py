@@ -209,6 +209,15 @@ class ObjectStore:
             raise
         return True
 
+    def last_modified(self, key: str) -> datetime | None:
+        """When the store received ``key``, by its own clock (to the second)."""
+        try:
+            info = self._call(f"checking {key}", self._client.stat_object, self.bucket, key)
+        except S3Error as error:
+            raise _missing(error, key) from error
+        stamp: datetime | None = info.last_modified
+        return stamp
+
     def move(self, key: str, new_key: str) -> None:
         """Copy then delete; :class:`NoSuchObjectError` if ``key`` is not there."""
         try:

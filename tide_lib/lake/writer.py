@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final, TextIO
 
@@ -47,6 +47,9 @@ from tide_lib.lake.store import ObjectStore, StoreUnavailableError
 __all__ = ["LakeWriter", "WriterStats"]
 
 logger = logging.getLogger(__name__)
+_TICK = timedelta(microseconds=1)
+# S3 tells Last-Modified in whole seconds: a smaller skew cannot be measured.
+_CLOCK_RESOLUTION = timedelta(seconds=2)
 
 _POLL_S: Final = 0.2
 _DROP_LOG_EVERY_S: Final = 10.0
@@ -103,6 +106,7 @@ class LakeWriter:
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.writer_id = uuid.uuid4().hex[:12]
+        self._last_stamp = datetime.min.replace(tzinfo=UTC)
         self._queue: queue.Queue[CapturedRecord] = queue.Queue(maxsize=config.queue_max_records)
         self._spool = Path(config.spool_dir)
         self._spool.mkdir(parents=True, exist_ok=True)
@@ -431,13 +435,41 @@ class LakeWriter:
         if was_reachable:
             logger.warning("%s; spooling shards in %s until it is back", error, self._spool)
 
+    def _store_clock(self, shard_key: str) -> timedelta:
+        """How far the store's clock is ahead of this host's (never less than what the
+        shard just uploaded shows). Markers are stamped by the store's clock, so a serving
+        host whose clock is off can neither hide its data behind a watermark nor get it
+        deleted unread. The store tells its time to the second (the shard landed before
+        this call, so the estimate errs early by at most that second): a skew within two
+        seconds is taken as none, and this host's clock stamps as it always did."""
+        asked = datetime.now(UTC)
+        landed = self.store.last_modified(shard_key)
+        if landed is None:
+            return timedelta(0)
+        skew = landed.astimezone(UTC) - asked
+        if abs(skew) <= _CLOCK_RESOLUTION:  # within what the store's clock can tell: ours
+            return timedelta(0)
+        if abs(skew) > timedelta(seconds=self.config.commit_settle_s):
+            logger.warning(
+                "this host's clock is %.0f s %s the S3 store's (writer %s): commit markers "
+                "are stamped by the store's clock; sync this host with NTP",
+                abs(skew.total_seconds()),
+                "behind" if skew.total_seconds() > 0 else "ahead of",
+                self.writer_id,
+            )
+        return skew
+
     def _upload(self, path: Path) -> None:
         sidecar_path = path.with_suffix(".json")
         sidecar = json.loads(sidecar_path.read_text())
         self.store.put_file(sidecar["shard_key"], path)
         previous_commit = sidecar.get("commit_key")
         if previous_commit is None or not self.store.exists(previous_commit):
-            committed_at = datetime.now(UTC)
+            skew = self._store_clock(sidecar["shard_key"])
+            # Never before this writer's previous stamp: the store's second-resolution
+            # clock must not reorder one writer's own commits.
+            committed_at = max(datetime.now(UTC) + skew, self._last_stamp + _TICK)
+            self._last_stamp = committed_at
             key = commit_key(
                 self.config.prefix, sidecar["target_slug"], committed_at, sidecar["shard_id"]
             )
@@ -457,7 +489,7 @@ class LakeWriter:
                 writer_id=self.writer_id,
             )
             self.store.put_bytes(key, marker.to_json(), content_type="application/json")
-            late = (datetime.now(UTC) - committed_at).total_seconds()
+            late = (datetime.now(UTC) + skew - committed_at).total_seconds()
             if late > self.config.commit_settle_s:
                 logger.warning(
                     "commit marker %s landed %.0f s after its stamp, beyond lake.commit_settle_s "
