@@ -255,7 +255,9 @@ class LakeConfig(StrictModel):
             "a marker that lands later than its stamp (+ commit_settle_s) counts from when it "
             "landed (the store's Last-Modified), so a capture host whose clock is behind loses "
             "no data; readers look this far behind the watermark for such markers. Listing "
-            "cost grows with the commits of this span, never with the lake's age"
+            "cost grows with the commits of this span, never with the lake's age. 0 trusts "
+            "the stamps (TIDE's writers stamp by the store's clock when theirs is off; a "
+            "benchmark's synthetic history needs it)"
         ),
     )
     tensor_compression: Literal["zstd", "lz4", "snappy", "none"] = Field(

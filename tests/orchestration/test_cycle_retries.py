@@ -8,6 +8,7 @@ the SGLang stub (SGLang 0.5.14's own request models and auth) as the fleet.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -187,6 +188,7 @@ def _capture(config: TideConfig, tiny_target: Path, documents: int = 16) -> None
         for record in capture_records(model, tokenizer, chats, target_id=config.cycle.target_id):
             assert writer.submit(record)
         assert writer.flush(timeout=60)
+    time.sleep(1.2)  # settled: S3's Last-Modified has one-second resolution
 
 
 def _cycle_runs(registry: DraftRegistry, cycle_id: str) -> list[Any]:
@@ -250,6 +252,7 @@ def _write(config: TideConfig, index: int, finished_at: datetime | None = None) 
         record = make_record(index, target_id=config.cycle.target_id, finished_at=finished_at)
         assert writer.submit(record)
         assert writer.flush(timeout=60)
+    time.sleep(1.2)  # settled: S3's Last-Modified has one-second resolution
 
 
 def test_snapshot_and_watermark_retries_never_move_the_window(

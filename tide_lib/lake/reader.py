@@ -133,6 +133,10 @@ class LakeReader:
 
     # -- listing ---------------------------------------------------------------------
 
+    def _landed(self, info: ObjectInfo) -> datetime | None:
+        """When a marker landed, or None to trust its stamp (``max_clock_skew_s`` = 0)."""
+        return info.last_modified if self.config.max_clock_skew_s > 0 else None
+
     def list_shards(
         self,
         slug: str,
@@ -175,7 +179,7 @@ class LakeReader:
             if parse_commit_key(self.config.prefix, info.key) is None:
                 self._stray(info.key)
                 continue
-            position = commit_position(info.key, info.last_modified, self.config.commit_settle_s)
+            position = commit_position(info.key, self._landed(info), self.config.commit_settle_s)
             if after is None or position > after:
                 yield info, position
 
@@ -203,7 +207,7 @@ class LakeReader:
             if parse_commit_key(self.config.prefix, info.key) is None:
                 self._stray(info.key)
                 continue
-            position = commit_position(info.key, info.last_modified, self.config.commit_settle_s)
+            position = commit_position(info.key, self._landed(info), self.config.commit_settle_s)
             if position <= until:
                 keys.append(info.key)
         return keys
