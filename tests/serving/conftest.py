@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,24 @@ from tests.conftest import ENGINE_PORTS
 from tide_lib.config import TideConfig
 from tide_lib.serving.process import EngineProcess
 from tide_lib.stack import free_ports
+
+
+def watch_health(url: str) -> tuple[threading.Event, list[float]]:
+    """Poll ``url``/health from another thread: (stop, latencies); a failure counts as 99 s."""
+    stop, latencies = threading.Event(), []
+
+    def poll() -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                ok = httpx.get(f"{url}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            latencies.append(time.monotonic() - started if ok else 99.0)
+            time.sleep(0.05)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return stop, latencies
 
 
 def engine_metric(engine: EngineProcess, name: str) -> float:

@@ -9,8 +9,6 @@ the whole time, must answer within 1 s.
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ADMIN_AUTH
-from tests.serving.conftest import start_engine
+from tests.serving.conftest import start_engine, watch_health
 from tide_lib.config import TideConfig
 from tide_lib.serving.process import EngineProcess
 
@@ -124,23 +122,6 @@ def _bodies(operation: dict[str, Any], components: dict[str, Any], paths: list[s
     return st.one_of(shaped, shaped, encoded, raw)
 
 
-def _watch_health(url: str) -> tuple[threading.Event, list[float]]:
-    stop, latencies = threading.Event(), []
-
-    def poll() -> None:
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                ok = httpx.get(f"{url}/health", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            latencies.append(time.monotonic() - started if ok else 99.0)
-            time.sleep(0.05)
-
-    threading.Thread(target=poll, daemon=True).start()
-    return stop, latencies
-
-
 def test_d_no_input_to_any_route_gives_a_5xx_or_stalls_health(
     fuzzed: EngineProcess, tiny_drafts: dict[str, Path], tiny_target: Path
 ) -> None:
@@ -152,7 +133,7 @@ def test_d_no_input_to_any_route_gives_a_5xx_or_stalls_health(
     assert {"/generate", "/update_weights_from_disk", "/health", "/metrics"} <= {
         path for path, _ in routes
     }
-    stop, latencies = _watch_health(fuzzed.url)
+    stop, latencies = watch_health(fuzzed.url)
     failures: list[str] = []
     with httpx.Client(base_url=fuzzed.url, timeout=60) as client:
         for path, method in routes:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import ADMIN_AUTH
-from tests.serving.conftest import engine_metric, start_engine
+from tests.serving.conftest import engine_metric, start_engine, watch_health
 from tide_lib.config import TideConfig
 from tide_lib.lake import ObjectStore
 from tide_lib.registry.uris import DraftFetchError, object_destination
@@ -177,27 +177,9 @@ def test_a_object_keys_that_escape_the_draft_dir_are_refused(tmp_path: Path) -> 
 # -- B: what stalls it -------------------------------------------------------------------
 
 
-def _health_watch(engine: EngineProcess) -> tuple[threading.Event, list[float]]:
-    """Poll /health from another thread; returns (stop, latencies); a failure counts as 99 s."""
-    stop, latencies = threading.Event(), []
-
-    def poll() -> None:
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                ok = httpx.get(f"{engine.url}/health", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            latencies.append(time.monotonic() - started if ok else 99.0)
-            time.sleep(0.05)
-
-    threading.Thread(target=poll, daemon=True).start()
-    return stop, latencies
-
-
 def test_b_big_bodies_get_413_and_health_keeps_answering(guarded: EngineProcess) -> None:
     """B: a body over --max-request-bytes is refused unread (declared or chunked)."""
-    stop, latencies = _health_watch(guarded)
+    stop, latencies = watch_health(guarded.url)
     big = json.dumps({"text": "word " * 2_000_000}).encode()  # 10 MB
     response = httpx.post(f"{guarded.url}/generate", content=big, timeout=60)
     assert response.status_code == 413 and "max-request-bytes" in response.text

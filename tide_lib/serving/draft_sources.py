@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 
 from tide_lib.config import ServeConfig, TideConfig
 from tide_lib.registry.uris import MLFLOW_SCHEMES, fetch_draft
+from tide_lib.stack.manager import pid_alive
 
 __all__ = ["DraftCache", "DraftRefusedError", "DraftSources", "local_draft"]
 
@@ -54,16 +55,6 @@ def _s3_parts(uri: str) -> tuple[str, str] | None:
     if not bucket or any(part in {"", ".", ".."} for part in segments):
         return None
     return bucket, key
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _under(key: str, prefix: str) -> bool:
@@ -147,7 +138,7 @@ class DraftCache:
             shutil.rmtree(leftover, ignore_errors=True)
         for other in root.glob("pid-*"):
             pid = other.name.removeprefix("pid-")
-            if pid.isdigit() and not _process_alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(other, ignore_errors=True)
 
     def _entry(self, uri: str, version: str) -> Path:
