@@ -2,6 +2,12 @@
 # (TaskFlow calls return XComArgs at parse time; the tasks receive the values.)
 """tide_adaptation: wait for new captured traffic, train a draft, register, gate, promote.
 
+Training runs only when it pays: ``check_drift`` measures the champion on the new
+window and skips the rest of the cycle (the watermark still moves) when it still
+fits the traffic; ``challenger_improved`` stops a cycle whose best checkpoint was
+its parent, so nothing is registered. Skipped tasks show pink in the grid, with
+the reason in the task's log.
+
 Wiring only: every task calls one function of tide_lib.orchestration.cycle.
 Tasks run on different hosts (train on the mi250 queue); what they pass each
 other through XCom are the typed hand-offs of tide_lib.orchestration.handoff:
@@ -51,12 +57,25 @@ def tide_adaptation() -> None:
 
         return snapshot_window(_config(), get_current_context()["run_id"]).to_xcom()
 
+    @task.short_circuit(ignore_downstream_trigger_rules=False)
+    def check_drift(window: dict[str, Any]) -> bool:
+        from tide_lib.orchestration.cycle import check_drift as check
+        from tide_lib.orchestration.handoff import Snapshot
+
+        return check(_config(), Snapshot.from_xcom(window)).drift
+
     @task(queue="mi250", pool="mi250", retries=1, execution_timeout=timedelta(hours=6))
     def train(window: dict[str, Any]) -> dict[str, Any]:
         from tide_lib.orchestration.cycle import train as train_cycle
         from tide_lib.orchestration.handoff import Snapshot
 
         return train_cycle(_config(), Snapshot.from_xcom(window)).to_xcom()
+
+    @task.short_circuit(ignore_downstream_trigger_rules=False)
+    def challenger_improved(trained: dict[str, Any]) -> bool:
+        from tide_lib.orchestration.handoff import Trained
+
+        return Trained.from_xcom(trained).improved
 
     @task
     def register(window: dict[str, Any], trained: dict[str, Any]) -> str:
@@ -80,8 +99,8 @@ def tide_adaptation() -> None:
 
         return promote_cycle(_config(), version, Decision.from_xcom(decision)).to_xcom()
 
-    @task
-    def advance_watermark(window: dict[str, Any], _promotion: dict[str, Any]) -> str:
+    @task(trigger_rule="none_failed")  # also after a skipped (no drift, no gain) cycle
+    def advance_watermark(window: dict[str, Any], _promotion: dict[str, Any] | None) -> str:
         from tide_lib.orchestration.cycle import advance_watermark as advance
         from tide_lib.orchestration.handoff import Snapshot
 
@@ -90,7 +109,10 @@ def tide_adaptation() -> None:
     window = snapshot()
     wait >> window
     trained = train(window)
+    check_drift(window) >> trained
+    improved = challenger_improved(trained)
     version = register(window, trained)
+    improved >> version
     decision = evaluate(window, trained, version)
     advance_watermark(window, promote(version, decision))
 

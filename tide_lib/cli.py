@@ -229,6 +229,7 @@ def _bench_serve(args: argparse.Namespace, config: TideConfig) -> int:
         prompts=args.prompts,
         max_new_tokens=args.max_new_tokens,
         num_steps=args.speculative_num_steps,
+        warmup=args.warmup,
     )
     for key in SERVE_HEADLINE_KEYS:
         _out(f"{key:<28}{result[key]:>14.2f}")
@@ -604,7 +605,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_serve = bench.add_parser(
         "serve",
-        help="capture overhead, speculative vs plain tokens/s, accept length, swap latency",
+        help=(
+            "capture overhead; fixed-k, adaptive-k and plain tokens/s side by side, with the "
+            "k adaptive chose; accept length; swap latency"
+        ),
         description=(
             "Needs the S3 server up (capture writes to the lake). Without --draft, bootstraps a "
             "draft from the demo target's own greedy answers to English prompts (~3 minutes)."
@@ -615,7 +619,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--draft", type=Path, help="exported draft to serve")
     bench_serve.add_argument("--prompts", type=int, default=24, help="held-out prompts per pair")
     bench_serve.add_argument("--max-new-tokens", type=int, default=48)
-    bench_serve.add_argument("--speculative-num-steps", type=int, default=4)
+    bench_serve.add_argument(
+        "--speculative-num-steps", type=int, default=4, help="k, and adaptive k's largest"
+    )
+    bench_serve.add_argument(
+        "--warmup", type=int, default=4, help="untimed requests per engine before measuring"
+    )
     bench_serve.set_defaults(handler=_bench_serve)
 
     evaluate = commands.add_parser(

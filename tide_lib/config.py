@@ -9,8 +9,10 @@ The defaults describe the local stack (``tide stack up``) on 127.0.0.1.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -282,9 +284,47 @@ class TrainConfig(StrictModel):
     ploss_decay: float = Field(0.8, gt=0, le=1, description="weight decay of later TTT positions")
     max_len: int = Field(512, gt=1, description="tokens kept per sample")
     draft_vocab_size: int = Field(2048, gt=0)
-    vocab_mapping: Literal["parent", "window"] = Field(
-        "parent",
-        description="warm starts keep the parent's d2t/t2d, or rebuild them from the window",
+    vocab_mapping: Literal["mix", "parent"] = Field(
+        "mix",
+        description=(
+            "warm starts rebuild d2t/t2d from the token frequencies of the training mix "
+            "(window and replay, weighted by how often each sample is drawn), keeping the "
+            "parent's lm_head rows of tokens that stay; parent: keep the parent's mapping"
+        ),
+    )
+    warm_lr_scale: float = Field(
+        0.3, gt=0, le=1, description="warm starts fine-tune at learning_rate x this"
+    )
+    warm_epochs: float = Field(
+        4.0,
+        ge=0,
+        description=(
+            "warm starts train this many passes over the training samples (steps clamped to "
+            "warm_min_steps..warm_max_steps, batch to the sample count); 0: use steps as given"
+        ),
+    )
+    warm_min_steps: int = Field(10, ge=0)
+    warm_max_steps: int = Field(200, ge=1)
+    validation_fraction: float = Field(
+        0.15,
+        ge=0,
+        lt=1,
+        description=(
+            "share of samples (by file-name hash, window and replay alike) held out, never "
+            "trained on, to score offline acceptance during training; the best checkpoint, "
+            "the parent included, is exported. 0: no validation, the last step is exported"
+        ),
+    )
+    validation_max_samples: int = Field(32, ge=1, description="cap on held-out samples")
+    eval_every: int = Field(20, gt=0, description="steps between held-out evaluations")
+    k: int = Field(4, ge=1, description="draft tokens per verify of the held-out replay")
+    distill_weight: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "warm starts: weight of the KL(parent || student) term on replay samples, which "
+            "keeps the draft's distribution on older traffic close to the champion's"
+        ),
     )
     checkpoint_every: int = Field(50, gt=0)
     keep_checkpoints: int = Field(2, gt=0)
@@ -367,6 +407,27 @@ class ServeConfig(StrictModel):
     max_new_tokens_limit: int = Field(1024, gt=0)
     weight_version: str = Field("initial", description="version of the draft served at start")
     disable_speculation: bool = Field(False, description="serve with plain decoding")
+    speculative_adaptive: bool = Field(
+        False,
+        description=(
+            "SGLang's --speculative-adaptive: serve each request at the k in "
+            "0..speculative_num_steps (0: plain decoding) with the most expected tokens/s, "
+            "from the draft and verify costs and the acceptance measured while serving "
+            "(per segment label); off: always speculative_num_steps, the k that pays is "
+            "still measured and reported in /server_info"
+        ),
+    )
+    speculative_adaptive_explore_every: int = Field(
+        16,
+        ge=2,
+        description="adaptive k: every Nth request runs at a k next to the chosen one",
+    )
+    speculative_adaptive_min_gain: float = Field(
+        0.02,
+        ge=0,
+        le=1,
+        description="adaptive k: speculate only when it beats plain decoding by this share",
+    )
     capture: bool = Field(True, description="capture hidden states of finished requests")
     capture_sample_rate: float = Field(1.0, ge=0, le=1, description="share of requests captured")
     capture_max_held_bytes: int = Field(
@@ -441,11 +502,48 @@ class FleetConfig(StrictModel):
 class GateConfig(StrictModel):
     """When a challenger draft replaces the champion (acceptance length, SGLang's count)."""
 
-    recent_segment: str = Field("recent", description="segment holding the new traffic")
-    margin: float = Field(0.05, ge=0, description="required gain on recent traffic")
-    tolerance: float = Field(0.10, ge=0, description="allowed loss on each older segment")
+    recent_segment: str | None = Field(
+        None,
+        description=(
+            "deprecated, no effect: segments are the traffic's own (client labels or "
+            "clusters of the target's states), weighted by their share of the window"
+        ),
+    )
+    margin: float = Field(
+        0.05, ge=0, description="required gain of the window-share-weighted acceptance length"
+    )
+    tolerance: float = Field(
+        0.10, ge=0, description="allowed loss on each protected segment (acceptance length)"
+    )
+    min_segment_share: float = Field(
+        0.10,
+        ge=0,
+        le=1,
+        description=(
+            "a segment is protected by the tolerance when its token share of the window, or "
+            "of the older traffic in the lookback, reaches this; clusters below it merge "
+            "into their nearest larger cluster"
+        ),
+    )
     k: int = Field(4, ge=1, description="draft tokens per verify the gate judges at")
     ks: list[int] = Field(default_factory=lambda: [3, 5], description="k values evaluated")
+
+    @field_validator("recent_segment")
+    @classmethod
+    def _recent_segment_deprecated(cls, value: str | None) -> str | None:
+        if value is not None:
+            warnings.warn(
+                "gate.recent_segment is deprecated and has no effect: the gate now judges "
+                "the traffic's own segments (client labels, else clusters of the target's "
+                "states), weighted by their share of the window's tokens; remove it from "
+                "your configuration",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            logging.getLogger(__name__).warning(
+                "gate.recent_segment=%r is deprecated and ignored; remove it", value
+            )
+        return value
 
 
 class CycleConfig(StrictModel):
@@ -472,6 +570,28 @@ class CycleConfig(StrictModel):
         4096,
         ge=0,
         description="tokens of older held-out traffic the gate judges forgetting on",
+    )
+    segment_clusters: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description=(
+            "most clusters of the target's states that segment unlabelled traffic (k-means, "
+            "refit each cycle from the previous cycle's centroids)"
+        ),
+    )
+    skip_without_drift: bool = Field(
+        True,
+        description=(
+            "measure the champion on the window first and train only if a segment fell "
+            "(drift_tolerance) below its baseline; else record 'no drift' and move on"
+        ),
+    )
+    drift_tolerance: float = Field(
+        0.15, ge=0, description="acceptance-length fall of a segment that counts as drift"
+    )
+    drift_sample_tokens: int = Field(
+        20000, ge=1, description="window tokens the champion is measured on (an even sample)"
     )
     servers: list[str] = Field(default_factory=list, description="fleet base URLs")
     schedule_minutes: int = Field(

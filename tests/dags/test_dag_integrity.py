@@ -32,7 +32,17 @@ for dag_id, dag in bag.dags.items():
         "max_active_runs": dag.max_active_runs,
         "params": sorted(dag.params.keys()),
         "tasks": {
-            t.task_id: {"retries": t.retries, "queue": t.queue, "pool": t.pool} for t in dag.tasks
+            t.task_id: {
+                "retries": t.retries,
+                "queue": t.queue,
+                "pool": t.pool,
+                "trigger_rule": getattr(t.trigger_rule, "value", t.trigger_rule),
+                "upstream": sorted(t.upstream_task_ids),
+                "ignore_downstream_trigger_rules": getattr(
+                    t, "ignore_downstream_trigger_rules", None
+                ),
+            }
+            for t in dag.tasks
         },
     }
 errors = {k: str(v) for k, v in bag.import_errors.items()}
@@ -82,3 +92,16 @@ def test_adaptation_wiring(parsed: dict) -> None:
     assert dag["tasks"]["promote"]["retries"] == 0  # a fleet rollout is not blindly retried
     per_run = set(CycleConfig.model_fields) - {"schedule_minutes"}  # read at parse time
     assert set(dag["params"]) == per_run | {"gate_margin", "gate_tolerance"}
+
+
+def test_a_cycle_without_drift_or_gain_skips_to_the_watermark(parsed: dict) -> None:
+    """Issue 14: training and registration run only when they pay, and a skipped cycle
+    still moves the watermark (its window is consumed, not retried forever)."""
+    tasks = parsed["dags"]["tide_adaptation"]["tasks"]
+    assert "check_drift" in tasks["train"]["upstream"]
+    assert "challenger_improved" in tasks["register"]["upstream"]
+    for gate in ("check_drift", "challenger_improved"):
+        # Only the next task is skipped; the rest follow their trigger rules.
+        assert tasks[gate]["ignore_downstream_trigger_rules"] is False
+    assert tasks["advance_watermark"]["trigger_rule"] == "none_failed"
+    assert {"snapshot", "promote"} <= set(tasks["advance_watermark"]["upstream"])

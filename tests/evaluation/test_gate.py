@@ -1,30 +1,75 @@
-"""The promotion gate's decisions."""
+"""The promotion gate's decisions (issue 14): segments the traffic really has, weighted by
+their share of the window, each protected by the tolerance above a minimum share."""
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import pytest
 
-from tide_lib.config import GateConfig
+from tide_lib.config import GateConfig, TideConfig
 from tide_lib.evaluation.gate import decide, decision_from_tags, decision_report, decision_tags
 
-CONFIG = GateConfig(margin=0.1, tolerance=0.2)
-CHAMPION = {"recent": 2.0, "older": 3.0}
+CONFIG = GateConfig(margin=0.1, tolerance=0.2, min_segment_share=0.1)
+CHAMPION = {"korean": 2.0, "english": 3.0}
 
 
 def test_missing_champion_lets_the_first_challenger_win() -> None:
-    decision = decide({"recent": 1.3, "older": 1.1}, None, CONFIG)
+    decision = decide({"korean": 1.3, "english": 1.1}, None, CONFIG)
     assert decision.promote and "no champion" in decision.reason
 
 
-def test_win_on_recent_traffic_without_regression() -> None:
-    decision = decide({"recent": 2.5, "older": 2.9}, CHAMPION, CONFIG)
-    assert decision.promote
-    assert "+0.500" in decision.reason
+def test_weights_are_the_window_token_shares() -> None:
+    # Korean is 90 % of the window: its gain pays for English's small loss (within tolerance).
+    shares = {"korean": 0.9, "english": 0.1}
+    decision = decide({"korean": 2.3, "english": 2.9}, CHAMPION, CONFIG, weights=shares)
+    assert decision.promote, decision.reason
+    assert decision.weighted_challenger == pytest.approx(0.9 * 2.3 + 0.1 * 2.9)
+    assert decision.weighted_champion == pytest.approx(0.9 * 2.0 + 0.1 * 3.0)
+    # The same figures on a window that is 90 % English: the weighted gain is gone.
+    flipped = decide(
+        {"korean": 2.3, "english": 2.9}, CHAMPION, CONFIG, weights={"korean": 0.1, "english": 0.9}
+    )
+    assert not flipped.promote and "gain -0.060 < margin 0.100" in flipped.reason
 
 
-def test_loss_on_recent_traffic_is_rejected() -> None:
-    decision = decide({"recent": 1.8, "older": 3.1}, CHAMPION, CONFIG)
-    assert not decision.promote and "gain -0.200 < margin" in decision.reason
+def test_a_segment_above_the_minimum_share_may_not_drop_beyond_tolerance() -> None:
+    shares = {"korean": 0.8, "english": 0.2}
+    decision = decide({"korean": 3.5, "english": 2.7}, CHAMPION, CONFIG, weights=shares)
+    assert not decision.promote
+    assert "segment 'english'" in decision.reason and "drop 0.300 > tolerance" in decision.reason
+
+
+def test_a_segment_under_the_minimum_share_is_not_protected() -> None:
+    shares = {"korean": 0.95, "english": 0.05}
+    older = {"korean": 0.95, "english": 0.05}
+    decision = decide(
+        {"korean": 3.5, "english": 2.0}, CHAMPION, CONFIG, weights=shares, older_shares=older
+    )
+    assert decision.promote, decision.reason
+    assert decision.protected == ("korean",)
+
+
+def test_a_segment_that_stopped_arriving_is_still_protected_while_in_the_lookback() -> None:
+    # English is gone from the window but was most of the older traffic.
+    shares = {"korean": 1.0, "english": 0.0}
+    older = {"english": 0.7, "korean": 0.3}
+    challenger = {"korean": 3.0, "english": 2.5}
+    decision = decide(challenger, CHAMPION, CONFIG, weights=shares, older_shares=older)
+    assert not decision.promote and "segment 'english'" in decision.reason
+    assert "0% of the window, 70% of older traffic" in decision.reason
+    assert "english" in decision.protected
+    # Its weight stays zero: the margin is judged on what is served now.
+    assert decision.weighted_challenger == pytest.approx(3.0)
+
+
+def test_first_cycle_checks_every_segment_it_has_data_for() -> None:
+    # No older traffic: even a segment under the minimum share is checked against the champion.
+    shares = {"korean": 0.95, "english": 0.05}
+    decision = decide({"korean": 3.5, "english": 2.0}, CHAMPION, CONFIG, weights=shares)
+    assert not decision.promote and "segment 'english'" in decision.reason
+    assert decision.protected == ("english", "korean")
 
 
 def test_tie_is_rejected() -> None:
@@ -32,63 +77,74 @@ def test_tie_is_rejected() -> None:
     assert not decision.promote and "gain +0.000 < margin 0.100" in decision.reason
 
 
-def test_regression_on_older_traffic_is_rejected() -> None:
-    decision = decide({"recent": 3.0, "older": 2.5}, CHAMPION, CONFIG)
-    assert not decision.promote
-    assert (
-        "older traffic 'older'" in decision.reason
-        and "drop 0.500 > tolerance 0.200" in decision.reason
-    )
-
-
-def test_weighted_fall_is_rejected_even_within_tolerance() -> None:
+def test_figures_exactly_at_the_thresholds_pass() -> None:
+    # english drops by exactly the tolerance; the weighted gain is exactly the margin.
     decision = decide(
-        {"recent": 2.2, "older": 2.85}, CHAMPION, CONFIG, weights={"recent": 0.05, "older": 0.95}
+        {"korean": 2.4, "english": 2.8}, CHAMPION, CONFIG, weights={"korean": 0.5, "english": 0.5}
     )
-    assert not decision.promote and "traffic-weighted" in decision.reason
+    assert decision.promote, decision.reason
 
 
-def test_missing_recent_segment_is_an_error() -> None:
-    with pytest.raises(ValueError, match="no figure for the recent segment"):
-        decide({"older": 2.0}, CHAMPION, CONFIG)
+def test_no_figures_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no held-out traffic"):
+        decide({}, CHAMPION, CONFIG)
 
 
 def test_tags_and_report_carry_the_figures() -> None:
-    decision = decide({"recent": 2.5, "older": 2.9}, CHAMPION, CONFIG)
+    decision = decide(
+        {"korean": 2.5, "english": 2.9},
+        CHAMPION,
+        CONFIG,
+        weights={"korean": 0.75, "english": 0.25},
+        older_shares={"english": 1.0},
+    )
     tags = decision_tags(decision, k=4)
     assert tags["tide.gate.decision"] == "promote"
-    assert tags["tide.al.recent.k4"] == "2.5000"
-    assert tags["tide.gate.champion_al.older.k4"] == "3.0000"
+    assert tags["tide.al.korean.k4"] == "2.5000"
+    assert tags["tide.gate.champion_al.english.k4"] == "3.0000"
+    assert tags["tide.gate.weight.korean"] == "0.7500"
+    assert tags["tide.gate.older_share.english"] == "1.0000"
     report = decision_report(decision, k=4, names={"challenger": "v7"})
-    assert report.startswith("# Gate: PROMOTE v7") and "| older | 1.00 | 2.900 | 3.000 |" in report
+    assert report.startswith("# Gate: PROMOTE v7")
+    assert "| english | 0.25 | 1.00 | yes | 2.900 | 3.000 |" in report
 
 
 @pytest.mark.parametrize(
-    ("challenger", "champion", "weights"),
+    ("challenger", "champion", "weights", "older"),
     [
-        ({"recent": 2.5, "older": 2.75}, CHAMPION, {"recent": 0.25, "older": 0.75}),
-        ({"recent": 2.5, "older": 1.5}, CHAMPION, None),
-        ({"recent": 1.5}, None, None),
+        ({"korean": 2.5, "english": 2.75}, CHAMPION, {"korean": 0.25, "english": 0.75}, None),
+        ({"korean": 2.5, "english": 1.5}, CHAMPION, None, {"english": 0.5, "korean": 0.5}),
+        ({"korean": 1.5}, None, None, None),
+        ({"law.ko": 2.25, "cluster-3": 1.5}, {"law.ko": 2.0, "cluster-3": 1.5}, None, None),
     ],
 )
 def test_recorded_decision_reads_back_equal(
-    challenger: dict[str, float], champion: dict[str, float] | None, weights: dict | None
+    challenger: dict[str, float],
+    champion: dict[str, float] | None,
+    weights: dict[str, float] | None,
+    older: dict[str, float] | None,
 ) -> None:
-    decision = decide(challenger, champion, CONFIG, weights)
-    tags = {"mlflow.user": "someone", **decision_tags(decision, k=4)}
+    decision = dataclasses.replace(
+        decide(challenger, champion, CONFIG, weights, older),
+        challenger_by_k={3: {s: v - 0.25 for s, v in challenger.items()}},
+        champion_by_k={3: dict(champion)} if champion else {},
+    )
+    tags = {"mlflow.user": "someone", "tide.segmenter": "x", **decision_tags(decision, k=4)}
     assert decision_from_tags(tags, k=4) == decision
     assert decision_from_tags({"mlflow.user": "someone"}, k=4) is None
     assert list(decision_tags(decision, k=4))[-1] == "tide.gate.decision"  # written last
 
 
 def test_a_decision_recorded_halfway_is_not_read_back() -> None:
-    tags = decision_tags(decide({"recent": 2.5}, CHAMPION, CONFIG), k=4)
+    tags = decision_tags(decide({"korean": 2.5}, CHAMPION, CONFIG), k=4)
     written_before_a_crash = dict(list(tags.items())[:2])
     assert decision_from_tags(written_before_a_crash, k=4) is None
 
 
-def test_figures_exactly_at_the_thresholds_pass() -> None:
-    decision = decide(
-        {"recent": 2.1, "older": 2.9}, CHAMPION, CONFIG
-    )  # gain == margin, weighted equal
-    assert decision.promote, decision.reason
+def test_recent_segment_still_loads_but_says_it_is_deprecated() -> None:
+    with pytest.warns(DeprecationWarning, match="recent_segment is deprecated"):
+        config = TideConfig(gate={"recent_segment": "recent"})  # type: ignore[arg-type]
+    assert config.gate.recent_segment == "recent"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GateConfig()  # the default says nothing

@@ -32,9 +32,16 @@ def test_serve_bench_writes_the_json_keys(
         "capture_on_tokens_per_s",
         "capture_off_tokens_per_s",
         "spec_tokens_per_s",
+        "adaptive_tokens_per_s",
         "plain_tokens_per_s",
         "accept_length",
         "swap_seconds",
     ):
         assert result[key] > 0, key
     assert result["failed_requests"] == 0 and result["swap_load_requests"] > 0
+    assert result["adaptive_k"] in range(4)
+    timed = result["adaptive"]["timed_requests_by_k"]
+    assert sum(timed.values()) == 3 and set(timed) == {"0", "1", "2", "3"}
+    assert result["adaptive_vs_plain"] == pytest.approx(
+        result["adaptive_tokens_per_s"] / result["plain_tokens_per_s"]
+    )

@@ -56,7 +56,7 @@ def test_dashboard_shows_champion_cycles_and_plot(populated: tuple[TideConfig, s
     assert f"TIDE — {target_id}" in page
     assert "data:image/png;base64," in page
     assert f"#/models/tide-draft-{target_id}/versions/2" in page
-    assert "recent traffic: 2.500 vs champion 2.600" in page  # the rejected cycle's reason
+    assert "3.200 vs champion 3.800 (drop 0.600" in page  # the rejected cycle's reason
 
 
 @pytest.mark.slow

@@ -1,48 +1,107 @@
 """The promotion gate: a challenger is promoted only on measured acceptance length.
 
-Rules, in order:
+Segments are the traffic's own (client labels, else clusters of the target's
+states, see :mod:`tide_lib.evaluation.segments`), each measured on held-out
+requests of the window and of the older traffic in the lookback. Rules, in order:
+
 1. No champion yet: the first valid challenger wins.
-2. On the recent traffic the challenger must beat the champion by ``margin``
-   (absolute acceptance length).
-3. On every older segment it must not fall by more than ``tolerance``.
-4. The traffic-weighted acceptance length (segments weighted by their share of
-   current traffic) must not fall either: a gain on a sliver of traffic cannot
-   pay for a loss on most of it.
+2. No protected segment may fall by more than ``tolerance`` (absolute acceptance
+   length). A segment is protected when its token share of the window, or of the
+   older traffic, reaches ``min_segment_share``: traffic that stopped arriving is
+   still protected while it is in the lookback. A cycle without older traffic
+   (the first) protects every segment it has data for.
+3. The acceptance length weighted by each segment's share of the window's tokens
+   must gain at least ``margin``: the challenger has to pay off on what the fleet
+   serves now.
 
 The decision carries its figures; :func:`decision_tags` turns it into MLflow
-version tags (``tide.gate.*``), :func:`decision_from_tags` reads it back (a
-rerun of a cycle reuses it) and :func:`decision_report` makes a short readable
-report.
+version tags (``tide.gate.*``, ``tide.al.*``; every name is built here),
+:func:`decision_from_tags` reads it back (a rerun of a cycle reuses it) and
+:func:`decision_report` makes a short readable report.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import json
+import re
+from typing import Any, Final
 
 from tide_lib.config import GateConfig
 
-__all__ = ["GateDecision", "decide", "decision_from_tags", "decision_report", "decision_tags"]
+__all__ = [
+    "DECISION_TAG",
+    "SEGMENTER_TAG",
+    "GateDecision",
+    "decide",
+    "decision_from_tags",
+    "decision_report",
+    "decision_tags",
+    "protected_segments",
+]
 
 _EPSILON = 1e-9  # figures at a threshold pass it, whatever float rounding did to them
+
+# Every MLflow tag the gate writes; ``tide.al.<segment>.k<k>`` is the design's per-segment figure.
+_AL_TAG: Final = "tide.al.{segment}.k{k}"
+_CHAMPION_AL_TAG: Final = "tide.gate.champion_al.{segment}.k{k}"
+_WEIGHT_TAG: Final = "tide.gate.weight.{segment}"
+_OLDER_SHARE_TAG: Final = "tide.gate.older_share.{segment}"
+_PROTECTED_TAG: Final = "tide.gate.protected"
+_REASON_TAG: Final = "tide.gate.reason"
+_WEIGHTED_TAG: Final = "tide.gate.weighted_accept_length"
+_WEIGHTED_CHAMPION_TAG: Final = "tide.gate.weighted_champion_accept_length"
+DECISION_TAG: Final = "tide.gate.decision"  # written last: it marks the record complete
+SEGMENTER_TAG: Final = "tide.segmenter"  # lake key of the segmenter the figures were grouped by
 
 
 @dataclasses.dataclass(frozen=True)
 class GateDecision:
+    """The verdict and what it was judged on (figures at the gate's k unless ``by_k``)."""
+
     promote: bool
     reason: str
     challenger: dict[str, float]
     champion: dict[str, float] | None
-    weights: dict[str, float]
+    weights: dict[str, float]  # share of the window's tokens per segment
     weighted_challenger: float
     weighted_champion: float | None
+    older_shares: dict[str, float] = dataclasses.field(default_factory=dict)
+    protected: tuple[str, ...] = ()
+    # Figures at the other ks evaluated, for the record: {k: {segment: acceptance length}}.
+    challenger_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    champion_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def _weighted(figures: dict[str, float], weights: dict[str, float]) -> float:
+    if not figures:
+        return 0.0
     total = sum(weights.get(segment, 0.0) for segment in figures)
     if total <= 0:
         return sum(figures.values()) / len(figures)
     return sum(value * weights.get(segment, 0.0) for segment, value in figures.items()) / total
+
+
+def protected_segments(
+    segments: list[str],
+    weights: dict[str, float],
+    older_shares: dict[str, float],
+    min_share: float,
+) -> tuple[str, ...]:
+    """Segments the tolerance protects: share of window or of older traffic >= ``min_share``.
+
+    Without older traffic (a first cycle) every segment with figures is protected.
+    """
+    if not older_shares:
+        return tuple(sorted(segments))
+    return tuple(
+        sorted(
+            segment
+            for segment in segments
+            if max(weights.get(segment, 0.0), older_shares.get(segment, 0.0))
+            >= min_share - _EPSILON
+        )
+    )
 
 
 def decide(
@@ -50,15 +109,20 @@ def decide(
     champion: dict[str, float] | None,
     config: GateConfig,
     weights: dict[str, float] | None = None,
+    older_shares: dict[str, float] | None = None,
 ) -> GateDecision:
-    """Promote or not; ``challenger``/``champion`` map segment -> acceptance length at k."""
-    if config.recent_segment not in challenger:
-        raise ValueError(
-            f"the challenger has no figure for the recent segment {config.recent_segment!r}; "
-            f"segments: {sorted(challenger)}"
-        )
-    shares = weights or dict.fromkeys(challenger, 1.0)
+    """Promote or not; ``challenger``/``champion`` map segment -> acceptance length at k.
+
+    ``weights`` are the segments' shares of the window's tokens (equal when not
+    given: every segment then counts alike and is protected); ``older_shares`` their
+    shares of the older traffic (none: a first cycle).
+    """
+    if not challenger:
+        raise ValueError("the challenger has no figures: no held-out traffic was evaluated")
+    shares = dict(weights) if weights else dict.fromkeys(challenger, 1.0)
+    older = dict(older_shares or {})
     weighted_challenger = _weighted(challenger, shares)
+    protected = protected_segments(list(challenger), shares, older, config.min_segment_share)
 
     def verdict(promote: bool, reason: str, weighted_champion: float | None = None) -> GateDecision:
         return GateDecision(
@@ -69,64 +133,102 @@ def decide(
             shares,
             weighted_challenger,
             weighted_champion,
+            older,
+            protected,
         )
 
     if not champion:
         return verdict(True, "no champion yet: the first valid challenger wins")
-    weighted_champion = _weighted({s: champion[s] for s in challenger if s in champion}, shares)
-    recent = config.recent_segment
-    gain = challenger[recent] - champion.get(recent, 0.0)
-    if gain < config.margin - _EPSILON:
-        return verdict(
-            False,
-            f"recent traffic: {challenger[recent]:.3f} vs champion {champion.get(recent, 0.0):.3f} "
-            f"(gain {gain:+.3f} < margin {config.margin:.3f})",
-            weighted_champion,
-        )
-    for segment, value in sorted(challenger.items()):
-        if segment == recent or segment not in champion:
+    common = {s: v for s, v in challenger.items() if s in champion}
+    weighted_champion = _weighted({s: champion[s] for s in common}, shares)
+    weighted_common = _weighted(common, shares)
+    for segment in protected:
+        if segment not in champion:
             continue
-        drop = champion[segment] - value
+        drop = champion[segment] - challenger[segment]
         if drop > config.tolerance + _EPSILON:
             return verdict(
                 False,
-                f"older traffic {segment!r}: {value:.3f} vs champion {champion[segment]:.3f} "
+                f"segment {segment!r} ({_share_text(segment, shares, older)}): "
+                f"{challenger[segment]:.3f} vs champion {champion[segment]:.3f} "
                 f"(drop {drop:.3f} > tolerance {config.tolerance:.3f})",
                 weighted_champion,
             )
-    if weighted_challenger < weighted_champion - _EPSILON:
+    gain = weighted_common - weighted_champion
+    if gain < config.margin - _EPSILON:
         return verdict(
             False,
-            f"traffic-weighted acceptance length falls: {weighted_challenger:.3f} vs "
-            f"{weighted_champion:.3f}",
+            f"window-weighted acceptance length: {weighted_common:.3f} vs champion "
+            f"{weighted_champion:.3f} (gain {gain:+.3f} < margin {config.margin:.3f})",
             weighted_champion,
         )
     return verdict(
         True,
-        f"recent traffic +{gain:.3f} (>= margin {config.margin:.3f}); no older segment drops "
-        f"by more than {config.tolerance:.3f}; weighted {weighted_challenger:.3f} "
-        f"vs {weighted_champion:.3f}",
+        f"window-weighted acceptance length {weighted_common:.3f} vs champion "
+        f"{weighted_champion:.3f} (gain {gain:+.3f} >= margin {config.margin:.3f}); no "
+        f"protected segment ({', '.join(protected) or 'none'}) drops by more than "
+        f"{config.tolerance:.3f}",
         weighted_champion,
     )
+
+
+def _share_text(segment: str, shares: dict[str, float], older: dict[str, float]) -> str:
+    text = f"{shares.get(segment, 0.0):.0%} of the window"
+    if older:
+        text += f", {older.get(segment, 0.0):.0%} of older traffic"
+    return text
 
 
 def decision_tags(decision: GateDecision, k: int) -> dict[str, str]:
     """MLflow version tags of a decision (``tide.gate.*``, ``tide.al.<segment>.k<k>``)."""
     tags = {
-        "tide.gate.reason": decision.reason,
-        "tide.gate.weighted_accept_length": f"{decision.weighted_challenger:.4f}",
+        _REASON_TAG: decision.reason,
+        _WEIGHTED_TAG: f"{decision.weighted_challenger:.4f}",
+        _PROTECTED_TAG: json.dumps(list(decision.protected)),
     }
     if decision.weighted_champion is not None:
-        tags["tide.gate.weighted_champion_accept_length"] = f"{decision.weighted_champion:.4f}"
-    for segment, value in decision.challenger.items():
-        tags[f"tide.al.{segment}.k{k}"] = f"{value:.4f}"
+        tags[_WEIGHTED_CHAMPION_TAG] = f"{decision.weighted_champion:.4f}"
+    for at_k, figures in {**decision.challenger_by_k, k: decision.challenger}.items():
+        for segment, value in figures.items():
+            tags[_AL_TAG.format(segment=segment, k=at_k)] = f"{value:.4f}"
+    champion_by_k = dict(decision.champion_by_k)
     if decision.champion:
-        for segment, value in decision.champion.items():
-            tags[f"tide.gate.champion_al.{segment}.k{k}"] = f"{value:.4f}"
+        champion_by_k[k] = decision.champion
+    for at_k, figures in champion_by_k.items():
+        for segment, value in figures.items():
+            tags[_CHAMPION_AL_TAG.format(segment=segment, k=at_k)] = f"{value:.4f}"
     for segment, share in decision.weights.items():
-        tags[f"tide.gate.weight.{segment}"] = f"{share:.4f}"
-    tags["tide.gate.decision"] = "promote" if decision.promote else "reject"  # last: it marks
+        tags[_WEIGHT_TAG.format(segment=segment)] = f"{share:.4f}"
+    for segment, share in decision.older_shares.items():
+        tags[_OLDER_SHARE_TAG.format(segment=segment)] = f"{share:.4f}"
+    tags[DECISION_TAG] = "promote" if decision.promote else "reject"  # last: it marks
     return tags  # the record complete for decision_from_tags
+
+
+def _pattern(template: str) -> re.Pattern[str]:
+    """A tag template as a regex capturing ``segment`` (and ``k``)."""
+    escaped = re.escape(template).replace(r"\{segment\}", "(?P<segment>.+)")
+    return re.compile(escaped.replace(r"\{k\}", r"(?P<k>\d+)"))
+
+
+def _by_segment(tags: dict[str, str], template: str) -> dict[str, float]:
+    pattern = _pattern(template)
+    found = {}
+    for key, value in tags.items():
+        match = pattern.fullmatch(key)
+        if match:
+            found[match["segment"]] = float(value)
+    return found
+
+
+def _by_k(tags: dict[str, str], template: str) -> dict[int, dict[str, float]]:
+    pattern = _pattern(template)
+    found: dict[int, dict[str, float]] = {}
+    for key, value in tags.items():
+        match = pattern.fullmatch(key)
+        if match:
+            found.setdefault(int(match["k"]), {})[match["segment"]] = float(value)
+    return found
 
 
 def decision_from_tags(tags: dict[str, str], k: int) -> GateDecision | None:
@@ -135,26 +237,26 @@ def decision_from_tags(tags: dict[str, str], k: int) -> GateDecision | None:
     Tags are written in order with ``tide.gate.decision`` last, so a version that has it
     holds the whole record; one without (never judged, or judging died midway) is judged anew.
     """
-    if "tide.gate.decision" not in tags:
+    if DECISION_TAG not in tags:
         return None
-
-    def by_segment(prefix: str, suffix: str = "") -> dict[str, float]:
-        return {
-            key[len(prefix) : len(key) - len(suffix)]: float(value)
-            for key, value in tags.items()
-            if key.startswith(prefix) and key.endswith(suffix)
-        }
-
-    challenger = by_segment("tide.al.", f".k{k}")
-    weighted_champion = tags.get("tide.gate.weighted_champion_accept_length")
+    challenger_by_k = _by_k(tags, _AL_TAG)
+    champion_by_k = _by_k(tags, _CHAMPION_AL_TAG)
+    challenger = challenger_by_k.pop(k, {})
+    champion = champion_by_k.pop(k, None)
+    weighted_champion = tags.get(_WEIGHTED_CHAMPION_TAG)
+    weights = _by_segment(tags, _WEIGHT_TAG)
     return GateDecision(
-        promote=tags["tide.gate.decision"] == "promote",
-        reason=tags["tide.gate.reason"],
+        promote=tags[DECISION_TAG] == "promote",
+        reason=tags[_REASON_TAG],
         challenger=challenger,
-        champion=by_segment("tide.gate.champion_al.", f".k{k}") or None,
-        weights=by_segment("tide.gate.weight.") or dict.fromkeys(challenger, 1.0),
-        weighted_challenger=float(tags["tide.gate.weighted_accept_length"]),
+        champion=champion or None,
+        weights=weights or dict.fromkeys(challenger, 1.0),
+        weighted_challenger=float(tags[_WEIGHTED_TAG]),
         weighted_champion=float(weighted_champion) if weighted_champion is not None else None,
+        older_shares=_by_segment(tags, _OLDER_SHARE_TAG),
+        protected=tuple(json.loads(tags.get(_PROTECTED_TAG, "[]"))),
+        challenger_by_k=challenger_by_k,
+        champion_by_k=champion_by_k,
     )
 
 
@@ -167,12 +269,18 @@ def decision_report(decision: GateDecision, k: int, names: dict[str, Any] | None
         "",
         decision.reason,
         "",
-        f"| segment | share | challenger (k={k}) | champion |",
-        "| --- | --- | --- | --- |",
+        f"| segment | window share | older share | protected | challenger (k={k}) | champion |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for segment, value in sorted(decision.challenger.items()):
         champion = decision.champion.get(segment) if decision.champion else None
         champion_text = f"{champion:.3f}" if champion is not None else "-"
         share = decision.weights.get(segment, 0.0)
-        lines.append(f"| {segment} | {share:.2f} | {value:.3f} | {champion_text} |")
+        older = decision.older_shares.get(segment)
+        older_text = f"{older:.2f}" if older is not None else "-"
+        guarded = "yes" if segment in decision.protected else "no"
+        lines.append(
+            f"| {segment} | {share:.2f} | {older_text} | {guarded} | {value:.3f} "
+            f"| {champion_text} |"
+        )
     return "\n".join(lines) + "\n"

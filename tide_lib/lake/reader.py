@@ -43,7 +43,13 @@ from tide_lib.lake.layout import (
     parse_commit_key,
     quarantine_key,
 )
-from tide_lib.lake.schema import NUM_AUX_LAYERS, RECORD_SCHEMA, values_problem
+from tide_lib.lake.schema import (
+    LEGACY_RECORD_SCHEMAS,
+    NUM_AUX_LAYERS,
+    RECORD_SCHEMA,
+    segment_problem,
+    values_problem,
+)
 from tide_lib.lake.store import NoSuchObjectError, ObjectInfo, ObjectStore
 
 if TYPE_CHECKING:
@@ -97,6 +103,7 @@ class TrainingSample:
     aux_hidden_state: torch.Tensor  # [T, 3H] EAGLE3 aux-layer states
     spec_verify_ct: int
     spec_accept_tokens: int
+    segment: str | None = None  # the client's label; None when unlabelled or an old shard
 
     def to_specforge(self) -> dict[str, torch.Tensor]:
         """The dict SpecForge's ``OfflineEagle3Dataset`` loads from a ``.ckpt`` file."""
@@ -346,7 +353,7 @@ class LakeReader:
     def _checked_sample(self, row: dict[str, Any], marker: CommitMarker) -> TrainingSample | None:
         """The row as a sample, or None (counted, logged) if its values must not train."""
         sample = _to_sample(row, marker)
-        problem = values_problem(
+        problem = segment_problem(sample.segment) or values_problem(
             sample.input_ids,
             sample.hidden_state,
             sample.aux_hidden_state,
@@ -420,8 +427,11 @@ def _verify_bytes(path: Path, marker: CommitMarker) -> None:
 
 
 def _verify_counts(parquet: pq.ParquetFile, marker: CommitMarker) -> None:
-    """The shard holds the capture schema and the records and tokens its marker says."""
-    if not parquet.schema_arrow.remove_metadata().equals(RECORD_SCHEMA.remove_metadata()):
+    """The shard holds the capture schema (or an older one) and the records and tokens its
+    marker says."""
+    schema = parquet.schema_arrow.remove_metadata()
+    known = (RECORD_SCHEMA, *LEGACY_RECORD_SCHEMAS)
+    if not any(schema.equals(candidate.remove_metadata()) for candidate in known):
         raise CorruptShardError(
             f"shard {marker.shard_key} has schema {parquet.schema_arrow}, not the capture schema"
         )
@@ -468,6 +478,7 @@ def _to_sample(row: dict[str, Any], marker: CommitMarker) -> TrainingSample:
         aux_hidden_state=tensor(aux_bytes, hidden_size * NUM_AUX_LAYERS),
         spec_verify_ct=row["spec_verify_ct"],
         spec_accept_tokens=row["spec_accept_tokens"],
+        segment=row.get("segment"),
     )
 
 

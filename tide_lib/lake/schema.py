@@ -9,6 +9,12 @@ it finds states that are NaN/inf, token ids outside the target's vocabulary and 
 hidden size that is not the target's (one such record made a whole cycle's loss
 NaN), and runs where reading every value costs serving nothing (the writer's
 batcher thread, the reader).
+
+``segment`` is the traffic segment a client named (a header or request field the
+engines pass through), or None. Labels come from clients, so ``segment_problem``
+keeps them short and printable; a record with a bad label is refused and counted
+like one with bad values, never raised on a serving thread. Shards written before
+schema version 2 have no ``segment`` column and read as unlabelled.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
@@ -25,12 +32,15 @@ import pyarrow as pa
 
 __all__ = [
     "HIDDEN_DTYPES",
+    "LEGACY_RECORD_SCHEMAS",
+    "MAX_SEGMENT_CHARS",
     "RECORD_SCHEMA",
     "SCHEMA_VERSION",
     "CapturedRecord",
     "InvalidRecordError",
     "record_nbytes",
     "records_to_table",
+    "segment_problem",
     "target_limits",
     "validate_record",
     "values_problem",
@@ -38,7 +48,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
+MAX_SEGMENT_CHARS: Final = 64
+_SEGMENT_LABEL: Final = re.compile(r"\w[\w.\- ]*")
 HIDDEN_DTYPES: Final = ("float16", "bfloat16")
 NUM_AUX_LAYERS: Final = 3
 
@@ -59,16 +71,21 @@ RECORD_SCHEMA: Final = pa.schema(
         pa.field("spec_verify_ct", pa.int32(), nullable=False),
         pa.field("spec_accept_tokens", pa.int32(), nullable=False),
         pa.field("completion_tokens", pa.int32(), nullable=False),
+        pa.field("segment", pa.string(), nullable=True),
     ],
     metadata={
         "tide.schema_version": str(SCHEMA_VERSION),
         "tide.doc": (
             "hidden_states: final-layer states [num_tokens, hidden_size]; aux_hidden_states: "
             "EAGLE3 aux-layer states [num_tokens, 3*hidden_size]; both row-major raw "
-            "little-endian bytes of hidden_dtype. loss_mask marks output tokens."
+            "little-endian bytes of hidden_dtype. loss_mask marks output tokens. segment: "
+            "the client's traffic label, null when the request carried none."
         ),
     },
 )
+# Schemas of shards older writers committed; readers accept them (missing columns read
+# as their default: no segment).
+LEGACY_RECORD_SCHEMAS: Final = (RECORD_SCHEMA.remove(RECORD_SCHEMA.get_field_index("segment")),)
 
 
 class InvalidRecordError(ValueError):
@@ -83,6 +100,7 @@ class CapturedRecord:
     ``[T, H]``, ``aux_hidden_states`` is ``[T, 3H]``, both float16 or bfloat16;
     ``input_ids`` and ``loss_mask`` are ``[T]``. ``spec_verify_ct`` counts target
     verify steps and ``spec_accept_tokens`` the draft tokens they accepted.
+    ``segment`` is the client's traffic label (see :func:`segment_problem`), or None.
     """
 
     request_id: str
@@ -97,6 +115,29 @@ class CapturedRecord:
     spec_verify_ct: int = 0
     spec_accept_tokens: int = 0
     completion_tokens: int = 0
+    segment: str | None = None
+
+
+def segment_problem(segment: object) -> str | None:
+    """Why ``segment`` cannot label a record, or None if it can (None itself can).
+
+    A label is at most :data:`MAX_SEGMENT_CHARS` characters: letters (any script),
+    digits, ``_``, ``-``, ``.`` and spaces, starting with a letter, digit or ``_``.
+    It comes from clients and becomes a dictionary key, a metric label and part of
+    MLflow tag names (which allow no other characters).
+    """
+    if segment is None:
+        return None
+    if not isinstance(segment, str):
+        return f"segment label must be a string, got {type(segment).__name__}"
+    if len(segment) > MAX_SEGMENT_CHARS:
+        return f"segment label is {len(segment)} characters, at most {MAX_SEGMENT_CHARS} allowed"
+    if not _SEGMENT_LABEL.fullmatch(segment):
+        return (
+            f"segment label {segment!r} is not a short name (letters, digits, '_', '-', '.', "
+            "spaces; starting with a letter, digit or '_')"
+        )
+    return None
 
 
 def _shape(value: Any) -> tuple[int, ...]:
@@ -287,4 +328,5 @@ def records_to_table(records: list[CapturedRecord]) -> pa.Table:
         columns["spec_verify_ct"].append(record.spec_verify_ct)
         columns["spec_accept_tokens"].append(record.spec_accept_tokens)
         columns["completion_tokens"].append(record.completion_tokens)
+        columns["segment"].append(record.segment)
     return pa.Table.from_pydict(columns, schema=RECORD_SCHEMA)

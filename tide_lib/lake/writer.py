@@ -9,7 +9,8 @@ spool is the outbox: when the store is unreachable shards wait there (bounded by
 process. Memory is bounded by ``queue_max_records`` and ``memory_max_bytes``;
 a full queue, full memory or a full spool drops records and counts them.
 The batcher refuses (counts and logs) records whose values would poison training:
-NaN/inf states, token ids outside the target's vocabulary, another hidden size.
+NaN/inf states, token ids outside the target's vocabulary, another hidden size,
+and records whose client segment label is not a short printable string.
 
 Exactly-once: a shard is uploaded before its marker; a retried upload rewrites
 the same shard key, and a marker whose PUT may have landed is looked up before a
@@ -39,6 +40,7 @@ from tide_lib.lake.schema import (
     CapturedRecord,
     record_nbytes,
     records_to_table,
+    segment_problem,
     validate_record,
     values_problem,
 )
@@ -61,7 +63,8 @@ class WriterStats:
     """Counters of a writer's life so far; ``dropped_records`` is never silently lost.
 
     ``refused_records`` were accepted by ``submit`` but their values were bad
-    (NaN/inf states, out-of-vocabulary ids, another hidden size): never written.
+    (NaN/inf states, out-of-vocabulary ids, another hidden size, a segment label
+    that is not a short printable string): never written.
     """
 
     submitted_records: int
@@ -359,6 +362,9 @@ class LakeWriter:
         tmp_path.replace(self._spool / f"{shard_id}.parquet")
 
     def _values_problem(self, record: CapturedRecord) -> str | None:
+        label_problem = segment_problem(record.segment)
+        if label_problem is not None:
+            return label_problem
         try:
             return values_problem(
                 record.input_ids,

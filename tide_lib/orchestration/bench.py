@@ -21,6 +21,7 @@ segment's requests is held out for evaluation and never captured.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,7 +30,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from tqdm import tqdm
@@ -37,6 +38,10 @@ from tqdm import tqdm
 from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.lake import target_slug
 from tide_lib.lake.reader import TrainingSample
+
+if TYPE_CHECKING:
+    from tide_lib.registry import DraftRegistry
+    from tide_lib.serving.engine import Engine
 
 __all__ = ["WorkloadError", "demo_workload", "load_workload", "run_adaptation_bench"]
 
@@ -75,30 +80,57 @@ def load_workload(path: Path) -> list[dict[str, Any]]:
     return requests
 
 
-def demo_workload(
-    path: Path, *, english: int = 60, korean: int = 120, max_new_tokens: int = 48
-) -> Path:
-    """The demo's traffic: English conversation, then Korean conversation (packaged corpus)."""
-    from tide_lib.target import load_corpus, render_prompt  # noqa: PLC0415
+DOC_PROMPT_WORDS: Final = 8  # a document request: its first words, the target continues
 
+WORKLOAD_SEGMENTS: Final = {
+    "english": "en_chat",
+    "english-docs": "en_docs",
+    "korean": "ko_chat",
+    "korean-law": "ko_docs",
+}
+
+
+def _request_prompt(doc: Any) -> str:
+    """A chat turn as the engines are asked it; a document by its first words (continued)."""
+    from tide_lib.target import render_prompt  # noqa: PLC0415
+    from tide_lib.target.build import BOS  # noqa: PLC0415
+
+    if doc.is_chat:
+        return render_prompt(doc.turns[0])
+    return BOS + " ".join(doc.turns[0].split()[:DOC_PROMPT_WORDS])
+
+
+def segments_workload(path: Path, plan: list[tuple[str, int]], *, max_new_tokens: int = 48) -> Path:
+    """Segments arriving in turn, ``plan`` = ``[(segment, requests), ...]`` from the corpus.
+
+    Segment names are the keys of :data:`WORKLOAD_SEGMENTS` (packaged corpora:
+    English and Korean conversation, Python documentation, Korean law).
+    """
+    from tide_lib.target import load_corpus  # noqa: PLC0415
+
+    unknown = [name for name, _ in plan if name not in WORKLOAD_SEGMENTS]
+    if unknown:
+        raise WorkloadError(f"unknown segments {unknown}; choose from {sorted(WORKLOAD_SEGMENTS)}")
     corpus = load_corpus()
     lines = [
         json.dumps(
-            {
-                "prompt": render_prompt(doc.turns[0]),
-                "segment": segment,
-                "max_new_tokens": max_new_tokens,
-            }
+            {"prompt": _request_prompt(doc), "segment": name, "max_new_tokens": max_new_tokens}
         )
-        for segment, domain, count in (
-            ("english", "en_chat", english),
-            ("korean", "ko_chat", korean),
-        )
-        for doc in corpus.domain(domain)[:count]
+        for name, count in plan
+        for doc in corpus.domain(WORKLOAD_SEGMENTS[name])[:count]
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def demo_workload(
+    path: Path, *, english: int = 60, korean: int = 120, max_new_tokens: int = 48
+) -> Path:
+    """The demo's traffic: English conversation, then Korean conversation (packaged corpus)."""
+    return segments_workload(
+        path, [("english", english), ("korean", korean)], max_new_tokens=max_new_tokens
+    )
 
 
 def _held_out(index: int, prompt: str, percent: int) -> bool:
@@ -126,6 +158,208 @@ def _held_out_samples(
     return samples
 
 
+@dataclasses.dataclass
+class _Loop:
+    """One bench run's moving parts: its configuration, registry and what the cycles did."""
+
+    config: TideConfig
+    registry: DraftRegistry
+    work: Path
+    versions: dict[str, Path]
+    cycles: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    threshold_to_serving: list[float] = dataclasses.field(default_factory=list)
+    champion: str = "static"
+    champion_when_segment_ended: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _run_config(
+    config: TideConfig,
+    work: Path,
+    *,
+    target_id: str,
+    target_dir: Path,
+    cycle_tokens: int,
+    train: TrainConfig,
+) -> TideConfig:
+    return config.model_copy(
+        update={
+            "scratch_dir": work / "scratch",
+            "lake": config.lake.model_copy(
+                update={
+                    "prefix": f"bench-{target_id}",
+                    "spool_dir": work / "spool",
+                    "shard_max_age_s": 0.5,
+                    "commit_settle_s": 0.0,  # one writer, flushed before each read
+                }
+            ),
+            "cycle": config.cycle.model_copy(
+                update={
+                    "target_id": target_id,
+                    "target_path": target_dir,
+                    "servers": [],
+                    "min_new_tokens": cycle_tokens,
+                }
+            ),
+            "training": train,
+        }
+    )
+
+
+def _run_cycle(loop: _Loop, engine: Engine, segment: str) -> None:
+    """One cycle through the DAG's functions; the engine swaps a new champion in."""
+    from tide_lib.orchestration import cycle  # noqa: PLC0415
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
+
+    config, crossed = loop.config, time.perf_counter()
+    cycle_id = f"cycle-{len(loop.cycles) + 1}"
+    entry: dict[str, Any] = {"cycle_id": cycle_id, "segment": segment}
+    loop.cycles.append(entry)
+    snapshot = cycle.snapshot_window(config, cycle_id)
+    drift = cycle.check_drift(config, snapshot)
+    entry["drift"] = drift.reason
+    if not drift.drift:
+        entry["outcome"] = "no-drift"
+    else:
+        trained = cycle.train(config, snapshot)
+        entry["train_seconds"] = time.perf_counter() - crossed
+        if not trained.improved:
+            entry["outcome"] = "parent-best"
+        else:
+            version = cycle.register(config, snapshot, trained)
+            decision = cycle.evaluate_and_gate(config, snapshot, trained, version)
+            cycle.promote(config, version, decision)
+            entry.update(version=version, reason=decision.reason)
+            champion = loop.registry.alias(CHAMPION)
+            entry["outcome"] = "rejected"
+            if champion is not None and champion.version == version:
+                local = loop.registry.download(version, loop.work / "served" / f"v{version}")
+                engine.swap_draft(str(local), f"v{version}")
+                loop.threshold_to_serving.append(time.perf_counter() - crossed)
+                loop.champion = f"adapted-v{version}"
+                loop.versions[loop.champion] = local
+                entry["outcome"] = "promoted"
+    cycle.advance_watermark(config, snapshot)
+    entry["seconds"] = time.perf_counter() - crossed
+    logger.info("bench %s on %s traffic: %s", cycle_id, segment, entry["outcome"])
+
+
+def _serve_workload(
+    loop: _Loop,
+    engine: Engine,
+    served: list[dict[str, Any]],
+    max_new_tokens: int,
+    labels: bool,
+) -> None:
+    """Serve the requests in order; a cycle whenever enough new tokens were captured."""
+    from tide_lib.orchestration import cycle  # noqa: PLC0415
+    from tide_lib.serving.engine import EngineRequest  # noqa: PLC0415
+
+    assert engine.writer is not None
+    for index, item in enumerate(tqdm(served, desc="workload", unit="req")):
+        engine.submit(
+            EngineRequest(
+                engine.encode(item["prompt"]),
+                int(item.get("max_new_tokens", max_new_tokens)),
+                0.0,
+                None,
+                f"w-{index}",
+                segment=item["segment"] if labels else None,
+            )
+        ).result()
+        engine.writer.flush(timeout=60)
+        if cycle.new_tokens(loop.config) >= loop.config.cycle.min_new_tokens:
+            _run_cycle(loop, engine, item["segment"])
+        following = served[index + 1]["segment"] if index + 1 < len(served) else None
+        if following != item["segment"]:
+            loop.champion_when_segment_ended[item["segment"]] = loop.champion
+    engine.writer.flush(timeout=60)
+
+
+def _train_oracle(
+    loop: _Loop, served: list[dict[str, Any]], new_segment: str, target_dir: Path
+) -> Path:
+    """A draft trained from the static one on all of the new segment's traffic (held-out out)."""
+    from tide_lib.lake import LakeReader, ObjectStore  # noqa: PLC0415
+    from tide_lib.training.trainer import train_draft  # noqa: PLC0415
+
+    config = loop.config
+    reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), config.lake)
+    data = loop.work / "oracle-data"
+    new_ids = {f"w-{i}" for i, item in enumerate(served) if item["segment"] == new_segment}
+    count = 0
+    for sample in reader.iter_samples(reader.list_shards(target_slug(config.cycle.target_id))):
+        if sample.request_id in new_ids:
+            data.mkdir(parents=True, exist_ok=True)
+            torch.save(sample.to_specforge(), data / f"data_{count:06d}.ckpt")
+            count += 1
+    trained = sum(1 for c in loop.cycles if c.get("train_seconds"))
+    steps = config.training.steps * max(1, trained)
+    return train_draft(
+        data,
+        target_dir,
+        loop.work / "oracle",
+        config.training.model_copy(update={"steps": steps}),
+        parent_dir=loop.versions["static"],
+    ).draft_dir
+
+
+def _acceptance(
+    versions: dict[str, Path],
+    target_dir: Path,
+    by_segment: dict[str, list[TrainingSample]],
+    ks: tuple[int, ...],
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Offline acceptance length per draft, segment and k, on the held-out requests."""
+    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
+    from tide_lib.training.draft import load_draft  # noqa: PLC0415
+
+    accept: dict[str, dict[str, dict[str, float]]] = {}
+    for name, path in versions.items():
+        counts = offline_acceptance(load_draft(path, target_dir), target_dir, by_segment, list(ks))
+        accept[name] = {
+            segment: {f"k{k}": by_k[k].accept_length for k in ks}
+            for segment, by_k in counts.items()
+        }
+    return accept
+
+
+def _retention(
+    accept: dict[str, dict[str, dict[str, float]]], loop: _Loop, segments: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Each older segment's acceptance under the final draft over that under the draft that
+    served when its traffic ended (forgetting shows as a ratio under 1)."""
+    retention: dict[str, dict[str, Any]] = {}
+    for segment in segments[:-1]:
+        before_draft = loop.champion_when_segment_ended.get(segment, "static")
+        before, after = accept[before_draft][segment], accept[loop.champion][segment]
+        retention[segment] = {
+            "before_draft": before_draft,
+            **{k: after[k] / before[k] if before[k] else 0.0 for k in before},
+        }
+    return retention
+
+
+def _timing(
+    loop: _Loop, target_dir: Path, prompts: list[str], max_new_tokens: int
+) -> dict[str, float]:
+    """Output tokens/s of static, final adapted and plain decoding, side by side."""
+    from tide_lib.serving.bench import _engine, _side_by_side  # noqa: PLC0415
+
+    static = loop.versions["static"]
+    engines = {
+        "static": _engine(loop.config, target_dir, static, capture=False),
+        "adapted": _engine(loop.config, target_dir, loop.versions[loop.champion], capture=False),
+        "plain": _engine(loop.config, target_dir, static, capture=False, disable_speculation=True),
+    }
+    try:
+        ids = [engines["static"].encode(prompt) for prompt in prompts]
+        totals = _side_by_side(engines, ids, max_new_tokens)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {name: t["tokens"] / t["seconds"] for name, t in totals.items()}
+
+
 def run_adaptation_bench(
     config: TideConfig,
     workload: Path,
@@ -138,15 +372,16 @@ def run_adaptation_bench(
     ks: tuple[int, ...] = (3, 5),
     held_out_percent: int = 20,
     train: TrainConfig | None = None,
+    labels: bool = False,
 ) -> dict[str, Any]:
-    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
-    from tide_lib.orchestration import cycle  # noqa: PLC0415
-    from tide_lib.registry import CHAMPION, DraftRegistry  # noqa: PLC0415
-    from tide_lib.serving.bench import _engine, _side_by_side, bootstrap_draft  # noqa: PLC0415
-    from tide_lib.serving.engine import EngineRequest  # noqa: PLC0415
+    """Run the benchmark; returns its figures (and writes them to ``json_path``).
+
+    With ``labels`` the engine is told each request's segment (a client label);
+    without, segments come from the cycle's segmenter, as for unlabelled traffic.
+    """
+    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
+    from tide_lib.serving.bench import _engine, bootstrap_draft  # noqa: PLC0415
     from tide_lib.target import build_target  # noqa: PLC0415
-    from tide_lib.training.draft import load_draft  # noqa: PLC0415
-    from tide_lib.training.trainer import train_draft  # noqa: PLC0415
 
     requests = load_workload(workload)
     build_target(target_dir, preset_name=preset)
@@ -158,35 +393,21 @@ def run_adaptation_bench(
     target_id = f"bench-adapt-{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="tide-bench-adapt-") as tmp:
         work = Path(tmp)
-        run_config = config.model_copy(
-            update={
-                "scratch_dir": work / "scratch",
-                "lake": config.lake.model_copy(
-                    update={
-                        "prefix": f"bench-{target_id}",
-                        "spool_dir": work / "spool",
-                        "shard_max_age_s": 0.5,
-                        "commit_settle_s": 0.0,  # one writer, flushed before each read
-                    }
-                ),
-                "cycle": config.cycle.model_copy(
-                    update={
-                        "target_id": target_id,
-                        "target_path": target_dir,
-                        "servers": [],
-                        "min_new_tokens": cycle_tokens,
-                    }
-                ),
-                "training": train,
-            }
+        run_config = _run_config(
+            config,
+            work,
+            target_id=target_id,
+            target_dir=target_dir,
+            cycle_tokens=cycle_tokens,
+            train=train,
         )
-        older_prompts = [item["prompt"] for item in served if item["segment"] != new_segment]
+        first = [item["prompt"] for item in served if item["segment"] == segments[0]]
         static_dir = bootstrap_draft(
-            target_dir, older_prompts, work / "static", max_new_tokens=max_new_tokens, train=train
+            target_dir, first, work / "static", max_new_tokens=max_new_tokens, train=train
         )
         registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
         registry.seed_champion(static_dir)
-
+        loop = _Loop(run_config, registry, work, {"static": static_dir})
         engine = _engine(
             run_config,
             target_dir,
@@ -195,68 +416,11 @@ def run_adaptation_bench(
             served_model_name=target_id,
             draft_sources=[str(work / "served")],  # where each promoted version is downloaded
         )
-        versions: dict[str, Path] = {"static": static_dir}
-        threshold_to_serving: list[float] = []
-        cycles_run = 0
         try:
-            for index, item in enumerate(tqdm(served, desc="workload", unit="req")):
-                ids = engine.encode(item["prompt"])
-                engine.submit(
-                    EngineRequest(
-                        ids,
-                        int(item.get("max_new_tokens", max_new_tokens)),
-                        0.0,
-                        None,
-                        f"w-{index}",
-                    )
-                ).result()
-                if item["segment"] != new_segment:
-                    continue
-                assert engine.writer is not None
-                engine.writer.flush(timeout=60)
-                if cycle.new_tokens(run_config) < cycle_tokens:
-                    continue
-                crossed = time.perf_counter()
-                cycles_run += 1
-                cycle_id = f"cycle-{cycles_run}"
-                snapshot = cycle.snapshot_window(run_config, cycle_id)
-                trained = cycle.train(run_config, snapshot)
-                version = cycle.register(run_config, snapshot, trained)
-                decision = cycle.evaluate_and_gate(run_config, snapshot, trained, version)
-                cycle.promote(run_config, version, decision)
-                champion = registry.alias(CHAMPION)
-                if champion is not None and champion.version == version:
-                    local = registry.download(version, work / "served" / f"v{version}")
-                    engine.swap_draft(str(local), f"v{version}")
-                    threshold_to_serving.append(time.perf_counter() - crossed)
-                    versions[f"adapted-v{version}"] = local
-                cycle.advance_watermark(run_config, snapshot)
-            assert engine.writer is not None
-            engine.writer.flush(timeout=60)
+            _serve_workload(loop, engine, served, max_new_tokens, labels)
         finally:
             engine.close()
-
-        # Oracle: all of the new traffic (held-out excluded), offline, from the static draft.
-        from tide_lib.lake import LakeReader, ObjectStore  # noqa: PLC0415
-
-        reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), run_config.lake)
-        oracle_data = work / "oracle-data"
-        new_ids = {f"w-{i}" for i, item in enumerate(served) if item["segment"] == new_segment}
-        count = 0
-        for sample in reader.iter_samples(reader.list_shards(target_slug(target_id))):
-            if sample.request_id in new_ids:
-                oracle_data.mkdir(parents=True, exist_ok=True)
-                torch.save(sample.to_specforge(), oracle_data / f"data_{count:06d}.ckpt")
-                count += 1
-        oracle_steps = train.steps * max(1, len(versions) - 1)
-        versions["oracle"] = train_draft(
-            oracle_data,
-            target_dir,
-            work / "oracle",
-            train.model_copy(update={"steps": oracle_steps}),
-            parent_dir=static_dir,
-        ).draft_dir
-
+        loop.versions["oracle"] = _train_oracle(loop, served, new_segment, target_dir)
         held_items = [requests[i] for i in held]
         held_samples = _held_out_samples(target_dir, held_items, max_new_tokens)
         by_segment = {
@@ -267,59 +431,55 @@ def run_adaptation_bench(
             ]
             for segment in segments
         }
-        accept: dict[str, dict[str, dict[str, float]]] = {}
-        for name, path in versions.items():
-            counts = offline_acceptance(
-                load_draft(path, target_dir), target_dir, by_segment, list(ks)
-            )
-            accept[name] = {
-                segment: {f"k{k}": by_k[k].accept_length for k in ks}
-                for segment, by_k in counts.items()
-            }
-        final = [name for name in versions if name.startswith("adapted-")]
-        final_name = final[-1] if final else "static"
-
-        static_engine = _engine(run_config, target_dir, static_dir, capture=False)
-        final_engine = _engine(run_config, target_dir, versions[final_name], capture=False)
-        try:
-            prompts = [
-                static_engine.encode(item["prompt"])
-                for item in held_items
-                if item["segment"] == new_segment
-            ]
-            timing = _side_by_side(
-                {"static": static_engine, "adapted": final_engine}, prompts, max_new_tokens
-            )
-        finally:
-            static_engine.close()
-            final_engine.close()
-
-    def ratio(a: str, b: str, k: int) -> float:
-        denominator = accept[b][new_segment][f"k{k}"]
-        return accept[a][new_segment][f"k{k}"] / denominator if denominator else 0.0
-
-    result: dict[str, Any] = {
-        "accept_length": accept,
-        "al_ratio_adapted_static": {f"k{k}": ratio(final_name, "static", k) for k in ks},
-        "al_ratio_adapted_oracle": {f"k{k}": ratio(final_name, "oracle", k) for k in ks},
-        "tokens_per_s_static": timing["static"]["tokens"] / timing["static"]["seconds"],
-        "tokens_per_s_adapted": timing["adapted"]["tokens"] / timing["adapted"]["seconds"],
-        "threshold_to_serving_s": threshold_to_serving,
-        "final_adapted": final_name,
-        "cycles": cycles_run,
-        "new_segment": new_segment,
-        "segments": segments,
-        "requests": {"served": len(served), "held_out": len(held)},
-        "params": {
-            "cycle_tokens": cycle_tokens,
-            "max_new_tokens": max_new_tokens,
-            "ks": list(ks),
-            "train_steps_per_cycle": train.steps,
-            "workload": str(workload),
-        },
-        "measured_at": datetime.now(UTC).isoformat(),
+        accept = _acceptance(loop.versions, target_dir, by_segment, ks)
+        new_prompts = [item["prompt"] for item in held_items if item["segment"] == new_segment]
+        tokens_per_s = _timing(loop, target_dir, new_prompts, max_new_tokens)
+    result = _result(loop, accept, tokens_per_s, segments, ks)
+    result["requests"] = {"served": len(served), "held_out": len(held)}
+    result["params"] = {
+        "cycle_tokens": cycle_tokens,
+        "max_new_tokens": max_new_tokens,
+        "ks": list(ks),
+        "train_steps_per_cycle": train.steps,
+        "labels": labels,
+        "workload": str(workload),
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _result(
+    loop: _Loop,
+    accept: dict[str, dict[str, dict[str, float]]],
+    tokens_per_s: dict[str, float],
+    segments: list[str],
+    ks: tuple[int, ...],
+) -> dict[str, Any]:
+    new_segment, final = segments[-1], loop.champion
+
+    def ratio(a: str, b: str, k: int) -> float:
+        denominator = accept[b][new_segment][f"k{k}"]
+        return accept[a][new_segment][f"k{k}"] / denominator if denominator else 0.0
+
+    outcomes = [c["outcome"] for c in loop.cycles]
+    return {
+        "accept_length": accept,
+        "al_ratio_adapted_static": {f"k{k}": ratio(final, "static", k) for k in ks},
+        "al_ratio_adapted_oracle": {f"k{k}": ratio(final, "oracle", k) for k in ks},
+        "retention": _retention(accept, loop, segments),
+        "tokens_per_s_static": tokens_per_s["static"],
+        "tokens_per_s_adapted": tokens_per_s["adapted"],
+        "tokens_per_s_plain": tokens_per_s["plain"],
+        "threshold_to_serving_s": loop.threshold_to_serving,
+        "final_adapted": final,
+        "cycles": len(loop.cycles),
+        "cycles_trained": sum(1 for c in loop.cycles if "train_seconds" in c),
+        "cycles_skipped_no_drift": outcomes.count("no-drift"),
+        "cycle_outcomes": {o: outcomes.count(o) for o in sorted(set(outcomes))},
+        "cycle_log": loop.cycles,
+        "new_segment": new_segment,
+        "segments": segments,
+        "measured_at": datetime.now(UTC).isoformat(),
+    }

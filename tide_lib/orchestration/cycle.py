@@ -12,6 +12,12 @@ it ends. Each step is safe to rerun:
 - the **watermark** only moves forward, and only in the last step.
 
 State lives in the lake bucket under ``<prefix>/_state/target=<slug>/``.
+
+Traffic is judged by segment (:mod:`tide_lib.evaluation.segments`): a client's
+label, else a cluster of the target's states. Each cycle fits its segmenter once
+(warm-started from the previous cycle's) and keeps it at
+``_state/target=<slug>/cycles/<cycle_id>/segmenter.json``; the version it
+registers is tagged with that key.
 """
 
 from __future__ import annotations
@@ -31,22 +37,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tide_lib.config import TideConfig
+from tide_lib.evaluation.segments import Segmenter, fit_segmenter, segment_of
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
 from tide_lib.lake.reader import TrainingSample, watermark
 from tide_lib.lake.schema import target_limits
-from tide_lib.orchestration.handoff import Decision, Promotion, Snapshot, Trained
+from tide_lib.orchestration.handoff import Decision, Drift, Promotion, Snapshot, Trained
 
 if TYPE_CHECKING:
+    from tide_lib.evaluation.gate import GateDecision
     from tide_lib.registry import DraftRegistry
     from tide_lib.serving.fleet import FleetManager
 
 __all__ = [
+    "HeldOutTraffic",
     "advance_watermark",
     "apply_retention",
+    "check_drift",
+    "cycle_segmenter",
     "evaluate_and_gate",
     "export_training_data",
     "held_out_samples",
+    "held_out_traffic",
     "new_tokens",
     "promote",
     "read_watermark",
@@ -250,51 +262,285 @@ def _window_split(
         yield position == 0 or _held_out(sample, percent), sample
 
 
+WINDOW_DIR = "window"  # export_training_data's layout: the trainer tells new traffic
+REPLAY_DIR = "replay"  # from replayed older traffic by these sub-directories
+
+
 def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> int:
-    """Write the training set (window minus held-out, plus replay) in SpecForge's layout.
+    """Write the training set in SpecForge's layout: ``out/window/`` (the window minus
+    held-out requests) and ``out/replay/`` (replayed older requests), one ``.ckpt`` each.
 
     Lake debris (a marker whose shard is gone, a corrupt shard, bad records) is
     quarantined or skipped, counted and logged; the cycle goes on without it.
     """
     reader = _sample_reader(config)
-    count = 0
+    counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
-    def save(sample: TrainingSample) -> None:
-        nonlocal count
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save(sample.to_specforge(), out / f"data_{count:08d}.ckpt")
-        count += 1
+    def save(sample: TrainingSample, part: str) -> None:
+        folder = out / part
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(sample.to_specforge(), folder / f"data_{counts[part]:08d}.ckpt")
+        counts[part] += 1
 
     for held, sample in _window_split(config, snapshot, reader):
         if not held:
-            save(sample)
+            save(sample, WINDOW_DIR)
     for sample in reader.iter_samples(_markers(reader, snapshot.replay)):
         if not _held_out(sample, config.cycle.held_out_percent):
-            save(sample)
-    logger.info("cycle %s: %d training samples", snapshot.cycle_id, count)
+            save(sample, REPLAY_DIR)
+    logger.info(
+        "cycle %s: %d window and %d replay training samples",
+        snapshot.cycle_id,
+        counts[WINDOW_DIR],
+        counts[REPLAY_DIR],
+    )
     _log_debris(reader, f"cycle {snapshot.cycle_id} export")
-    return count
+    return sum(counts.values())
+
+
+def _segmenter_key(config: TideConfig, cycle_id: str) -> str:
+    return _state_key(config, f"cycles/{cycle_id}/segmenter.json")
+
+
+def _latest_segmenter(config: TideConfig, cycle_id: str) -> Segmenter | None:
+    """The segmenter of the latest other cycle that fitted one (its centroids keep names)."""
+    store, pointer = _store(config), _state_key(config, "segmenter.json")
+    if not store.exists(pointer):
+        return None
+    try:
+        latest = json.loads(store.get_bytes(pointer))
+        if latest.get("cycle_id") == cycle_id:
+            return None  # this cycle's own (a rerun): never fit on itself
+        return Segmenter.from_json(store.get_bytes(latest["key"]))
+    except Exception as error:  # a lost or unreadable segmenter costs only stable names
+        logger.warning(
+            "previous segmenter unreadable (%s): this cycle's clusters start afresh", error
+        )
+        return None
+
+
+def cycle_segmenter(config: TideConfig, snapshot: Snapshot) -> tuple[Segmenter, str]:
+    """The cycle's segmenter and its lake key: fitted once, then read back on every host.
+
+    Fitted on the unlabelled requests of the window and of the older held-out commits
+    (what the gate judges), warm-started from the previous cycle's centroids.
+    """
+    store, key = _store(config), _segmenter_key(config, snapshot.cycle_id)
+    if store.exists(key):
+        return Segmenter.from_json(store.get_bytes(key)), key
+    reader = _sample_reader(config)
+    markers = _markers(reader, [*snapshot.window, *snapshot.held_out_older])
+    segmenter = fit_segmenter(
+        reader.iter_samples(markers),
+        num_clusters=config.cycle.segment_clusters,
+        min_share=config.gate.min_segment_share,
+        previous=_latest_segmenter(config, snapshot.cycle_id),
+        seed=config.training.seed,
+    )
+    store.put_bytes(key, segmenter.to_json(), content_type="application/json")
+    store.put_bytes(
+        _state_key(config, "segmenter.json"),
+        json.dumps({"cycle_id": snapshot.cycle_id, "key": key}).encode(),
+        content_type="application/json",
+    )
+    _log_debris(reader, f"cycle {snapshot.cycle_id} segmenter")
+    return segmenter, key
+
+
+@dataclasses.dataclass
+class HeldOutTraffic:
+    """What the gate judges on, by segment: held-out requests and token shares.
+
+    ``window_tokens`` counts every request of the window (held out or not): the
+    weights of the gate. ``older_tokens`` counts the older requests read for the
+    held-out budget (held out or not): the share that keeps traffic which stopped
+    arriving protected.
+    """
+
+    samples: dict[str, list[TrainingSample]]
+    window_tokens: dict[str, int]
+    older_tokens: dict[str, int]
+    segmenter_key: str
+
+    @staticmethod
+    def _shares(tokens: dict[str, int]) -> dict[str, float]:
+        total = sum(tokens.values())
+        return {segment: count / total for segment, count in tokens.items()} if total else {}
+
+    @property
+    def window_shares(self) -> dict[str, float]:
+        return self._shares(self.window_tokens)
+
+    @property
+    def older_shares(self) -> dict[str, float]:
+        return self._shares(self.older_tokens)
+
+
+def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
+    """The gate's traffic, read from the lake: held-out requests of the window and of the
+    older commits, grouped by segment (a client's label, else the cycle's clusters)."""
+    segmenter, key = cycle_segmenter(config, snapshot)
+    reader = _sample_reader(config)
+    samples: dict[str, list[TrainingSample]] = {}
+    window_tokens: dict[str, int] = {}
+    older_tokens: dict[str, int] = {}
+    for held, sample in _window_split(config, snapshot, reader):
+        segment = segment_of(sample, segmenter)
+        window_tokens[segment] = window_tokens.get(segment, 0) + int(sample.input_ids.numel())
+        if held:
+            samples.setdefault(segment, []).append(sample)
+    held_older = 0
+    budget = config.cycle.held_out_older_tokens
+    for sample in reader.iter_samples(_markers(reader, snapshot.held_out_older)):
+        if held_older >= budget:
+            break
+        segment, tokens = segment_of(sample, segmenter), int(sample.input_ids.numel())
+        older_tokens[segment] = older_tokens.get(segment, 0) + tokens
+        if _held_out(sample, config.cycle.held_out_percent):
+            samples.setdefault(segment, []).append(sample)
+            held_older += tokens
+    _log_debris(reader, f"cycle {snapshot.cycle_id} held-out")
+    return HeldOutTraffic(samples, window_tokens, older_tokens, key)
 
 
 def held_out_samples(config: TideConfig, snapshot: Snapshot) -> dict[str, list[TrainingSample]]:
-    """The gate's traffic, read from the lake: ``recent`` (window) and ``older`` held-out."""
+    """The gate's held-out requests by segment (see :func:`held_out_traffic`)."""
+    return held_out_traffic(config, snapshot).samples
+
+
+def _drift_key(config: TideConfig, cycle_id: str) -> str:
+    return _state_key(config, f"cycles/{cycle_id}/drift.json")
+
+
+def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
+    """Does the champion still fit this window? Decided once per cycle (a rerun reads it).
+
+    The champion is replayed offline on an even sample of the window (every request,
+    held out or not: it never trained on them), per segment, and judged against its
+    baseline by :func:`tide_lib.evaluation.drift.judge_drift`. No drift: the cycle
+    trains nothing and only moves the watermark.
+    """
+    store, key = _store(config), _drift_key(config, snapshot.cycle_id)
+    if store.exists(key):
+        return Drift.model_validate_json(store.get_bytes(key))
+    drift = _measure_drift(config, snapshot)
+    store.put_bytes(key, drift.model_dump_json().encode(), content_type="application/json")
+    logger.info("cycle %s: %s", snapshot.cycle_id, drift.reason)
+    return drift
+
+
+def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
+    from tide_lib.evaluation.drift import judge_drift  # noqa: PLC0415
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
+
+    registry = _registry(config)
+    champion = registry.alias(CHAMPION)
+    if not config.cycle.skip_without_drift or champion is None:
+        why = "no champion yet" if champion is None else "cycle.skip_without_drift is off"
+        return Drift(
+            drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
+        )
+    samples, shares = _window_sample(config, snapshot)
+    measured = _accept_lengths(config, registry, champion.version, samples)
+    baseline = _champion_baseline(config, registry, champion, measured)
+    verdict = judge_drift(
+        measured,
+        shares,
+        baseline,
+        tolerance=config.cycle.drift_tolerance,
+        min_share=config.gate.min_segment_share,
+    )
+    if not verdict.drift:  # segments it serves well from now on are part of its baseline
+        _store_baseline(config, champion.version, {**measured, **baseline}, "measured")
+    return Drift(
+        drift=verdict.drift,
+        reason=f"champion v{champion.version}: {verdict.reason}",
+        champion_version=champion.version,
+        measured=measured,
+        baseline=baseline,
+        saved_train_seconds=None if verdict.drift else _last_training_seconds(registry),
+    )
+
+
+def _window_sample(
+    config: TideConfig, snapshot: Snapshot
+) -> tuple[dict[str, list[TrainingSample]], dict[str, float]]:
+    """An even sample of the window's requests by segment, and each segment's token share."""
+    segmenter, _ = cycle_segmenter(config, snapshot)
     reader = _sample_reader(config)
-    segments: dict[str, list[TrainingSample]] = {
-        config.gate.recent_segment: [
-            s for held, s in _window_split(config, snapshot, reader) if held
-        ]
-    }
-    older: list[TrainingSample] = []
-    budget = config.cycle.held_out_older_tokens
-    for sample in reader.iter_samples(_markers(reader, snapshot.held_out_older)):
-        if sum(int(s.input_ids.numel()) for s in older) >= budget:
-            break
-        if _held_out(sample, config.cycle.held_out_percent):
-            older.append(sample)
-    if older:
-        segments["older"] = older
-    _log_debris(reader, f"cycle {snapshot.cycle_id} held-out")
-    return segments
+    rate = min(1.0, config.cycle.drift_sample_tokens / max(snapshot.window_tokens, 1))
+    samples: dict[str, list[TrainingSample]] = {}
+    tokens: dict[str, int] = {}
+    for sample in reader.iter_samples(_markers(reader, snapshot.window)):
+        segment = segment_of(sample, segmenter)
+        tokens[segment] = tokens.get(segment, 0) + int(sample.input_ids.numel())
+        draw = hashlib.sha256(f"drift:{sample.request_id}".encode()).digest()
+        if int.from_bytes(draw[:4]) / 2**32 < rate:
+            samples.setdefault(segment, []).append(sample)
+    _log_debris(reader, f"cycle {snapshot.cycle_id} drift check")
+    total = sum(tokens.values()) or 1
+    return samples, {segment: count / total for segment, count in tokens.items()}
+
+
+def _accept_lengths(
+    config: TideConfig,
+    registry: DraftRegistry,
+    version: str,
+    samples: dict[str, list[TrainingSample]],
+) -> dict[str, float]:
+    """Offline acceptance length of ``version`` per segment at ``gate.k``."""
+    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
+    from tide_lib.training.draft import load_draft  # noqa: PLC0415
+    from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
+
+    prepare_specforge("cpu")
+    target, k = config.cycle.target_path, config.gate.k
+    with task_scratch(config, f"drift-v{version}") as work:
+        draft = load_draft(registry.download(version, work / f"v{version}"), target)
+        counts = offline_acceptance(draft, target, samples, [k])
+    return {segment: by_k[k].accept_length for segment, by_k in counts.items()}
+
+
+def _champion_baseline(
+    config: TideConfig, registry: DraftRegistry, champion: Any, measured: dict[str, float]
+) -> dict[str, float]:
+    """The champion's acceptance per segment when it was promoted (the gate's figures on its
+    version); for one never judged (a seeded champion), its first measurement."""
+    from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
+
+    store, key = _store(config), _state_key(config, "baseline.json")
+    if store.exists(key):
+        stored = json.loads(store.get_bytes(key))
+        if stored.get("version") == champion.version and stored.get("k") == config.gate.k:
+            return {str(s): float(v) for s, v in stored["accept_length"].items()}
+    judged = decision_from_tags(dict(champion.tags or {}), config.gate.k)
+    baseline, source = (judged.challenger, "gate") if judged else (measured, "first measurement")
+    _store_baseline(config, champion.version, baseline, source)
+    return baseline
+
+
+def _store_baseline(
+    config: TideConfig, version: str, accept_length: dict[str, float], source: str
+) -> None:
+    payload = {"version": version, "k": config.gate.k, "accept_length": accept_length}
+    _store(config).put_bytes(
+        _state_key(config, "baseline.json"),
+        json.dumps({**payload, "source": source}).encode(),
+        content_type="application/json",
+    )
+
+
+def _last_training_seconds(registry: DraftRegistry) -> float | None:
+    """How long the latest finished training run took: what a skipped cycle saves."""
+    runs = registry.client.search_runs(
+        [registry.experiment_id()],
+        filter_string="attributes.status = 'FINISHED'",
+        order_by=["attributes.end_time DESC"],
+        max_results=1,
+    )
+    if not runs or not runs[0].info.end_time:
+        return None
+    return float(runs[0].info.end_time - runs[0].info.start_time) / 1000
 
 
 @contextlib.contextmanager
@@ -446,44 +692,76 @@ def evaluate_and_gate(
     """Offline acceptance of challenger and champion per segment; the gate's decision.
 
     Held-out traffic comes from the lake and both drafts from the registry: this
-    step needs nothing from the host that trained.
+    step needs nothing from the host that trained. The gate judges at ``gate.k``;
+    the figures at the other ``gate.ks`` are recorded with it.
     """
-    from tide_lib.evaluation.gate import decide, decision_from_tags  # noqa: PLC0415
-    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
+    from tide_lib.evaluation.gate import SEGMENTER_TAG, decision_from_tags  # noqa: PLC0415
     from tide_lib.evaluation.tracking import log_decision  # noqa: PLC0415
-    from tide_lib.registry import CHAMPION  # noqa: PLC0415
-    from tide_lib.training.draft import load_draft  # noqa: PLC0415
     from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
 
     del trained  # the registered version is what is judged
     prepare_specforge("cpu")
-    target, k = config.cycle.target_path, config.gate.k
+    k = config.gate.k
     registry = _registry(config)
     decision = decision_from_tags(registry.get(version).tags, k)
     if decision is not None:
         logger.info("v%s was judged before: %s", version, decision.reason)
     else:
-        segments = held_out_samples(config, snapshot)
-        with task_scratch(config, f"evaluate-{snapshot.cycle_id}") as work:
-
-            def figures(number: str) -> dict[str, float]:
-                draft_dir = registry.download(number, work / f"v{number}")
-                counts = offline_acceptance(load_draft(draft_dir, target), target, segments, [k])
-                return {segment: by_k[k].accept_length for segment, by_k in counts.items()}
-
-            challenger = figures(version)
-            champion_version = registry.alias(CHAMPION)
-            champion = None
-            if champion_version is not None and champion_version.version != version:
-                champion = figures(champion_version.version)
-        weights = dict.fromkeys(segments, 1.0)
-        decision = decide(challenger, champion, config.gate, weights)
+        traffic = held_out_traffic(config, snapshot)
+        registry.client.set_model_version_tag(
+            registry.name, version, SEGMENTER_TAG, traffic.segmenter_key
+        )
+        decision = _judge(config, registry, snapshot, version, traffic)
         log_decision(config.mlflow.tracking_uri, registry.name, version, decision, k)
     return Decision(
         promote=decision.promote or config.cycle.force_promote,
         reason=decision.reason,
         challenger=decision.challenger,
         champion=decision.champion,
+    )
+
+
+def _judge(
+    config: TideConfig,
+    registry: DraftRegistry,
+    snapshot: Snapshot,
+    version: str,
+    traffic: HeldOutTraffic,
+) -> GateDecision:
+    """Measure challenger and champion on the held-out traffic at every k; decide at gate.k."""
+    from tide_lib.evaluation.gate import decide  # noqa: PLC0415
+    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
+    from tide_lib.training.draft import load_draft  # noqa: PLC0415
+
+    target, k = config.cycle.target_path, config.gate.k
+    ks = sorted({k, *config.gate.ks})
+    with task_scratch(config, f"evaluate-{snapshot.cycle_id}") as work:
+
+        def figures(number: str) -> dict[int, dict[str, float]]:
+            draft_dir = registry.download(number, work / f"v{number}")
+            counts = offline_acceptance(load_draft(draft_dir, target), target, traffic.samples, ks)
+            return {
+                at_k: {segment: by_k[at_k].accept_length for segment, by_k in counts.items()}
+                for at_k in ks
+            }
+
+        challenger = figures(version)
+        champion_version = registry.alias(CHAMPION)
+        champion = None
+        if champion_version is not None and champion_version.version != version:
+            champion = figures(champion_version.version)
+    decision = decide(
+        challenger[k],
+        champion[k] if champion else None,
+        config.gate,
+        weights=traffic.window_shares,
+        older_shares=traffic.older_shares,
+    )
+    return dataclasses.replace(
+        decision,
+        challenger_by_k={at_k: f for at_k, f in challenger.items() if at_k != k},
+        champion_by_k={at_k: f for at_k, f in (champion or {}).items() if at_k != k},
     )
 
 

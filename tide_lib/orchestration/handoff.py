@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tide_lib.registry.uris import PORTABLE_SCHEMES, is_portable
 
-__all__ = ["Decision", "HandOff", "Promotion", "Snapshot", "Trained"]
+__all__ = ["Decision", "Drift", "HandOff", "Promotion", "Snapshot", "Trained"]
 
 
 class HandOff(BaseModel):
@@ -61,6 +61,13 @@ class Trained(HandOff):
     run_id: str
     draft_uri: str = Field(description="the exported draft as an MLflow artifact URI")
     parent_version: str | None
+    improved: bool = Field(
+        True,
+        description=(
+            "False when the best checkpoint on held-out traffic was the parent itself: "
+            "nothing worth registering"
+        ),
+    )
 
     @field_validator("draft_uri")
     @classmethod
@@ -71,6 +78,19 @@ class Trained(HandOff):
                 f"(expected one of {', '.join(PORTABLE_SCHEMES)})"
             )
         return value
+
+
+class Drift(HandOff):
+    """Whether the champion still fits the window's traffic (no drift: nothing is trained)."""
+
+    drift: bool
+    reason: str
+    champion_version: str | None
+    measured: dict[str, float] = Field(description="champion's acceptance length per segment")
+    baseline: dict[str, float] = Field(description="its acceptance length at promotion")
+    saved_train_seconds: float | None = Field(
+        None, description="no drift: the last trained cycle's training time, not spent"
+    )
 
 
 class Decision(HandOff):

@@ -2,11 +2,15 @@
 
 Runs the reference engine in-process on the demo target, with a draft bootstrapped
 from the target's own greedy answers to English training prompts (or a given
-one), and measures on held-out English prompts, each pair side by side in one
-run (requests alternate between the two engines, order flipped every prompt):
-output tokens/s with capture on and off, speculative and plain decoding,
-the pooled acceptance length, and the latency of a draft swap while three
-threads keep sending requests, with the number of requests that failed.
+one), and measures on held-out English prompts, engines side by side in one
+run (requests alternate between the engines, order flipped every prompt, so
+machine noise hits all of them): output tokens/s with capture on and off;
+speculative decoding at the fixed k, with the adaptive k (the engine picks k in
+0..k per request from the costs and acceptance it measures, 0 = plain) and plain
+decoding, with the k the adaptive engine chose; the pooled acceptance length;
+and the latency of a draft swap while three threads keep sending requests, with
+the number of requests that failed. Every engine first serves the same few
+untimed warm-up requests (training prompts), so the figures are steady state.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ HEADLINE_KEYS = (
     "capture_on_tokens_per_s",
     "capture_off_tokens_per_s",
     "spec_tokens_per_s",
+    "adaptive_tokens_per_s",
     "plain_tokens_per_s",
+    "adaptive_k",
     "accept_length",
     "swap_seconds",
     "failed_requests",
@@ -76,6 +82,14 @@ def _engine(config: TideConfig, target: Path, draft: Path, **serve: Any) -> Engi
     return Engine(config.model_copy(update={"serve": settings}))
 
 
+def _warm_up(engines: dict[str, Engine], prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Untimed requests: first calls pay one-off allocation costs, adaptive k learns."""
+    for index, ids in enumerate(prompts):
+        for name, engine in engines.items():
+            request = EngineRequest(ids, max_new_tokens, 0.0, None, f"warmup-{name}-{index}")
+            engine.submit(request).result()
+
+
 def _side_by_side(
     engines: dict[str, Engine], prompts: list[list[int]], max_new_tokens: int
 ) -> dict[str, dict[str, float]]:
@@ -83,8 +97,6 @@ def _side_by_side(
         name: {"tokens": 0.0, "seconds": 0.0, "verify": 0.0, "emitted": 0.0} for name in engines
     }
     names = list(engines)
-    for name in names:  # warm-up, not timed: first calls pay one-off allocation costs
-        engines[name].submit(EngineRequest(prompts[0], 4, 0.0, None, f"warmup-{name}")).result()
     for index, ids in enumerate(tqdm(prompts, desc=" vs ".join(names), unit="req")):
         for name in names if index % 2 == 0 else reversed(names):
             request = EngineRequest(ids, max_new_tokens, 0.0, None, f"bench-{name}-{index}")
@@ -142,6 +154,7 @@ def run_serve_bench(
     max_new_tokens: int = 48,
     num_steps: int = 4,
     preset: str = "demo",
+    warmup: int = 4,
 ) -> dict[str, Any]:
     build_target(target_dir, preset_name=preset)
     bootstrapped = draft_dir is None
@@ -170,15 +183,30 @@ def run_serve_bench(
         capture_off = _engine(
             config, target_dir, draft_dir, capture=False, speculative_num_steps=num_steps
         )
+        adaptive = _engine(
+            config,
+            target_dir,
+            draft_dir,
+            capture=False,
+            speculative_num_steps=num_steps,
+            speculative_adaptive=True,
+        )
         plain = _engine(config, target_dir, draft_dir, capture=False, disable_speculation=True)
+        engines = {"on": capture_on, "spec": capture_off, "adaptive": adaptive, "plain": plain}
         try:
             ids = [capture_off.encode(prompt) for prompt in eval_prompts[:prompts]]
+            warm = [capture_off.encode(prompt) for prompt in train_prompts[: max(warmup, 1)]]
+            _warm_up(engines, warm, max_new_tokens)
             capture = _side_by_side({"on": capture_on, "off": capture_off}, ids, max_new_tokens)
-            speculation = _side_by_side({"spec": capture_off, "plain": plain}, ids, max_new_tokens)
+            warm_by_k = adaptive.k_controller.snapshot()["requests_by_k"]
+            speculation = _side_by_side(
+                {"spec": capture_off, "adaptive": adaptive, "plain": plain}, ids, max_new_tokens
+            )
+            chosen = adaptive.k_controller.snapshot()
             swap_seconds, failed, swap_requests = _swap_under_load(capture_off, draft_dir, ids)
             dropped = capture_on.writer.stats().dropped_records if capture_on.writer else 0
         finally:
-            for engine in (capture_on, capture_off, plain):
+            for engine in engines.values():
                 engine.close()
 
     def rate(figures: dict[str, float]) -> float:
@@ -189,7 +217,19 @@ def run_serve_bench(
         "capture_on_tokens_per_s": rate(capture["on"]),
         "capture_off_tokens_per_s": rate(capture["off"]),
         "spec_tokens_per_s": rate(spec),
+        "adaptive_tokens_per_s": rate(speculation["adaptive"]),
         "plain_tokens_per_s": rate(speculation["plain"]),
+        "adaptive_vs_plain": rate(speculation["adaptive"]) / rate(speculation["plain"]),
+        "spec_vs_plain": rate(spec) / rate(speculation["plain"]),
+        "adaptive_k": chosen["chosen_k"],
+        "adaptive": {
+            "timed_requests_by_k": {
+                k: count - warm_by_k[k] for k, count in chosen["requests_by_k"].items()
+            },
+            "expected_tokens_per_s": chosen["expected_tokens_per_s"],
+            "acceptance": chosen["acceptance"],
+            "costs": chosen["costs"],
+        },
         "accept_length": spec["emitted"] / spec["verify"] if spec["verify"] else 0.0,
         "swap_seconds": swap_seconds,
         "failed_requests": failed,
@@ -199,6 +239,7 @@ def run_serve_bench(
             "prompts": prompts,
             "max_new_tokens": max_new_tokens,
             "speculative_num_steps": num_steps,
+            "warmup_requests": max(warmup, 1),
             "temperature": 0.0,
             "target": str(target_dir),
             "draft": "bootstrapped from the target's greedy English answers"

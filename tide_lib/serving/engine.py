@@ -15,6 +15,12 @@ away is cancelled before it takes the worker, and drafts load only from the
 configured sources (:mod:`.draft_sources`), validated completely against this
 target (:func:`~tide_lib.training.draft.validate_draft_dir`) and run once on
 this engine's device before a swap is acknowledged.
+
+Each request runs at the k its :class:`~.k_policy.KController` picks: with
+``serve.speculative_adaptive`` the k in ``0..speculative_num_steps`` that the
+costs and acceptance measured so far (per segment label) say is fastest, 0 being
+plain decoding; otherwise the launch k. A request's segment label goes to its
+captured record.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ import torch
 
 from tide_lib.config import ServeConfig, TideConfig
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
-from tide_lib.lake.schema import target_limits
+from tide_lib.lake.schema import segment_problem, target_limits
 from tide_lib.registry.uris import DraftFetchError
 from tide_lib.serving.capture import capture_wanted
 from tide_lib.serving.draft_sources import DraftCache, DraftSources, local_draft
+from tide_lib.serving.k_policy import KController
 from tide_lib.serving.speculative import DraftRunner, Generation, SpeculativeDecoder
 from tide_lib.training.draft import DraftTarget, InvalidCheckpointError, load_draft
 from tide_lib.training.specforge_runtime import prepare_specforge
@@ -63,6 +70,7 @@ class EngineRequest:
     seed: int | None
     rid: str
     ignore_eos: bool = False
+    segment: str | None = None  # the client's traffic label: captured, and keys acceptance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +85,7 @@ class EngineResult:
     spec_accept_length: float
     weight_version: str
     e2e_latency: float
+    spec_num_steps: int = 0  # draft tokens per verify this request ran with (0: plain)
 
 
 @dataclasses.dataclass
@@ -131,6 +140,13 @@ class Engine:
             self.target, draft, serve.speculative_num_steps, self.tokenizer.eos_token_id
         )
         self.speculative = draft is not None and not serve.disable_speculation
+        self.k_controller = KController(
+            serve.speculative_num_steps,
+            adaptive=serve.speculative_adaptive,
+            speculative=self.speculative,
+            explore_every=serve.speculative_adaptive_explore_every,
+            min_gain=serve.speculative_adaptive_min_gain,
+        )
         self.writer = self._capture_writer(config) if serve.capture else None
         self.counters = _Counters()
         self._lock = threading.Lock()
@@ -150,6 +166,9 @@ class Engine:
     def check(self, request: EngineRequest) -> None:
         if not request.input_ids:
             raise RequestError("the prompt is empty")
+        problem = segment_problem(request.segment)
+        if problem is not None:
+            raise RequestError(f"custom_labels.segment: {problem}")
         if len(request.input_ids) > self.serve.max_prompt_tokens:
             raise RequestError(
                 f"the prompt has {len(request.input_ids)} tokens; this server takes at most "
@@ -227,7 +246,9 @@ class Engine:
             speculative=self.speculative,
             generator=generator,
             ignore_eos=request.ignore_eos,
+            num_steps=self.k_controller.pick(request.segment),
         )
+        self.k_controller.observe(generation.timings, request.segment)
         with self._lock:
             self.counters.requests += 1
             self.counters.prompt_tokens += len(request.input_ids)
@@ -248,6 +269,7 @@ class Engine:
             spec_accept_length=generation.accept_length,
             weight_version=version,
             e2e_latency=time.perf_counter() - started,
+            spec_num_steps=generation.timings.k,
         )
 
     # -- capture ---------------------------------------------------------------------------
@@ -284,6 +306,7 @@ class Engine:
             spec_verify_ct=generation.verify_steps,
             spec_accept_tokens=generation.accepted_draft_tokens,
             completion_tokens=len(generation.output_ids),
+            segment=request.segment,
         )
         if self.writer.submit(record):
             with self._lock:
@@ -343,6 +366,8 @@ class Engine:
         )
         self.draft_path, self.weight_version = pending.path, pending.version
         self.speculative = not self.serve.disable_speculation
+        self.k_controller.speculative = self.speculative
+        self.k_controller.draft_swapped()
         with self._lock:
             self.counters.swaps += 1
             self.counters.verify_steps = self.counters.emitted_by_verify = 0

@@ -29,6 +29,7 @@ import yaml
 from pydantic import SecretStr
 
 from tide_lib.serving.auth import bearer_for
+from tide_lib.serving.k_policy import KChoice, recommend_k
 
 __all__ = [
     "EngineClient",
@@ -130,6 +131,7 @@ class ServerState:
     weight_version: str | None
     avg_accept_length: float | None
     error: str | None = None
+    speculative_num_steps: int | None = None  # k the server was launched with
 
 
 class EngineClient:
@@ -225,12 +227,14 @@ class EngineClient:
             info = self.server_info()
             states = info.get("internal_states") or [{}]
             accept = states[0].get("avg_spec_accept_length")  # absent before the first verify
+            steps = info.get("speculative_num_steps")
             return ServerState(
                 url=self.url,
                 healthy=self.health(attempts=1),
                 draft_path=info.get("speculative_draft_model_path"),
                 weight_version=self.weight_version(),
                 avg_accept_length=float(accept) if accept is not None else None,
+                speculative_num_steps=int(steps) if steps is not None else None,
             )
         except (httpx.HTTPError, FleetError, ValueError, KeyError, TypeError) as error:
             return ServerState(self.url, False, None, None, None, error=str(error))
@@ -329,6 +333,35 @@ class FleetManager:
 
     def status(self) -> list[ServerState]:
         return [client.state() for client in self.clients]
+
+    def recommended_k(
+        self,
+        *,
+        draft_cost_ratio: float,
+        verify_token_cost_ratio: float = 0.0,
+        max_k: int | None = None,
+    ) -> dict[str, KChoice | None]:
+        """Per server, the k that pays for the acceptance it reports (None: nothing yet).
+
+        SGLang fixes k at launch; this is the k to relaunch with (restart rollout), from
+        ``/server_info``'s ``avg_spec_accept_length`` at the launch k and the cost of a
+        draft forward and of each verified token relative to a plain decode step
+        (:func:`~tide_lib.serving.k_policy.recommend_k`). ``max_k`` defaults to the launch k.
+        """
+        choices: dict[str, KChoice | None] = {}
+        for state in self.status():
+            launch_k = state.speculative_num_steps
+            if state.avg_accept_length is None or not launch_k:
+                choices[state.url] = None
+                continue
+            choices[state.url] = recommend_k(
+                state.avg_accept_length,
+                launch_k,
+                draft_cost_ratio=draft_cost_ratio,
+                verify_token_cost_ratio=verify_token_cost_ratio,
+                max_k=max_k,
+            )
+        return choices
 
     def promote(
         self,

@@ -8,6 +8,11 @@ is its deprecated alias), ``GET /metrics`` (``sglang:`` names) and
 ignored, as SGLang drops it), behind SGLang's bearer keys (:mod:`.auth`).
 ``GET /get_weight_version`` stays for TIDE's own tools; SGLang answers it 404.
 Anything TIDE does against this server it can do against a real SGLang fleet.
+A request names its traffic segment as SGLang labels requests, ``custom_labels``
+(``{"segment": "ko_law"}``) in the body or the ``x-custom-labels`` JSON header,
+or with ``X-TIDE-Segment``; ``/server_info`` and ``/metrics`` show the k the
+engine serves with (``sglang:spec_num_steps``), its cost estimates and the
+expected tokens/s at each k.
 Malformed or hostile requests get a 400 with a message; the server keeps serving.
 
 Nothing a client sends can stall it: bodies over ``serve.max_request_bytes`` get
@@ -35,6 +40,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tide_lib.config import ServeConfig, TideConfig
+from tide_lib.lake.schema import segment_problem
 from tide_lib.serving.auth import InsecureBindError, decide, require_keys_off_loopback
 from tide_lib.serving.draft_sources import DraftRefusedError
 from tide_lib.serving.engine import (
@@ -71,8 +77,35 @@ def _encodable(value: str | None) -> str | None:
     return value
 
 
+SEGMENT_LABEL = "segment"  # the key of custom_labels that names the request's traffic segment
+SEGMENT_HEADER = "x-tide-segment"
+CUSTOM_LABELS_HEADER = "x-custom-labels"  # SGLang's --tokenizer-metrics-custom-labels-header
+_MAX_CUSTOM_LABELS = 16
+
+
+def _labels(value: dict[str, str] | None) -> dict[str, str] | None:
+    """SGLang's ``custom_labels``: a few short labels; ``segment`` must be a valid segment."""
+    if value is None:
+        return None
+    if len(value) > _MAX_CUSTOM_LABELS:
+        raise ValueError(f"at most {_MAX_CUSTOM_LABELS} labels, got {len(value)}")
+    for key, label in value.items():
+        _encodable(key)
+        _encodable(label)
+        if len(key) > 64 or len(label) > 256:
+            raise ValueError(f"label {key[:64]!r} is too long (keys 64, values 256 characters)")
+    problem = segment_problem(value.get(SEGMENT_LABEL))
+    if problem is not None:
+        raise ValueError(f"{SEGMENT_LABEL}: {problem}")
+    return value
+
+
 class GenerateRequest(BaseModel):
-    """SGLang's ``GenerateReqInput`` subset: ``text`` or ``input_ids``, and sampling params."""
+    """SGLang's ``GenerateReqInput`` subset: ``text`` or ``input_ids``, sampling params, labels.
+
+    ``custom_labels`` is SGLang's per-request label dict; its ``segment`` entry names the
+    traffic segment, which capture records and the adaptive k keys its acceptance by.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -80,8 +113,10 @@ class GenerateRequest(BaseModel):
     input_ids: list[int] | None = None
     sampling_params: SamplingParams = SamplingParams()
     rid: str | None = Field(None, max_length=256)
+    custom_labels: dict[str, str] | None = None
 
     _unicode = field_validator("text", "rid")(_encodable)
+    _custom_labels = field_validator("custom_labels")(_labels)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -232,7 +267,8 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/generate")
     async def generate(body: GenerateRequest, http: Request) -> Any:
         try:
-            future = engine.submit(await _engine_request(engine, body))
+            segment = request_segment(body, http.headers)
+            future = engine.submit(await _engine_request(engine, body, segment))
         except RequestError as error:
             return _error(400, str(error))
         except EngineBusyError as error:
@@ -259,6 +295,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         serve = engine.serve
+        choice = engine.k_controller.snapshot()
         return {
             "model_path": str(engine.target_dir),
             "served_model_name": engine.target_id,
@@ -269,10 +306,13 @@ def create_app(engine: Engine) -> FastAPI:
             "speculative_num_draft_tokens": serve.speculative_num_steps + 1,
             "weight_version": engine.weight_version,
             "capture": serve.capture,
+            "speculative_adaptive": serve.speculative_adaptive,
             "internal_states": [
                 {
                     "avg_spec_accept_length": engine.avg_accept_length(),
                     "num_requests": engine.counters.requests,
+                    "spec_num_steps": choice["chosen_k"],
+                    "speculation": choice,
                 }
             ],
         }
@@ -343,10 +383,103 @@ def _prometheus(engine: Engine) -> str:
     lines = []
     for name, kind, value in rows:
         lines += [f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
+    lines += _speculation_metrics(engine.k_controller.snapshot(), labels)
     return "\n".join(lines) + "\n"
 
 
-async def _engine_request(engine: Engine, body: GenerateRequest) -> EngineRequest:
+def _label_value(value: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _speculation_metrics(choice: dict[str, Any], labels: str) -> list[str]:
+    """The k the engine serves with (SGLang's ``sglang:spec_num_steps``) and why.
+
+    Per k: expected tokens/s and verify cost; per segment label: its chosen k.
+    Unknown figures (nothing measured yet) are left out.
+    """
+    costs = choice["costs"]
+    series: list[tuple[str, str, list[tuple[str, float | None]]]] = [
+        ("sglang:spec_num_steps", "gauge", [("", choice["chosen_k"])]),
+        ("tide:spec_adaptive", "gauge", [("", int(choice["adaptive"]))]),
+        ("tide:spec_draft_step_seconds", "gauge", [("", costs["draft_step_s"])]),
+        (
+            "tide:spec_verify_seconds",
+            "gauge",
+            [(f',k="{k}"', s) for k, s in (costs["verify_s"] or {}).items()],
+        ),
+        (
+            "tide:spec_expected_tokens_per_s",
+            "gauge",
+            [(f',k="{k}"', rate) for k, rate in (choice["expected_tokens_per_s"] or {}).items()],
+        ),
+        (
+            "tide:spec_requests_total",
+            "counter",
+            [(f',k="{k}"', count) for k, count in choice["requests_by_k"].items()],
+        ),
+        (
+            "tide:spec_segment_num_steps",
+            "gauge",
+            [
+                (f',segment="{_label_value(name)}"', segment["chosen_k"])
+                for name, segment in choice["segments"].items()
+            ],
+        ),
+    ]
+    lines = []
+    for name, kind, values in series:
+        lines.append(f"# TYPE {name} {kind}")
+        lines += [
+            f"{name}{{{labels}{extra}}} {value}" for extra, value in values if value is not None
+        ]
+    return lines
+
+
+def request_segment(body: GenerateRequest, headers: Headers) -> str | None:
+    """The request's segment label: ``custom_labels.segment``, or a header naming one.
+
+    Headers: ``X-TIDE-Segment: <label>``, or SGLang's ``x-custom-labels`` JSON object with a
+    ``segment`` key. Labels given twice must agree. Raises :class:`RequestError` (400).
+    """
+    given: dict[str, str] = {}
+    if body.custom_labels and SEGMENT_LABEL in body.custom_labels:
+        given["custom_labels.segment"] = body.custom_labels[SEGMENT_LABEL]
+    raw = headers.get(CUSTOM_LABELS_HEADER)
+    if raw is not None:
+        try:
+            labels = json.loads(_header_text(raw, CUSTOM_LABELS_HEADER))
+        except ValueError as error:
+            raise RequestError(
+                f"{CUSTOM_LABELS_HEADER} header: not a JSON object of labels ({error})"
+            ) from error
+        if not isinstance(labels, dict):
+            raise RequestError(f"{CUSTOM_LABELS_HEADER} header: not a JSON object of labels")
+        if SEGMENT_LABEL in labels:
+            given[f"{CUSTOM_LABELS_HEADER} header"] = labels[SEGMENT_LABEL]
+    raw = headers.get(SEGMENT_HEADER)
+    if raw is not None:
+        given["X-TIDE-Segment header"] = _header_text(raw, "X-TIDE-Segment")
+    for where, label in given.items():
+        problem = segment_problem(label)
+        if problem is not None:
+            raise RequestError(f"{where}: {problem}")
+    if len(set(given.values())) > 1:
+        raise RequestError(f"the segment label is given twice, differently: {given}")
+    return next(iter(given.values()), None)
+
+
+def _header_text(raw: str, name: str) -> str:
+    """A header's value as UTF-8 text (Starlette hands it over decoded as Latin-1)."""
+    try:
+        return raw.encode("latin-1").decode("utf-8")
+    except UnicodeError as error:
+        raise RequestError(f"{name} header: not UTF-8 text") from error
+
+
+async def _engine_request(
+    engine: Engine, body: GenerateRequest, segment: str | None = None
+) -> EngineRequest:
     """The engine's request; text is tokenised in a thread, never on the event loop."""
     input_ids = body.input_ids
     if input_ids is None:
@@ -362,6 +495,7 @@ async def _engine_request(engine: Engine, body: GenerateRequest) -> EngineReques
         seed=params.seed,
         rid=body.rid or uuid.uuid4().hex,
         ignore_eos=params.ignore_eos,
+        segment=segment,
     )
 
 

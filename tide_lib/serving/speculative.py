@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 import torch
 
 from tide_lib.lake.reader import TrainingSample
+from tide_lib.serving.k_policy import RoundTimings
 from tide_lib.target.hidden import HiddenStateCapture
 
 __all__ = ["MIN_TEMPERATURE", "DraftRunner", "Generation", "SpeculativeDecoder"]
@@ -41,6 +43,7 @@ class Generation:
     drafted_tokens: int
     final_states: torch.Tensor  # [T, H], T = prompt + output tokens the target has read
     aux_states: torch.Tensor  # [T, 3H]
+    timings: RoundTimings = dataclasses.field(default_factory=lambda: RoundTimings(0, []))
 
     def training_sample(self, request_id: str, draft_version: str = "") -> TrainingSample:
         """The tokens the target read, their loss mask (1 on output) and float16 states."""
@@ -150,6 +153,7 @@ class SpeculativeDecoder:
         self, target: Any, draft: Any | None, num_steps: int, eos_token_id: int | None
     ) -> None:
         self.target = target.eval()
+        self.device = next(target.parameters()).device
         self.capture = HiddenStateCapture(target, self._layer_ids(draft))
         self.runner = DraftRunner(draft) if draft is not None else None
         self.num_steps = num_steps
@@ -170,6 +174,24 @@ class SpeculativeDecoder:
         final, aux = self.capture.take()
         return out.logits[0], out.past_key_values, final[0], aux[0]
 
+    def _timed_forward(
+        self, ids: list[int], cache: Any, timings: RoundTimings
+    ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+        started = _clock(self.device)
+        result = self._target_forward(ids, cache)
+        timings.target_forwards.append((len(ids), _clock(self.device) - started))
+        return result
+
+    def _timed_draft(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, timings: RoundTimings
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.runner is not None
+        started = _clock(self.device)
+        result = self.runner.step(tokens, hidden)
+        timings.draft_seconds += _clock(self.device) - started
+        timings.draft_forwards += 1
+        return result
+
     @torch.no_grad()
     def generate(
         self,
@@ -180,106 +202,195 @@ class SpeculativeDecoder:
         speculative: bool = True,
         generator: torch.Generator | None = None,
         ignore_eos: bool = False,
+        num_steps: int | None = None,
     ) -> Generation:
-        greedy = temperature < MIN_TEMPERATURE
-        eos = None if ignore_eos else self.eos_token_id
+        """Generate with ``num_steps`` draft tokens per verify (default: the decoder's k).
 
-        def sample(logits: torch.Tensor) -> int:
-            if greedy:
-                return int(logits.argmax())
-            return int(torch.multinomial(_probs(logits, temperature), 1, generator=generator))
-
-        logits, cache, finals, auxes = self._target_forward(prompt_ids, None)
-        final_chunks, aux_chunks = [finals], [auxes]
-        output = [sample(logits[-1])]
-        position = len(prompt_ids)  # position of output[-1], not yet read by the target
-        verify_steps = accepted_total = drafted_total = 0
-        use_draft = speculative and self.runner is not None
+        ``num_steps=0``, ``speculative=False`` or no draft: plain decoding, no draft step.
+        The result's ``timings`` hold the wall cost of every draft and target forward
+        after the prefill, and each verify round's (drafted, accepted).
+        """
+        k = self.num_steps if num_steps is None else num_steps
+        if k < 0:
+            raise ValueError(f"num_steps must be at least 0, got {k}")
+        use_draft = speculative and self.runner is not None and k > 0
+        run = _Run(
+            self,
+            prompt_ids,
+            max_new_tokens,
+            temperature=temperature,
+            generator=generator,
+            ignore_eos=ignore_eos,
+        )
+        run.timings.k = k if use_draft else 0
         if use_draft:
-            assert self.runner is not None
-            self.runner.reset()
-            tokens = torch.tensor(prompt_ids[1:] + output[-1:])
-            hidden, draft_logits = self.runner.step(tokens, self.runner.project(auxes))
-        while len(output) < max_new_tokens and output[-1] != eos:
-            if not use_draft:
-                logits, cache, finals, auxes = self._target_forward(output[-1:], cache)
-                final_chunks.append(finals)
-                aux_chunks.append(auxes)
-                output.append(sample(logits[-1]))
-                position += 1
-                continue
-            assert self.runner is not None
-            # Draft k tokens (chain).
-            drafted: list[int] = []
-            draft_probs: list[torch.Tensor] = []
-            last_hidden, last_logits = hidden[-1:], draft_logits[-1]
-            budget = min(self.num_steps, max_new_tokens - len(output))
-            for step in range(budget):
-                if greedy:
-                    draft_id = int(last_logits.argmax())
-                else:
-                    probs = _probs(last_logits, temperature)
-                    draft_id = int(torch.multinomial(probs, 1, generator=generator))
-                    draft_probs.append(probs)
-                token = int(self.runner.to_target_ids(torch.tensor(draft_id)))
-                drafted.append(token)
-                if step + 1 < budget:
-                    last_hidden, step_logits = self.runner.step(torch.tensor([token]), last_hidden)
-                    last_logits = step_logits[-1]
-            # Verify in one target forward.
-            logits, cache, finals, auxes = self._target_forward(output[-1:] + drafted, cache)
-            verify_steps += 1
-            drafted_total += len(drafted)
-            accepted = 0
-            bonus: int | None = None
-            for index, token in enumerate(drafted):
-                if greedy:
-                    if int(logits[index].argmax()) != token:
-                        break
-                else:
-                    p = _probs(logits[index], temperature)
-                    q_full = torch.zeros_like(p)
-                    q_full[self.runner.to_target_ids(torch.arange(draft_probs[index].numel()))] = (
-                        draft_probs[index]
-                    )
-                    ratio = float(p[token] / q_full[token]) if q_full[token] > 0 else 0.0
-                    if float(torch.rand((), generator=generator)) >= min(1.0, ratio):
-                        residual = torch.clamp(p - q_full, min=0)
-                        total = float(residual.sum())
-                        residual = residual / total if total > 0 else p
-                        bonus = int(torch.multinomial(residual, 1, generator=generator))
-                        break
-                accepted += 1
-                if token == eos:
-                    break
-            stopped = accepted > 0 and drafted[accepted - 1] == eos
-            if bonus is None and not stopped:
-                bonus = sample(logits[accepted])
-            accepted_total += accepted
+            run.speculate(k)
+        else:
+            run.plain()
+        return run.result()
+
+
+class _Run:
+    """One request's decoding state: the output so far, the caches and what was measured."""
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        temperature: float,
+        generator: torch.Generator | None,
+        ignore_eos: bool,
+    ) -> None:
+        self.decoder = decoder
+        self.prompt_ids = list(prompt_ids)
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.greedy = temperature < MIN_TEMPERATURE
+        self.generator = generator
+        self.eos = None if ignore_eos else decoder.eos_token_id
+        self.timings = RoundTimings(0, [])
+        logits, self.cache, finals, self.auxes = decoder._target_forward(prompt_ids, None)
+        self.final_chunks, self.aux_chunks = [finals], [self.auxes]
+        self.output = [self.sample(logits[-1])]
+        self.position = len(prompt_ids)  # position of output[-1], not yet read by the target
+        self.verify_steps = self.accepted_total = self.drafted_total = 0
+
+    def sample(self, logits: torch.Tensor) -> int:
+        if self.greedy:
+            return int(logits.argmax())
+        probs = _probs(logits, self.temperature)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def running(self) -> bool:
+        return len(self.output) < self.max_new_tokens and self.output[-1] != self.eos
+
+    def plain(self) -> None:
+        started = _clock(self.decoder.device)
+        while self.running():
+            logits, self.cache, finals, auxes = self.decoder._timed_forward(
+                self.output[-1:], self.cache, self.timings
+            )
+            self.final_chunks.append(finals)
+            self.aux_chunks.append(auxes)
+            self.output.append(self.sample(logits[-1]))
+            self.position += 1
+        self.timings.decode_seconds = _clock(self.decoder.device) - started
+
+    def speculate(self, k: int) -> None:
+        decoder, runner = self.decoder, self.decoder.runner
+        assert runner is not None
+        runner.reset()
+        tokens = torch.tensor(self.prompt_ids[1:] + self.output[-1:])
+        hidden, draft_logits = runner.step(tokens, runner.project(self.auxes))  # draft prefill
+        started = _clock(decoder.device)
+        while self.running():
+            budget = min(k, self.max_new_tokens - len(self.output))
+            drafted, draft_probs = self._draft(hidden[-1:], draft_logits[-1], budget)
+            logits, self.cache, finals, auxes = decoder._timed_forward(
+                self.output[-1:] + drafted, self.cache, self.timings
+            )
+            accepted, bonus, stopped = self._verify(logits, drafted, draft_probs)
+            self.verify_steps += 1
+            self.drafted_total += len(drafted)
+            self.accepted_total += accepted
+            self.timings.rounds.append((accepted if stopped else len(drafted), accepted))
             kept = accepted + 1  # output[-1] and the accepted drafts were read by the target
-            cache.crop(position + kept)
-            final_chunks.append(finals[:kept])
-            aux_chunks.append(auxes[:kept])
-            new_tokens = drafted[:accepted] + ([bonus] if bonus is not None else [])
-            output.extend(new_tokens)
+            self.cache.crop(self.position + kept)
+            self.final_chunks.append(finals[:kept])
+            self.aux_chunks.append(auxes[:kept])
+            self.output.extend(drafted[:accepted] + ([bonus] if bonus is not None else []))
             # Rebuild the draft's positions from the verified target features.
-            self.runner.crop(position)
-            if output[-1] != eos and len(output) < max_new_tokens:
-                tokens = torch.tensor(output[-kept:])
-                hidden, draft_logits = self.runner.step(tokens, self.runner.project(auxes[:kept]))
-            position += kept
-        finish = "stop" if output and output[-1] == eos else "length"
-        output = output[:max_new_tokens]
+            runner.crop(self.position)
+            if self.running():
+                tokens = torch.tensor(self.output[-kept:])
+                hidden, draft_logits = decoder._timed_draft(
+                    tokens, runner.project(auxes[:kept]), self.timings
+                )
+            self.position += kept
+        self.timings.decode_seconds = _clock(decoder.device) - started
+
+    def _draft(
+        self, last_hidden: torch.Tensor, last_logits: torch.Tensor, budget: int
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """Chain-draft ``budget`` tokens (target ids) and, when sampling, their draft probs."""
+        runner = self.decoder.runner
+        assert runner is not None
+        drafted: list[int] = []
+        draft_probs: list[torch.Tensor] = []
+        for step in range(budget):
+            if self.greedy:
+                draft_id = int(last_logits.argmax())
+            else:
+                probs = _probs(last_logits, self.temperature)
+                draft_id = int(torch.multinomial(probs, 1, generator=self.generator))
+                draft_probs.append(probs)
+            token = int(runner.to_target_ids(torch.tensor(draft_id)))
+            drafted.append(token)
+            if step + 1 < budget:
+                last_hidden, step_logits = self.decoder._timed_draft(
+                    torch.tensor([token]), last_hidden, self.timings
+                )
+                last_logits = step_logits[-1]
+        return drafted, draft_probs
+
+    def _verify(
+        self, logits: torch.Tensor, drafted: list[int], draft_probs: list[torch.Tensor]
+    ) -> tuple[int, int | None, bool]:
+        """(accepted drafts, bonus token or None, stopped at an accepted EOS)."""
+        runner = self.decoder.runner
+        assert runner is not None
+        accepted = 0
+        bonus: int | None = None
+        for index, token in enumerate(drafted):
+            if self.greedy:
+                if int(logits[index].argmax()) != token:
+                    break
+            else:
+                p = _probs(logits[index], self.temperature)
+                q_full = torch.zeros_like(p)
+                q_full[runner.to_target_ids(torch.arange(draft_probs[index].numel()))] = (
+                    draft_probs[index]
+                )
+                ratio = float(p[token] / q_full[token]) if q_full[token] > 0 else 0.0
+                if float(torch.rand((), generator=self.generator)) >= min(1.0, ratio):
+                    residual = torch.clamp(p - q_full, min=0)
+                    total = float(residual.sum())
+                    residual = residual / total if total > 0 else p
+                    bonus = int(torch.multinomial(residual, 1, generator=self.generator))
+                    break
+            accepted += 1
+            if token == self.eos:
+                break
+        stopped = accepted > 0 and drafted[accepted - 1] == self.eos
+        if bonus is None and not stopped:
+            bonus = self.sample(logits[accepted])
+        return accepted, bonus, stopped
+
+    def result(self) -> Generation:
+        output = self.output
+        finish = "stop" if output and output[-1] == self.eos else "length"
+        output = output[: self.max_new_tokens]
+        length = len(self.prompt_ids) + len(output)
         return Generation(
-            prompt_ids=list(prompt_ids),
+            prompt_ids=self.prompt_ids,
             output_ids=output,
             finish_reason=finish,
-            verify_steps=verify_steps,
-            accepted_draft_tokens=accepted_total,
-            drafted_tokens=drafted_total,
-            final_states=torch.cat(final_chunks)[: len(prompt_ids) + len(output)],
-            aux_states=torch.cat(aux_chunks)[: len(prompt_ids) + len(output)],
+            verify_steps=self.verify_steps,
+            accepted_draft_tokens=self.accepted_total,
+            drafted_tokens=self.drafted_total,
+            final_states=torch.cat(self.final_chunks)[:length],
+            aux_states=torch.cat(self.aux_chunks)[:length],
+            timings=self.timings,
         )
+
+
+def _clock(device: torch.device) -> float:
+    """Wall time, after the device's queued work (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def acceptance_rate(generation: Generation) -> float:

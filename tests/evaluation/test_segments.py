@@ -1,0 +1,142 @@
+"""The segmenter (issue 14): clusters of the target's own states name unlabelled traffic."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import numpy as np
+import pytest
+import torch
+
+from tide_lib.evaluation.segments import Segmenter, fit_segmenter, segment_of
+from tide_lib.lake.reader import TrainingSample
+
+HIDDEN = 32
+
+
+def _sample(
+    name: str, center: np.ndarray, rng: np.random.Generator, **kw: object
+) -> TrainingSample:
+    tokens = int(rng.integers(6, 14))
+    states = center[None] + 0.3 * rng.standard_normal((tokens, HIDDEN))
+    return TrainingSample(
+        request_id=name,
+        draft_version="v1",
+        finished_at=datetime.now(UTC),
+        input_ids=torch.arange(tokens),
+        loss_mask=torch.ones(tokens, dtype=torch.long),
+        hidden_state=torch.from_numpy(states).half(),
+        aux_hidden_state=torch.zeros(tokens, 3 * HIDDEN, dtype=torch.half),
+        spec_verify_ct=1,
+        spec_accept_tokens=1,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _centers(count: int, seed: int = 7) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [3.0 * rng.standard_normal(HIDDEN) for _ in range(count)]
+
+
+def _traffic(counts: dict[int, int], seed: int = 0) -> list[tuple[int, TrainingSample]]:
+    rng, centers = np.random.default_rng(seed), _centers(4)
+    return [
+        (group, _sample(f"g{group}-{i}", centers[group], rng))
+        for group, count in counts.items()
+        for i in range(count)
+    ]
+
+
+def _partition(
+    segmenter: Segmenter, traffic: list[tuple[int, TrainingSample]]
+) -> dict[int, set[str]]:
+    found: dict[int, set[str]] = {}
+    for group, sample in traffic:
+        found.setdefault(group, set()).add(segmenter.assign(sample))
+    return found
+
+
+def test_two_synthetic_clusters_are_told_apart() -> None:
+    traffic = _traffic({0: 30, 1: 30})
+    segmenter = fit_segmenter([s for _, s in traffic], num_clusters=2, min_share=0.1)
+    names = _partition(segmenter, traffic)
+    assert len(names[0]) == 1 and len(names[1]) == 1  # each group is one segment
+    assert names[0] != names[1]  # and the two differ
+    again = fit_segmenter([s for _, s in traffic], num_clusters=2, min_share=0.1)
+    assert _partition(again, traffic) == names  # deterministic
+
+
+def test_names_stay_stable_when_refit_from_the_previous_centroids() -> None:
+    first_traffic = _traffic({0: 30, 1: 30}, seed=0)
+    first = fit_segmenter([s for _, s in first_traffic], num_clusters=2, min_share=0.1)
+    names = _partition(first, first_traffic)
+    # The next cycle: other requests of the same traffic, in another order and mix.
+    later = _traffic({1: 40, 0: 10}, seed=1)[::-1]
+    refit = fit_segmenter(
+        [s for _, s in later],
+        num_clusters=2,
+        min_share=0.1,
+        previous=Segmenter.from_json(first.to_json()),
+    )
+    assert _partition(refit, later) == names
+    assert refit.cluster_ids == first.cluster_ids
+
+
+def test_a_new_cluster_gets_a_new_name_and_old_ones_keep_theirs() -> None:
+    old = _traffic({0: 30, 1: 30}, seed=0)
+    first = fit_segmenter([s for _, s in old], num_clusters=2, min_share=0.1)
+    grown = _traffic({0: 20, 1: 20, 2: 20}, seed=2)
+    refit = fit_segmenter([s for _, s in grown], num_clusters=3, min_share=0.1, previous=first)
+    names = _partition(refit, grown)
+    assert names[0] == _partition(first, old)[0] and names[1] == _partition(first, old)[1]
+    assert names[2].isdisjoint(names[0] | names[1])
+
+
+def test_a_cluster_under_the_minimum_share_is_not_its_own_segment() -> None:
+    traffic = _traffic({0: 40, 1: 40, 2: 3})  # group 2: a sliver of the tokens
+    # Started at the three groups (as a previous cycle that saw them would be).
+    centers = np.stack([c / np.linalg.norm(c) for c in _centers(4)[:3]])
+    previous = Segmenter(centers, (0, 1, 2), ("cluster-0", "cluster-1", "cluster-2"), (0.4,) * 3)
+    fitted = fit_segmenter(
+        [s for _, s in traffic], num_clusters=3, min_share=0.1, previous=previous
+    )
+    names = _partition(fitted, traffic)
+    assert fitted.shares[2] < 0.1
+    assert len(set().union(*names.values())) == 2  # three clusters, two segments
+    assert names[2] <= names[0] | names[1]  # the sliver counts for a larger one
+    kept = fit_segmenter([s for _, s in traffic], num_clusters=3, min_share=0.01, previous=previous)
+    assert len(set().union(*_partition(kept, traffic).values())) == 3
+
+
+def test_one_kind_of_traffic_cut_in_pieces_is_one_segment() -> None:
+    traffic = _traffic({0: 60})
+    fitted = fit_segmenter([s for _, s in traffic], num_clusters=3, min_share=0.05)
+    assert fitted.num_clusters == 3  # k-means made three clusters of one blob...
+    assert len(set(fitted.segment_of_cluster)) == 1  # ...which are one segment
+
+
+def test_client_labels_win_and_are_not_clustered() -> None:
+    rng, centers = np.random.default_rng(3), _centers(2)
+    labelled = [_sample(f"l{i}", centers[0], rng, segment="law") for i in range(20)]
+    unlabelled = [_sample(f"u{i}", centers[1], rng) for i in range(20)]
+    fitted = fit_segmenter([*labelled, *unlabelled], num_clusters=2, min_share=0.1)
+    assert fitted.fitted_on == 20
+    assert {segment_of(s, fitted) for s in labelled} == {"law"}
+    assert all(segment_of(s, fitted).startswith("cluster-") for s in unlabelled)
+
+
+def test_a_segmenter_of_another_hidden_size_says_to_refit() -> None:
+    fitted = fit_segmenter([s for _, s in _traffic({0: 5})], num_clusters=1, min_share=0.1)
+    other = TrainingSample(
+        "x",
+        "v1",
+        datetime.now(UTC),
+        torch.arange(3),
+        torch.ones(3, dtype=torch.long),
+        torch.zeros(3, 8, dtype=torch.half),
+        torch.zeros(3, 24, dtype=torch.half),
+        1,
+        1,
+    )
+    with pytest.raises(ValueError, match="refit"):
+        fitted.assign(other)

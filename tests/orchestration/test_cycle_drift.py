@@ -1,0 +1,76 @@
+"""Train only when it pays (issue 14, item 5): the cycle's drift check, on the real stack.
+
+The champion is replayed on the window and compared with its baseline. A seeded
+champion (never judged by the gate) takes its first measurement as baseline, so
+traffic like the one it serves is "no drift"; a segment that falls below its
+baseline by more than ``cycle.drift_tolerance`` is drift. The verdict is decided
+once per cycle and read back on a rerun.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.orchestration.test_cycle_retries import _capture, _config
+from tide_lib.config import TideConfig
+from tide_lib.lake import ObjectStore
+from tide_lib.orchestration import cycle
+from tide_lib.registry import DraftRegistry
+
+pytestmark = pytest.mark.slow
+
+
+def _drift_config(stack: TideConfig, tmp_path: Path, tiny_target: Path) -> TideConfig:
+    config = _config(stack, tmp_path, target_path=tiny_target, segment_clusters=1)
+    return config.model_copy(update={"gate": config.gate.model_copy(update={"k": 3})})
+
+
+def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
+    stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
+) -> None:
+    config = _drift_config(stack, tmp_path, tiny_target)
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    champion = registry.seed_champion(tiny_drafts["ko"]).version
+
+    _capture(config, tiny_target, documents=12)
+    first = cycle.snapshot_window(config, "c1")
+    verdict = cycle.check_drift(config, first)
+    assert not verdict.drift and "no drift" in verdict.reason
+    assert verdict.champion_version == champion
+    assert verdict.measured and verdict.measured == verdict.baseline  # its first measurement
+    assert all(value > 1.0 for value in verdict.measured.values())
+    assert cycle.check_drift(config, first) == verdict  # decided once, read back on a rerun
+    cycle.advance_watermark(config, first)
+
+    # The champion's baseline was higher than it now serves: the window has drifted.
+    store = ObjectStore(config.store, config.store.lake_bucket)
+    key = cycle._state_key(config, "baseline.json")
+    baseline = json.loads(store.get_bytes(key))
+    raised = {s: v + 2 * config.cycle.drift_tolerance for s, v in verdict.measured.items()}
+    store.put_bytes(key, json.dumps({**baseline, "accept_length": raised}).encode())
+    _capture(config, tiny_target, documents=12)
+    second = cycle.snapshot_window(config, "c2")
+    drifted = cycle.check_drift(config, second)
+    assert drifted.drift and "fell by more than" in drifted.reason
+    assert drifted.baseline == raised and drifted.saved_train_seconds is None
+
+
+def test_without_a_champion_or_with_the_check_off_the_cycle_trains(
+    stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
+) -> None:
+    config = _drift_config(stack, tmp_path, tiny_target)
+    _capture(config, tiny_target, documents=4)
+    snapshot = cycle.snapshot_window(config, "c1")
+    assert cycle.check_drift(config, snapshot).reason == "training: no champion yet"
+
+    off = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"skip_without_drift": False})}
+    )
+    DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id).seed_champion(
+        tiny_drafts["ko"]
+    )
+    verdict = cycle.check_drift(off, cycle.snapshot_window(off, "c2"))
+    assert verdict.drift and "skip_without_drift is off" in verdict.reason

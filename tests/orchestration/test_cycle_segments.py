@@ -1,0 +1,135 @@
+"""The cycle groups held-out traffic by segment (issue 14), on the real S3 server.
+
+Window and older held-out requests alike are grouped by the client's label, else by
+the cycle's clusters; the gate's weights are the window's token shares; the cycle's
+segmenter is stored once under its lake state and warm-starts the next cycle's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import make_record
+from tide_lib.config import LakeConfig, TideConfig
+from tide_lib.evaluation.segments import Segmenter
+from tide_lib.lake import LakeWriter, ObjectStore, target_slug
+from tide_lib.lake.schema import CapturedRecord
+from tide_lib.orchestration import cycle
+
+pytestmark = pytest.mark.slow
+TARGET = "demo/segments"
+HIDDEN = 16
+
+
+@pytest.fixture
+def config(stack: TideConfig, lake_config: LakeConfig, tmp_path: Path) -> TideConfig:
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"hidden_size": HIDDEN, "vocab_size": 1000}))
+    return stack.model_copy(
+        update={
+            "lake": lake_config.model_copy(update={"commit_settle_s": 1.0}),
+            "cycle": stack.cycle.model_copy(
+                update={
+                    "target_id": TARGET,
+                    "target_path": target,
+                    "held_out_percent": 50,
+                    "held_out_older_tokens": 10_000,
+                    "replay_share": 4.0,
+                    "segment_clusters": 2,
+                }
+            ),
+            "scratch_dir": tmp_path / "scratch",
+        }
+    )
+
+
+def _record(index: int, center: np.ndarray, segment: str | None) -> CapturedRecord:
+    """A request whose final states sit around ``center`` (the target's view of its kind)."""
+    record = make_record(index, target_id=TARGET, hidden=HIDDEN)
+    noise = np.random.default_rng(index).standard_normal(record.hidden_states.shape)
+    states = (center[None] + 0.2 * noise).astype(np.float16)
+    return dataclasses.replace(record, hidden_states=states, segment=segment)
+
+
+def _write(store: ObjectStore, config: TideConfig, records: list[CapturedRecord]) -> None:
+    with LakeWriter(store, config.lake) as writer:
+        for record in records:
+            assert writer.submit(record)
+        assert writer.flush(timeout=30)
+    time.sleep(1.5)  # commit_settle_s
+
+
+CENTERS = [3.0 * np.random.default_rng(seed).standard_normal(HIDDEN) for seed in (1, 2)]
+
+
+def test_held_out_traffic_is_grouped_by_segment_with_window_and_older_shares(
+    config: TideConfig, lake_store: ObjectStore, tmp_path: Path
+) -> None:
+    # Older traffic: English chat, labelled by its client.
+    _write(lake_store, config, [_record(i, CENTERS[0], "english") for i in range(20)])
+    first = cycle.snapshot_window(config, "c1")
+    cycle.advance_watermark(config, first)
+    # The window: Korean law (labelled) and unlabelled requests of another kind.
+    _write(
+        lake_store,
+        config,
+        [_record(100 + i, CENTERS[0], "korean law") for i in range(10)]
+        + [_record(200 + i, CENTERS[1], None) for i in range(30)],
+    )
+    snapshot = cycle.snapshot_window(config, "c2")
+    traffic = cycle.held_out_traffic(config, snapshot)
+
+    (cluster,) = [name for name in traffic.window_tokens if name.startswith("cluster-")]
+    assert traffic.window_tokens == {"korean law": 10 * 12, cluster: 30 * 12}
+    assert traffic.window_shares == pytest.approx({"korean law": 0.25, cluster: 0.75})
+    assert traffic.older_shares == {"english": 1.0}  # stopped arriving, still measured
+    assert set(traffic.samples) == {"english", "korean law", cluster}
+    held = {s.request_id for samples in traffic.samples.values() for s in samples}
+    assert {s.request_id for s in traffic.samples[cluster]} <= {f"req-{200 + i}" for i in range(30)}
+    assert all(s.request_id.startswith("req-") for s in traffic.samples["english"])
+    assert 0 < len(held) < 60  # held out, not everything
+    assert cycle.held_out_samples(config, snapshot).keys() == traffic.samples.keys()
+
+    # The segmenter is stored once under the cycle's state and read back as is.
+    stored = Segmenter.from_json(lake_store.get_bytes(traffic.segmenter_key))
+    assert traffic.segmenter_key == (
+        f"{config.lake.prefix}/_state/target={target_slug(TARGET)}/cycles/c2/segmenter.json"
+    )
+    again, key = cycle.cycle_segmenter(config, snapshot)
+    assert key == traffic.segmenter_key and again.cluster_ids == stored.cluster_ids
+
+
+def test_the_next_cycle_keeps_the_cluster_names(
+    config: TideConfig, lake_store: ObjectStore
+) -> None:
+    _write(lake_store, config, [_record(i, CENTERS[i % 2], None) for i in range(30)])
+    first = cycle.snapshot_window(config, "c1")
+    names_before = cycle.held_out_traffic(config, first).window_tokens.keys()
+    cycle.advance_watermark(config, first)
+    _write(lake_store, config, [_record(300 + i, CENTERS[i % 2], None) for i in range(30)])
+    second = cycle.snapshot_window(config, "c2")
+    traffic = cycle.held_out_traffic(config, second)
+    assert traffic.window_tokens.keys() == names_before and len(names_before) == 2
+
+
+def test_export_separates_window_and_replay(
+    config: TideConfig, lake_store: ObjectStore, tmp_path: Path
+) -> None:
+    _write(lake_store, config, [_record(i, CENTERS[0], "english") for i in range(10)])
+    first = cycle.snapshot_window(config, "c1")
+    cycle.advance_watermark(config, first)
+    _write(lake_store, config, [_record(100 + i, CENTERS[1], None) for i in range(10)])
+    snapshot = cycle.snapshot_window(config, "c2")
+    assert snapshot.replay  # the older commit is replayed
+    count = cycle.export_training_data(config, snapshot, tmp_path / "data")
+    window = sorted((tmp_path / "data" / "window").glob("*.ckpt"))
+    replay = sorted((tmp_path / "data" / "replay").glob("*.ckpt"))
+    assert window and replay and count == len(window) + len(replay)
+    assert not list((tmp_path / "data").glob("*.ckpt"))  # nothing outside the two

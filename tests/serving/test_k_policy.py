@@ -1,0 +1,227 @@
+"""The k controller on synthetic costs and acceptance: it speculates only where it pays."""
+
+from __future__ import annotations
+
+import pytest
+
+from tide_lib.serving.k_policy import (
+    MAX_SEGMENTS,
+    KController,
+    RoundTimings,
+    choose_k,
+    expected_tokens_per_round,
+    geometric_acceptance,
+    recommend_k,
+)
+
+MAX_K = 5
+
+
+def _linear_verify(plain_s: float, per_token_s: float, max_k: int = MAX_K) -> list[float]:
+    """A target forward reading k + 1 tokens costs plain + k * per_token (CPU-like)."""
+    return [plain_s + k * per_token_s for k in range(max_k + 1)]
+
+
+def test_expected_tokens_count_the_bonus_and_chain_the_positions() -> None:
+    assert expected_tokens_per_round([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens_per_round([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens_per_round([1.0, 0.0, 1.0], 3) == 2.0  # nothing past a sure miss
+
+
+def test_expensive_draft_steps_choose_plain_decoding() -> None:
+    choice = choose_k([0.9] * MAX_K, draft_step_s=0.02, verify_s=_linear_verify(0.01, 0.0), max_k=5)
+    assert choice.k == 0
+    assert choice.tokens_per_s[0] == pytest.approx(100.0)
+    assert max(choice.tokens_per_s[1:]) < choice.tokens_per_s[0]
+
+
+def test_low_acceptance_chooses_plain_decoding_even_with_cheap_drafts() -> None:
+    choice = choose_k(
+        [0.05] * MAX_K, draft_step_s=0.001, verify_s=_linear_verify(0.01, 0.001), max_k=MAX_K
+    )
+    assert choice.k == 0
+
+
+def test_cheap_drafts_and_high_acceptance_choose_the_largest_k() -> None:
+    choice = choose_k(
+        [0.95] * MAX_K, draft_step_s=0.0005, verify_s=_linear_verify(0.01, 0.0), max_k=MAX_K
+    )
+    assert choice.k == MAX_K
+    assert choice.tokens_per_s[MAX_K] > 3 * choice.tokens_per_s[0]
+
+
+def test_falling_acceptance_and_growing_verify_cost_choose_the_interior_k() -> None:
+    acceptance = [0.9, 0.8, 0.4, 0.2, 0.1]
+    verify = _linear_verify(0.010, 0.002)
+    choice = choose_k(acceptance, draft_step_s=0.002, verify_s=verify, max_k=MAX_K)
+    by_hand = [1 / verify[0]] + [
+        expected_tokens_per_round(acceptance, k) / (k * 0.002 + verify[k])
+        for k in range(1, MAX_K + 1)
+    ]
+    assert choice.tokens_per_s == pytest.approx(tuple(by_hand))
+    assert choice.k == by_hand.index(max(by_hand)) == 2
+
+
+def test_a_gain_below_the_margin_stays_on_plain_decoding() -> None:
+    # k=1: 1.5 tokens per 0.0146 s = 102.7 tokens/s against plain 100: a 2.7 % gain.
+    args = ([0.5] * MAX_K, 0.0046, _linear_verify(0.01, 0.0))
+    assert choose_k(*args, max_k=MAX_K, min_gain=0.0).k > 0
+    assert choose_k(*args, max_k=MAX_K, min_gain=0.05).k == 0
+
+
+def test_choose_k_needs_every_cost() -> None:
+    with pytest.raises(ValueError, match="verify costs"):
+        choose_k([0.5] * MAX_K, 0.001, [0.01, 0.01], max_k=MAX_K)
+
+
+# -- the controller, fed synthetic measurements ----------------------------------------------
+
+
+class SyntheticServer:
+    """A serving loop with known costs; a draft whose position i is accepted with ``rates``."""
+
+    def __init__(
+        self, draft_s: float, plain_s: float, per_token_s: float, rates: list[float]
+    ) -> None:
+        self.draft_s, self.plain_s, self.per_token_s = draft_s, plain_s, per_token_s
+        self.rates = rates
+
+    def run(self, k: int, rounds: int = 20) -> RoundTimings:
+        """``rounds`` verify rounds at k; acceptance deterministic in expectation."""
+        timings = RoundTimings(k, [])
+        if k == 0:
+            timings.target_forwards = [(1, self.plain_s)] * rounds
+            return timings
+        for index in range(rounds):
+            accepted = 0
+            reach = 1.0
+            threshold = (index + 0.5) / rounds  # stratified: the share accepted matches rates
+            for rate in self.rates[:k]:
+                reach *= rate
+                if threshold >= reach:
+                    break
+                accepted += 1
+            timings.rounds.append((k, accepted))
+            timings.target_forwards.append((k + 1, self.plain_s + k * self.per_token_s))
+            timings.draft_forwards += k
+            timings.draft_seconds += k * self.draft_s
+        return timings
+
+
+def _serve(controller: KController, server: SyntheticServer, requests: int, **kw: str) -> list[int]:
+    picked = []
+    for _ in range(requests):
+        k = controller.pick(kw.get("segment"))
+        controller.observe(server.run(k), kw.get("segment"))
+        picked.append(k)
+    return picked
+
+
+def test_controller_measures_max_k_then_plain_then_chooses() -> None:
+    controller = KController(MAX_K, adaptive=True)
+    server = SyntheticServer(draft_s=0.02, plain_s=0.01, per_token_s=0.001, rates=[0.9] * MAX_K)
+    picked = _serve(controller, server, 40)
+    assert picked[:2] == [MAX_K, 0]  # every position and the draft cost, then plain's cost
+    assert controller.snapshot()["chosen_k"] == 0
+    assert picked[2:].count(0) >= 0.9 * len(picked[2:])  # only exploration leaves plain
+    assert set(picked[2:]) <= {0, 1}
+
+
+def test_controller_keeps_the_largest_k_when_drafting_pays() -> None:
+    controller = KController(MAX_K, adaptive=True)
+    server = SyntheticServer(draft_s=0.0005, plain_s=0.01, per_token_s=0.0, rates=[0.95] * MAX_K)
+    picked = _serve(controller, server, 40)
+    snapshot = controller.snapshot()
+    assert snapshot["chosen_k"] == MAX_K
+    assert picked[2:].count(MAX_K) >= 0.9 * len(picked[2:])
+    assert snapshot["acceptance"][0] == pytest.approx(0.95, abs=0.05)
+    rates = snapshot["expected_tokens_per_s"]
+    assert rates[str(MAX_K)] == max(rates.values())
+
+
+def test_segments_keep_their_own_acceptance_and_choice() -> None:
+    controller = KController(MAX_K, adaptive=True, explore_every=4)
+    fits = SyntheticServer(draft_s=0.002, plain_s=0.01, per_token_s=0.0, rates=[0.95] * MAX_K)
+    misses = SyntheticServer(draft_s=0.002, plain_s=0.01, per_token_s=0.0, rates=[0.05] * MAX_K)
+    for _ in range(30):
+        _serve(controller, fits, 1, segment="en")
+        _serve(controller, misses, 1, segment="ko")
+    snapshot = controller.snapshot()
+    en, ko = snapshot["segments"]["en"], snapshot["segments"]["ko"]
+    assert en["acceptance"][0] > 0.8
+    assert ko["acceptance"][0] < 0.2
+    assert en["chosen_k"] >= 3 and ko["chosen_k"] == 0
+    assert controller.acceptance("en") == pytest.approx(en["acceptance"], abs=1e-6)
+
+
+def test_segments_are_bounded() -> None:
+    controller = KController(2, adaptive=True)
+    for index in range(MAX_SEGMENTS + 10):
+        controller.observe(RoundTimings(2, [(2, 1)]), segment=f"s{index}")
+    segments = controller.snapshot()["segments"]
+    assert len(segments) == MAX_SEGMENTS
+    assert "s0" not in segments and f"s{MAX_SEGMENTS + 9}" in segments
+
+
+def test_a_swap_forgets_acceptance_and_a_better_draft_is_found() -> None:
+    controller = KController(MAX_K, adaptive=True)
+    costs = {"draft_s": 0.002, "plain_s": 0.01, "per_token_s": 0.0}
+    _serve(controller, SyntheticServer(**costs, rates=[0.05] * MAX_K), 40)
+    assert controller.snapshot()["chosen_k"] == 0
+    controller.draft_swapped()
+    assert controller.snapshot()["acceptance"] == [1.0] * MAX_K  # optimism for the new draft
+    assert controller.pick() == MAX_K  # costs are kept: it serves the new draft at once
+    _serve(controller, SyntheticServer(**costs, rates=[0.95] * MAX_K), 30)
+    assert controller.snapshot()["chosen_k"] == MAX_K
+
+
+def test_exploration_notices_a_draft_that_starts_to_fit_without_a_swap() -> None:
+    controller = KController(MAX_K, adaptive=True, explore_every=4)
+    costs = {"draft_s": 0.002, "plain_s": 0.01, "per_token_s": 0.0}
+    _serve(controller, SyntheticServer(**costs, rates=[0.05] * MAX_K), 40)
+    assert controller.snapshot()["chosen_k"] == 0
+    # The traffic changes so that the same draft fits it: only exploring k=1 can tell.
+    picked = _serve(controller, SyntheticServer(**costs, rates=[0.95] * MAX_K), 120)
+    assert controller.snapshot()["chosen_k"] == MAX_K
+    assert picked[-1] >= MAX_K - 1
+
+
+def test_fixed_k_serves_the_launch_k_and_still_reports_what_would_pay() -> None:
+    controller = KController(MAX_K, adaptive=False)
+    server = SyntheticServer(draft_s=0.02, plain_s=0.01, per_token_s=0.0, rates=[0.5] * MAX_K)
+    assert set(_serve(controller, server, 10)) == {MAX_K}
+    snapshot = controller.snapshot()
+    assert snapshot["chosen_k"] == MAX_K and snapshot["recommended_k"] == 0
+    plain_only = KController(MAX_K, adaptive=True, speculative=False)
+    assert set(_serve(plain_only, server, 5)) == {0}
+    assert plain_only.snapshot()["chosen_k"] == 0
+
+
+def test_an_eos_stop_is_no_rejection() -> None:
+    controller = KController(3, adaptive=True)
+    controller.observe(RoundTimings(3, [(1, 1)]))  # drafted 3, stopped at an accepted EOS
+    assert controller.acceptance() == pytest.approx([1.0, 1.0, 1.0])
+    controller.observe(RoundTimings(3, [(3, 0)]))
+    rates = controller.acceptance()
+    assert rates[0] < 1.0
+    assert rates[1] == pytest.approx(rates[0])  # never tried: borrows the position before
+
+
+# -- fixed-k servers (SGLang): the k to relaunch with --------------------------------------
+
+
+def test_geometric_acceptance_inverts_the_acceptance_length() -> None:
+    for rate in (0.1, 0.5, 0.9):
+        length = expected_tokens_per_round([rate] * 4, 4)
+        assert geometric_acceptance(length, 4) == pytest.approx(rate, abs=1e-6)
+    assert geometric_acceptance(0.0, 3) == pytest.approx(0.0, abs=1e-9)  # before any verify
+    assert geometric_acceptance(9.0, 3) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_recommend_k_follows_acceptance_and_draft_cost() -> None:
+    launch = 4
+    low = recommend_k(1.1, launch, draft_cost_ratio=0.3)
+    high = recommend_k(4.2, launch, draft_cost_ratio=0.05)
+    middle = recommend_k(2.2, launch, draft_cost_ratio=0.25, verify_token_cost_ratio=0.05)
+    assert low.k == 0 and high.k == launch and 0 < middle.k < launch
+    assert recommend_k(4.2, launch, draft_cost_ratio=0.05, max_k=7).k == 7

@@ -1,0 +1,73 @@
+"""Train only when it pays: does the champion still fit the traffic of this window?
+
+A cycle trains a challenger whenever enough new tokens arrived, but when the
+champion serves the new window as well as it served the traffic it was
+promoted on, the accelerator hours buy a draft the gate then rejects (or that
+regresses). So before training, the cycle measures the champion's acceptance
+length on the window, per segment, and compares it with a *baseline*: the
+champion's acceptance when it was promoted (the gate's figures on its version),
+or, for a champion that was never judged (a seeded one), its first measurement.
+
+The rule (:func:`judge_drift`, a pure function): only segments holding at least
+``min_share`` of the window's tokens count. A known segment has drifted when it
+fell more than ``tolerance`` below its baseline; a segment the baseline does
+not know (new traffic) has drifted when the champion serves it more than
+``tolerance`` below the baseline's traffic-weighted average. No drifted segment:
+the cycle records "no drift", moves the watermark and trains nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["DriftVerdict", "judge_drift"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DriftVerdict:
+    drift: bool
+    reason: str
+    drifted: dict[str, float]  # segment -> how far it fell below its reference
+
+
+def _reference_of_new_segments(baseline: dict[str, float]) -> float:
+    return sum(baseline.values()) / len(baseline)
+
+
+def judge_drift(
+    measured: dict[str, float],
+    shares: dict[str, float],
+    baseline: dict[str, float],
+    *,
+    tolerance: float,
+    min_share: float,
+) -> DriftVerdict:
+    """Drift or not; ``measured``/``baseline`` map segment -> acceptance length at one k."""
+    if not baseline:
+        return DriftVerdict(True, "the champion has no baseline to compare with", {})
+    counted = {s: v for s, v in measured.items() if shares.get(s, 0.0) >= min_share}
+    if not counted:
+        return DriftVerdict(
+            True, f"no segment holds {min_share:.0%} of the window: cannot judge", {}
+        )
+    drifted: dict[str, float] = {}
+    notes: list[str] = []
+    for segment, value in sorted(counted.items()):
+        known = segment in baseline
+        reference = baseline[segment] if known else _reference_of_new_segments(baseline)
+        fall = reference - value
+        what = "baseline" if known else "baseline average (new segment)"
+        notes.append(f"{segment} {value:.3f} vs {what} {reference:.3f}")
+        if fall > tolerance:
+            drifted[segment] = fall
+    if drifted:
+        worst = max(drifted, key=drifted.__getitem__)
+        return DriftVerdict(
+            True,
+            f"drift: {', '.join(sorted(drifted))} fell by more than {tolerance:.3f} "
+            f"(worst {worst}, {drifted[worst]:.3f}); " + "; ".join(notes),
+            drifted,
+        )
+    return DriftVerdict(
+        False, f"no drift: every segment within {tolerance:.3f}; " + "; ".join(notes), {}
+    )

@@ -1,0 +1,400 @@
+"""How many draft tokens to speculate: the k that pays, measured while serving.
+
+Speculative decoding is slower than plain decoding when the draft misses often or
+a draft step costs too much next to a target step (measured 0.87x-0.96x on CPU
+with a fitted draft). The engine therefore measures, as it serves, the wall
+cost of a draft forward, of a target forward as a function of how many tokens it
+reads (a verify at k reads k + 1; plain decoding reads 1), and the draft's
+per-position conditional acceptance, and serves each request at the k in
+``0..max_k`` with the most expected tokens per second; k = 0 is plain decoding.
+
+:func:`choose_k` is the decision, a pure function of costs and acceptance, so
+tests and the fleet's recommendation for SGLang servers (fixed k) use it as is.
+:class:`KController` keeps the estimates: costs are shared by all requests;
+acceptance is kept overall and per client segment label, a segment's estimate
+shrunk towards the overall one until it has rounds of its own. Positions never
+measured borrow the previous position's rate and position 0 starts at 1.0
+(optimism: an untried k gets tried), a deterministic share of requests runs at a
+neighbouring k so estimates stay current, and a draft swap forgets acceptance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "MAX_SEGMENTS",
+    "AcceptanceEstimate",
+    "CostModel",
+    "KChoice",
+    "KController",
+    "RoundTimings",
+    "choose_k",
+    "expected_tokens_per_round",
+    "geometric_acceptance",
+    "recommend_k",
+]
+
+# Labels come from clients: at most this many segments are tracked (least recent dropped).
+MAX_SEGMENTS = 64
+_COST_EMA = 0.2  # weight of a new request's measurement in the running cost estimates
+_PRIOR_ROUNDS = 2.0  # pseudo-rounds of the prior behind each position's acceptance
+_SEGMENT_PRIOR_ROUNDS = 8.0  # pseudo-rounds of the overall estimate behind a segment's
+
+
+@dataclasses.dataclass(frozen=True)
+class KChoice:
+    """The chosen k and the expected output tokens/s at every k (index = k)."""
+
+    k: int
+    tokens_per_s: tuple[float, ...]
+
+
+def expected_tokens_per_round(acceptance: Sequence[float], k: int) -> float:
+    """Tokens a chain verify at k emits on average: the accepted drafts plus the bonus.
+
+    ``acceptance[i]`` is the chance that draft position i is accepted given that
+    positions before it were.
+    """
+    expected, reach = 1.0, 1.0
+    for position in range(k):
+        reach *= acceptance[position]
+        expected += reach
+    return expected
+
+
+def choose_k(
+    acceptance: Sequence[float],
+    draft_step_s: float,
+    verify_s: Sequence[float],
+    *,
+    max_k: int,
+    min_gain: float = 0.0,
+) -> KChoice:
+    """The k in ``0..max_k`` with the most expected tokens/s.
+
+    ``verify_s[k]``: seconds of a step at k besides its draft forwards, i.e. a target forward
+    reading k + 1 tokens and its bookkeeping (``verify_s[0]`` is a plain decode step);
+    ``draft_step_s``: seconds of a draft forward; a round at k runs k
+    of them (k - 1 chained steps and the pass over the verified tokens). A k > 0 is chosen
+    only when it beats plain decoding by more than ``min_gain`` (a share, 0.02 = 2 %); ties
+    go to the smaller k.
+    """
+    if len(acceptance) < max_k or len(verify_s) <= max_k:
+        raise ValueError(f"need {max_k} acceptance rates and {max_k + 1} verify costs")
+    rates = [1.0 / verify_s[0]]
+    for k in range(1, max_k + 1):
+        seconds = k * draft_step_s + verify_s[k]
+        rates.append(expected_tokens_per_round(acceptance, k) / seconds)
+    best = 0
+    for k in range(1, max_k + 1):
+        if rates[k] > rates[best] and rates[k] > rates[0] * (1.0 + min_gain):
+            best = k
+    return KChoice(k=best, tokens_per_s=tuple(rates))
+
+
+def geometric_acceptance(accept_length: float, k: int) -> float:
+    """The constant per-position acceptance that gives ``accept_length`` at k (bisection).
+
+    What a server reports is one figure (SGLang's ``avg_spec_accept_length``, bonus
+    included); assuming every position accepts at the same rate spreads it over positions.
+    """
+    if k < 1:
+        raise ValueError("an acceptance length needs k >= 1")
+    target = min(max(accept_length, 1.0), k + 1.0)
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if expected_tokens_per_round([middle] * k, k) < target:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def recommend_k(
+    accept_length: float,
+    launch_k: int,
+    *,
+    draft_cost_ratio: float,
+    verify_token_cost_ratio: float = 0.0,
+    max_k: int | None = None,
+    min_gain: float = 0.02,
+) -> KChoice:
+    """The k to relaunch a fixed-k server with, from its acceptance length at ``launch_k``.
+
+    Costs are relative to a plain decode step: a draft forward costs ``draft_cost_ratio``,
+    a verify at k costs ``1 + k * verify_token_cost_ratio`` (about 0 on a GPU at small
+    batch). ``tokens_per_s`` is then tokens per plain-step time.
+    """
+    limit = launch_k if max_k is None else max_k
+    rate = geometric_acceptance(accept_length, launch_k)
+    verify = [1.0 + k * verify_token_cost_ratio for k in range(limit + 1)]
+    return choose_k([rate] * limit, draft_cost_ratio, verify, max_k=limit, min_gain=min_gain)
+
+
+@dataclasses.dataclass
+class RoundTimings:
+    """What one generation measured, for the controller (prefill excluded)."""
+
+    k: int
+    rounds: list[tuple[int, int]]  # (drafted, accepted) per verify round
+    draft_seconds: float = 0.0
+    draft_forwards: int = 0
+    target_forwards: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    decode_seconds: float = 0.0  # all of decoding after the prefill, bookkeeping included
+
+
+class CostModel:
+    """Running wall costs: a draft forward, a target forward by tokens read, and bookkeeping.
+
+    Bookkeeping is what a step costs besides its forwards (sampling, acceptance checks,
+    cache crops): on a small model it is a real share, and larger per speculative round
+    than per plain step, so each is measured from the request's wall time and added to
+    the verify cost of its kind.
+    """
+
+    def __init__(self) -> None:
+        self.draft_step_s: float | None = None
+        self.target_s: dict[int, float] = {}  # tokens read -> seconds
+        self.round_overhead_s = 0.0  # per speculative round
+        self.plain_overhead_s = 0.0  # per plain decode step
+
+    @staticmethod
+    def _blend(old: float | None, new: float) -> float:
+        return new if old is None else (1.0 - _COST_EMA) * old + _COST_EMA * new
+
+    def observe(self, timings: RoundTimings) -> None:
+        if timings.draft_forwards:
+            per_forward = timings.draft_seconds / timings.draft_forwards
+            self.draft_step_s = self._blend(self.draft_step_s, per_forward)
+        by_tokens: dict[int, list[float]] = {}
+        for tokens, seconds in timings.target_forwards:
+            by_tokens.setdefault(tokens, []).append(seconds)
+        for tokens, seconds_list in by_tokens.items():
+            mean = sum(seconds_list) / len(seconds_list)
+            self.target_s[tokens] = self._blend(self.target_s.get(tokens), mean)
+        steps = len(timings.target_forwards)
+        if not steps or timings.decode_seconds <= 0:
+            return
+        forwards = timings.draft_seconds + sum(s for _, s in timings.target_forwards)
+        overhead = max(0.0, timings.decode_seconds - forwards) / steps
+        if timings.k:
+            self.round_overhead_s = self._blend(self.round_overhead_s or None, overhead)
+        else:
+            self.plain_overhead_s = self._blend(self.plain_overhead_s or None, overhead)
+
+    def verify_costs(self, max_k: int) -> list[float] | None:
+        """Seconds of a step at k besides its draft forwards, k = 0..max_k; None before any.
+
+        A target forward reading k + 1 tokens plus the step's bookkeeping. Token counts
+        never measured come from a least-squares line over the measured ones (slope at
+        least 0; flat with one measurement).
+        """
+        if not self.target_s:
+            return None
+        points = sorted(self.target_s.items())
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_s = sum(s for _, s in points) / len(points)
+        spread = sum((n - mean_n) ** 2 for n, _ in points)
+        slope = (
+            max(0.0, sum((n - mean_n) * (s - mean_s) for n, s in points) / spread)
+            if spread
+            else 0.0
+        )
+        floor = min(s for _, s in points) * 0.5
+        return [
+            self.target_s.get(k + 1, max(floor, mean_s + slope * (k + 1 - mean_n)))
+            + (self.round_overhead_s if k else self.plain_overhead_s)
+            for k in range(max_k + 1)
+        ]
+
+    def snapshot(self, max_k: int) -> dict[str, Any]:
+        verify = self.verify_costs(max_k)
+        return {
+            "draft_step_s": self.draft_step_s,
+            "verify_s": None if verify is None else {str(k): s for k, s in enumerate(verify)},
+            "measured_target_tokens": sorted(self.target_s),
+            "round_overhead_s": self.round_overhead_s,
+            "plain_overhead_s": self.plain_overhead_s,
+        }
+
+
+class AcceptanceEstimate:
+    """Per-position conditional acceptance of chain drafting, with decaying counts.
+
+    A round that drafted d tokens and had m accepted tried positions 0..min(m, d - 1):
+    positions before m were accepted, position m (when m < d) was rejected; positions
+    after it say nothing. Counts decay by ``decay`` per round so the estimate follows
+    the traffic.
+    """
+
+    def __init__(self, max_k: int, decay: float) -> None:
+        self.trials = [0.0] * max_k
+        self.accepted = [0.0] * max_k
+        self.decay = decay
+        self.rounds = 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.trials = [t * self.decay for t in self.trials]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for position in range(min(accepted + 1, drafted, len(self.trials))):
+            self.trials[position] += 1.0
+            self.accepted[position] += 1.0 if position < accepted else 0.0
+
+    def rates(self, prior: Sequence[float] | None, prior_rounds: float) -> list[float]:
+        """Smoothed rates: towards ``prior`` if given, else towards the previous position."""
+        rates: list[float] = []
+        for position, (tried, accepted) in enumerate(zip(self.trials, self.accepted, strict=True)):
+            previous = rates[-1] if rates else 1.0
+            toward = prior[position] if prior is not None else previous
+            rates.append((accepted + prior_rounds * toward) / (tried + prior_rounds))
+        return rates
+
+
+class KController:
+    """Picks each request's k and learns from what the request measured.
+
+    ``adaptive`` off: every request runs at ``max_k`` (0 with ``speculative`` off), and
+    the controller still measures and reports the k it would choose. Thread-safe: the
+    worker picks and observes, the HTTP server reads :meth:`snapshot`.
+    """
+
+    def __init__(
+        self,
+        max_k: int,
+        *,
+        adaptive: bool,
+        speculative: bool = True,
+        explore_every: int = 16,
+        min_gain: float = 0.02,
+        decay: float = 0.995,
+    ) -> None:
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.speculative = speculative
+        self.explore_every = explore_every
+        self.min_gain = min_gain
+        self.decay = decay
+        self.costs = CostModel()
+        self._lock = threading.Lock()
+        self._overall = AcceptanceEstimate(max_k, decay)
+        self._segments: OrderedDict[str, AcceptanceEstimate] = OrderedDict()
+        self._picks = 0
+        self._explorations = 0
+        self.requests_by_k = [0] * (max_k + 1)
+
+    # -- estimates -------------------------------------------------------------------------
+
+    def acceptance(self, segment: str | None = None) -> list[float]:
+        with self._lock:
+            return self._acceptance(segment)
+
+    def _acceptance(self, segment: str | None) -> list[float]:
+        overall = self._overall.rates(None, _PRIOR_ROUNDS)
+        estimate = self._segments.get(segment) if segment is not None else None
+        if estimate is None:
+            return overall
+        return estimate.rates(overall, _SEGMENT_PRIOR_ROUNDS)
+
+    def _choice(self, segment: str | None) -> KChoice | None:
+        verify = self.costs.verify_costs(self.max_k)
+        draft = self.costs.draft_step_s
+        if verify is None or draft is None:
+            return None
+        return choose_k(
+            self._acceptance(segment), draft, verify, max_k=self.max_k, min_gain=self.min_gain
+        )
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def pick(self, segment: str | None = None) -> int:
+        """The k to serve the next request with (exploration included)."""
+        with self._lock:
+            k = self._pick(segment)
+            self.requests_by_k[k] += 1
+            return k
+
+    def _pick(self, segment: str | None) -> int:
+        if not self.speculative:
+            return 0
+        if not self.adaptive:
+            return self.max_k
+        self._picks += 1
+        if self.costs.draft_step_s is None:
+            return self.max_k  # measure the draft and every position first
+        if 1 not in self.costs.target_s:
+            return 0  # then one plain request: the cost speculation must beat
+        choice = self._choice(segment)
+        chosen = choice.k if choice is not None else self.max_k
+        if self._picks % self.explore_every:
+            return chosen
+        self._explorations += 1
+        up, down = min(chosen + 1, self.max_k), max(chosen - 1, 0)
+        first, second = (down, up) if self._explorations % 2 else (up, down)
+        return first if first != chosen else second
+
+    def observe(self, timings: RoundTimings, segment: str | None = None) -> None:
+        with self._lock:
+            self.costs.observe(timings)
+            estimates = [self._overall]
+            if segment is not None:
+                estimate = self._segments.pop(segment, None) or AcceptanceEstimate(
+                    self.max_k, self.decay
+                )
+                self._segments[segment] = estimate  # most recent last
+                while len(self._segments) > MAX_SEGMENTS:
+                    self._segments.popitem(last=False)
+                estimates.append(estimate)
+            for drafted, accepted in timings.rounds:
+                for estimate in estimates:
+                    estimate.observe(drafted, accepted)
+
+    def draft_swapped(self) -> None:
+        """A new draft: acceptance starts over (costs stay: same target, same draft shape)."""
+        with self._lock:
+            self._overall = AcceptanceEstimate(self.max_k, self.decay)
+            self._segments.clear()
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The choice, its expected tokens/s, the costs and acceptance (JSON-safe)."""
+        with self._lock:
+            overall = self._describe(None)
+            segments = {name: self._describe(name) for name in self._segments}
+            return {
+                "adaptive": self.adaptive,
+                "max_k": self.max_k,
+                **overall,
+                "costs": self.costs.snapshot(self.max_k),
+                "requests_by_k": {str(k): n for k, n in enumerate(self.requests_by_k)},
+                "segments": segments,
+            }
+
+    def _describe(self, segment: str | None) -> dict[str, Any]:
+        choice = self._choice(segment)
+        if not self.speculative:
+            serving = 0
+        elif not self.adaptive or choice is None:
+            serving = self.max_k
+        else:
+            serving = choice.k
+        return {
+            "chosen_k": serving,
+            "recommended_k": choice.k if choice is not None else None,
+            "expected_tokens_per_s": None
+            if choice is None
+            else {str(k): _finite(rate) for k, rate in enumerate(choice.tokens_per_s)},
+            "acceptance": [round(rate, 6) for rate in self._acceptance(segment)],
+        }
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
