@@ -225,3 +225,15 @@ def test_recommend_k_follows_acceptance_and_draft_cost() -> None:
     middle = recommend_k(2.2, launch, draft_cost_ratio=0.25, verify_token_cost_ratio=0.05)
     assert low.k == 0 and high.k == launch and 0 < middle.k < launch
     assert recommend_k(4.2, launch, draft_cost_ratio=0.05, max_k=7).k == 7
+
+
+def test_exploration_slows_while_the_choice_holds_and_resumes_after_a_swap() -> None:
+    controller = KController(MAX_K, adaptive=True, explore_every=4)
+    costs = {"draft_s": 0.02, "plain_s": 0.01, "per_token_s": 0.001}
+    picked = _serve(controller, SyntheticServer(**costs, rates=[0.9] * MAX_K), 400)
+    early, late = picked[2:66], picked[-128:]
+    assert sum(k != 0 for k in early) >= 4  # 4, 8, 16, 32 requests apart at first
+    assert sum(k != 0 for k in late) <= 5  # then one in 32: speculation that loses costs little
+    controller.draft_swapped()
+    after_swap = _serve(controller, SyntheticServer(**costs, rates=[0.9] * MAX_K), 16)
+    assert sum(k != 0 for k in after_swap) >= 2  # the new draft is tried, then explored again

@@ -14,8 +14,11 @@ tests and the fleet's recommendation for SGLang servers (fixed k) use it as is.
 acceptance is kept overall and per client segment label, a segment's estimate
 shrunk towards the overall one until it has rounds of its own. Positions never
 measured borrow the previous position's rate and position 0 starts at 1.0
-(optimism: an untried k gets tried), a deterministic share of requests runs at a
-neighbouring k so estimates stay current, and a draft swap forgets acceptance.
+(optimism: an untried k gets tried), a request now and then runs at a neighbouring
+k so estimates stay current (every ``explore_every`` requests at first, half as
+often after each exploration that left the choice as it was, down to one in
+``8 * explore_every``; a new choice or a draft swap starts over), and a draft
+swap forgets acceptance.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ MAX_SEGMENTS = 64
 _COST_EMA = 0.2  # weight of a new request's measurement in the running cost estimates
 _PRIOR_ROUNDS = 2.0  # pseudo-rounds of the prior behind each position's acceptance
 _SEGMENT_PRIOR_ROUNDS = 8.0  # pseudo-rounds of the overall estimate behind a segment's
+_EXPLORE_BACKOFF_LIMIT = 8  # exploration slows to one in explore_every x this requests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +292,8 @@ class KController:
         self._segments: OrderedDict[str, AcceptanceEstimate] = OrderedDict()
         self._picks = 0
         self._explorations = 0
+        # Per segment (None: unlabelled): [last choice, interval, requests until exploring].
+        self._exploring: dict[str | None, list[int]] = {}
         self.requests_by_k = [0] * (max_k + 1)
 
     # -- estimates -------------------------------------------------------------------------
@@ -333,12 +339,26 @@ class KController:
             return 0  # then one plain request: the cost speculation must beat
         choice = self._choice(segment)
         chosen = choice.k if choice is not None else self.max_k
-        if self._picks % self.explore_every:
+        if not self._time_to_explore(segment, chosen):
             return chosen
         self._explorations += 1
         up, down = min(chosen + 1, self.max_k), max(chosen - 1, 0)
         first, second = (down, up) if self._explorations % 2 else (up, down)
         return first if first != chosen else second
+
+    def _time_to_explore(self, segment: str | None, chosen: int) -> bool:
+        """Explore on a countdown that doubles while the choice holds (reset when it moves)."""
+        state = self._exploring.get(segment)
+        if state is None or state[0] != chosen:
+            if len(self._exploring) > MAX_SEGMENTS:
+                self._exploring.clear()
+            state = self._exploring[segment] = [chosen, self.explore_every, self.explore_every]
+        state[2] -= 1
+        if state[2] > 0:
+            return False
+        state[1] = min(state[1] * 2, self.explore_every * _EXPLORE_BACKOFF_LIMIT)
+        state[2] = state[1]
+        return True
 
     def observe(self, timings: RoundTimings, segment: str | None = None) -> None:
         with self._lock:
@@ -361,6 +381,7 @@ class KController:
         with self._lock:
             self._overall = AcceptanceEstimate(self.max_k, self.decay)
             self._segments.clear()
+            self._exploring.clear()  # explore at the first pace again
 
     # -- reporting -------------------------------------------------------------------------
 
