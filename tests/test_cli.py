@@ -149,3 +149,17 @@ def test_train_from_the_lake(
     assert json.loads(out[out.index("{") :])["steps"] == 3
     validate_draft_dir(tmp_path / "run" / "draft")
     assert main([*args[:-6], "--steps", "3", "--ttt-length", "0"]) == 2  # invalid config, exit 2
+
+
+def test_workload_segments_arrive_in_turn_and_a_bad_plan_is_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "w.jsonl"
+    plan = "english:3,english-docs:2,korean-law:2"
+    assert main(["workload", "segments", "--out", str(out), "--plan", plan]) == 0
+    lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [item["segment"] for item in lines] == ["english"] * 3 + ["english-docs"] * 2 + [
+        "korean-law"
+    ] * 2
+    assert lines[0]["prompt"].endswith("<|assistant|>")  # a chat turn
+    assert not lines[-1]["prompt"].endswith("<|assistant|>")  # a document's first words
+    assert main(["workload", "segments", "--out", str(out), "--plan", "english:x"]) == 2
+    assert main(["workload", "segments", "--out", str(out), "--plan", "german:3"]) == 2

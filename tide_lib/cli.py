@@ -296,12 +296,34 @@ def _bench_adaptation(args: argparse.Namespace, config: TideConfig) -> int:
         target_dir=args.target or DEFAULT_TARGETS / "demo",
         cycle_tokens=args.cycle_tokens,
         max_new_tokens=args.max_new_tokens,
+        labels=args.labels,
     )
-    _out(json.dumps({k: result[k] for k in ("al_ratio_adapted_static", "al_ratio_adapted_oracle")}))
+    keys = ("al_ratio_adapted_static", "al_ratio_adapted_oracle", "retention", "cycle_outcomes")
+    _out(json.dumps({k: result[k] for k in keys}))
     static, adapted = result["tokens_per_s_static"], result["tokens_per_s_adapted"]
-    _out(f"tokens/s static {static:.1f}, adapted {adapted:.1f}")
+    plain = result["tokens_per_s_plain"]
+    _out(f"tokens/s static {static:.1f}, adapted {adapted:.1f}, plain {plain:.1f}")
     if args.json:
         _out(f"wrote {args.json}")
+    return 0
+
+
+def _workload_segments(args: argparse.Namespace, _config: TideConfig) -> int:
+    from tide_lib.orchestration.bench import WorkloadError, segments_workload  # noqa: PLC0415
+
+    plan = []
+    for part in args.plan.split(","):
+        name, _, count = part.partition(":")
+        if not count.isdigit():
+            logger.error("--plan: %r is not SEGMENT:REQUESTS (e.g. korean:100)", part)
+            return 2
+        plan.append((name.strip(), int(count)))
+    try:
+        path = segments_workload(args.out, plan, max_new_tokens=args.max_new_tokens)
+    except WorkloadError as error:
+        logger.error("%s", error)
+        return 2
+    _out(str(path))
     return 0
 
 
@@ -658,7 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Workload: JSONL, one request per line in arrival order, "
             '{"prompt": ..., "segment": ..., "max_new_tokens": ...}; the last segment to appear '
-            "is the new traffic. Needs the S3 and MLflow servers up (`tide stack up`)."
+            "is the new traffic (one segment: a workload without shift). Needs the S3 and "
+            "MLflow servers up (`tide stack up`)."
         ),
     )
     bench_adaptation.add_argument("--workload", type=Path, required=True)
@@ -668,6 +691,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--cycle-tokens", type=int, default=1500, help="new tokens per cycle"
     )
     bench_adaptation.add_argument("--max-new-tokens", type=int, default=48)
+    bench_adaptation.add_argument(
+        "--labels",
+        action="store_true",
+        help="send each request's segment as a client label (custom_labels); "
+        "default: unlabelled, segments come from the cycles' clusters",
+    )
     bench_adaptation.set_defaults(handler=_bench_adaptation)
 
     workload = commands.add_parser("workload", help="workload files").add_subparsers(
@@ -678,6 +707,23 @@ def build_parser() -> argparse.ArgumentParser:
     workload_demo.add_argument("--english", type=int, default=60)
     workload_demo.add_argument("--korean", type=int, default=120)
     workload_demo.set_defaults(handler=_workload_demo)
+    workload_segments = workload.add_parser(
+        "segments",
+        help="segments arriving in turn, from the packaged corpora (JSONL)",
+        description=(
+            "Segments: english (conversation), english-docs (Python documentation), "
+            "korean (conversation), korean-law (Korean law). A document request is its first "
+            "words; the target continues it."
+        ),
+    )
+    workload_segments.add_argument("--out", type=Path, required=True)
+    workload_segments.add_argument(
+        "--plan",
+        default="english:60,english-docs:60,korean:100,korean-law:60",
+        help="SEGMENT:REQUESTS,... in arrival order",
+    )
+    workload_segments.add_argument("--max-new-tokens", type=int, default=48)
+    workload_segments.set_defaults(handler=_workload_segments)
 
     demo = commands.add_parser(
         "demo",

@@ -18,9 +18,11 @@ def test_malformed_workload_lines_are_named(tmp_path: Path) -> None:
     path.write_text('{"prompt": "a", "segment": "x"}\n{"prompt": "b"}\n')
     with pytest.raises(WorkloadError, match=r"w.jsonl:2: needs a non-empty \"segment\""):
         load_workload(path)
-    path.write_text('{"prompt": "a", "segment": "x"}\n')
-    with pytest.raises(WorkloadError, match="at least two segments"):
+    path.write_text("\n")
+    with pytest.raises(WorkloadError, match="no requests"):
         load_workload(path)
+    path.write_text('{"prompt": "a", "segment": "x"}\n')  # one segment: a workload without shift
+    assert load_workload(path) == [{"prompt": "a", "segment": "x"}]
 
 
 @pytest.mark.slow
@@ -44,9 +46,14 @@ def test_adaptation_bench_on_a_generated_workload(
         )
     )
     out = tmp_path / "adaptation.json"
-    # The tiny target's drafts often tie; force promotion so that the adapted path is exercised.
+    # The tiny target's drafts often tie: train every cycle and promote, so that the adapted
+    # path is exercised (the drift check and the selection have tests of their own).
     forced = stack.model_copy(
-        update={"cycle": stack.cycle.model_copy(update={"force_promote": True})}
+        update={
+            "cycle": stack.cycle.model_copy(
+                update={"force_promote": True, "skip_without_drift": False}
+            )
+        }
     )
     result = run_adaptation_bench(
         forced,
@@ -57,8 +64,15 @@ def test_adaptation_bench_on_a_generated_workload(
         cycle_tokens=120,
         max_new_tokens=12,
         train=TrainConfig(
-            steps=8, batch_size=2, ttt_length=3, draft_vocab_size=512, learning_rate=3e-3
+            steps=8,
+            batch_size=2,
+            ttt_length=3,
+            draft_vocab_size=512,
+            learning_rate=3e-3,
+            validation_fraction=0,
+            warm_epochs=0,
         ),
+        labels=True,
     )
     written = json.loads(out.read_text())
     assert written["new_segment"] == "new" and written == json.loads(json.dumps(result))
@@ -69,3 +83,9 @@ def test_adaptation_bench_on_a_generated_workload(
     assert set(written["al_ratio_adapted_static"]) == {"k3", "k5"}
     assert written["tokens_per_s_static"] > 0 and written["tokens_per_s_adapted"] > 0
     assert written["threshold_to_serving_s"] and min(written["threshold_to_serving_s"]) > 0
+    assert written["tokens_per_s_plain"] > 0
+    assert set(written["retention"]) == {"old"}  # every segment but the last
+    assert written["retention"]["old"]["before_draft"] in written["accept_length"]
+    outcomes = [entry["outcome"] for entry in written["cycle_log"]]
+    assert outcomes and set(outcomes) <= {"promoted", "rejected", "no-drift", "parent-best"}
+    assert written["cycles_trained"] == len(outcomes)  # the drift check was off

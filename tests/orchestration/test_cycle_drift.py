@@ -74,3 +74,32 @@ def test_without_a_champion_or_with_the_check_off_the_cycle_trains(
     )
     verdict = cycle.check_drift(off, cycle.snapshot_window(off, "c2"))
     assert verdict.drift and "skip_without_drift is off" in verdict.reason
+
+
+def test_a_cycle_whose_best_checkpoint_is_its_parent_registers_nothing(
+    stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
+) -> None:
+    """Item 3: no challenger worse than its parent. Training that only makes things worse
+    (a learning rate far too high) hands back the parent itself, marked not improved."""
+    config = _drift_config(stack, tmp_path, tiny_target)
+    config = config.model_copy(
+        update={
+            "training": config.training.model_copy(
+                update={"learning_rate": 5.0, "warm_lr_scale": 1.0, "eval_every": 10_000}
+            )
+        }
+    )
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    parent = registry.seed_champion(tiny_drafts["ko"]).version
+    _capture(config, tiny_target, documents=12)
+    snapshot = cycle.snapshot_window(config, "c1")
+
+    trained = cycle.train(config, snapshot)
+    assert trained.improved is False and trained.parent_version == parent
+    assert trained.draft_uri == registry.model_uri(parent)
+    assert cycle.train(config, snapshot) == trained  # a retry reads the outcome back
+    run = registry.client.get_run(trained.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["tide.best_is_parent"] == "true"
+    assert [
+        v.version for v in registry.client.search_model_versions(f"name = '{registry.name}'")
+    ] == [parent]

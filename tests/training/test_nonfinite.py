@@ -19,7 +19,13 @@ from tide_lib.training.trainer import list_samples, load_sample, train_draft
 pytestmark = pytest.mark.slow
 
 CONFIG = TrainConfig(
-    steps=8, batch_size=1, ttt_length=2, draft_vocab_size=512, learning_rate=3e-3, log_every=2
+    steps=8,
+    batch_size=1,
+    ttt_length=2,
+    draft_vocab_size=512,
+    learning_rate=3e-3,
+    log_every=2,
+    validation_fraction=0,  # every sample is trained on: the bad one comes once per epoch
 )
 
 

@@ -71,7 +71,7 @@ def test_warm_start_begins_at_the_parent(
         captured["en_train"],
         tiny_target,
         tmp_path / "zero",
-        CONFIG.model_copy(update={"steps": 0}),
+        CONFIG.model_copy(update={"steps": 0, "warm_epochs": 0}),
         parent_dir=english_draft.draft_dir,
     )
     parent = load_file(english_draft.draft_dir / "model.safetensors")
@@ -85,7 +85,7 @@ def test_warm_start_begins_at_the_parent(
             captured["en_train"],
             tiny_target,
             tmp_path / name,
-            CONFIG.model_copy(update={"steps": 1, "log_every": 1}),
+            CONFIG.model_copy(update={"steps": 1, "log_every": 1, "warm_epochs": 0}),
             parent_dir=parent_dir,
             on_step=lambda step, metrics, name=name: first_losses.setdefault(name, metrics["loss"]),
         )
@@ -131,11 +131,11 @@ def test_export_loads_into_specforge_class_with_equal_outputs(
     from transformers import LlamaConfig
 
     checkpoint = sorted((english_draft.draft_dir.parent / "checkpoints").glob("step-*.pt"))[-1]
-    trained_state = torch.load(checkpoint, weights_only=False)["draft"]
+    # The export is the best step on held-out traffic; the last checkpoint holds its weights.
+    best = torch.load(checkpoint, weights_only=True)["selection"]["best"]
+    assert best["step"] == english_draft.best_step
     in_memory = load_draft(english_draft.draft_dir, tiny_target)
-    in_memory.load_state_dict(
-        trained_state, strict=False
-    )  # exactly the weights training ended with
+    in_memory.load_state_dict(best["state"], strict=False)
     # SpecForge's own class, built from the exported config and weights. (Its
     # ``from_pretrained`` under transformers 5.8 leaves the non-persistent RoPE
     # buffers uninitialised, so the checkpoint is loaded into a constructed model.)

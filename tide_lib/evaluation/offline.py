@@ -12,6 +12,10 @@ through the target's ``lm_head``.
 
 Acceptance length is pooled as SGLang pools it: tokens emitted by verify steps
 (bonus included) over verify steps, summed over all requests of a segment.
+
+Samples are lake records (:class:`~tide_lib.lake.reader.TrainingSample`) or
+training files in SpecForge's offline layout (:func:`replay_sample`): the trainer
+scores its held-out split with the same replay while it trains.
 """
 
 from __future__ import annotations
@@ -19,14 +23,51 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from tide_lib.lake.reader import TrainingSample
 from tide_lib.serving.speculative import DraftRunner
 
-__all__ = ["AcceptanceCount", "offline_acceptance", "replay_request"]
+__all__ = [
+    "AcceptanceCount",
+    "ReplaySample",
+    "acceptance_counts",
+    "offline_acceptance",
+    "replay_request",
+    "replay_sample",
+]
+
+
+class ReplaySample(Protocol):
+    """What a replay reads of a captured request (a lake record has these and more)."""
+
+    @property
+    def input_ids(self) -> torch.Tensor: ...  # [T]
+    @property
+    def loss_mask(self) -> torch.Tensor: ...  # [T], 1 on output tokens
+    @property
+    def hidden_state(self) -> torch.Tensor: ...  # [T, H]
+    @property
+    def aux_hidden_state(self) -> torch.Tensor: ...  # [T, 3H]
+
+
+@dataclasses.dataclass(frozen=True)
+class _OfflineSample:
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    hidden_state: torch.Tensor
+    aux_hidden_state: torch.Tensor
+
+
+def replay_sample(raw: Mapping[str, Any]) -> ReplaySample:
+    """A training file's dict (SpecForge's offline layout) as a replayable sample."""
+    return _OfflineSample(
+        input_ids=raw["input_ids"].reshape(-1),
+        loss_mask=raw["loss_mask"].reshape(-1),
+        hidden_state=raw["hidden_state"].reshape(-1, raw["hidden_state"].shape[-1]),
+        aux_hidden_state=raw["aux_hidden_state"].reshape(-1, raw["aux_hidden_state"].shape[-1]),
+    )
 
 
 @dataclasses.dataclass
@@ -49,7 +90,7 @@ class AcceptanceCount:
 
 @torch.no_grad()
 def replay_request(
-    runner: DraftRunner, lm_head: torch.nn.Module, sample: TrainingSample, num_steps: int
+    runner: DraftRunner, lm_head: torch.nn.Module, sample: ReplaySample, num_steps: int
 ) -> tuple[int, int]:
     """``(tokens emitted by verify steps, verify steps)`` of one greedy request."""
     mask = sample.loss_mask.tolist()
@@ -98,13 +139,22 @@ def replay_request(
 def offline_acceptance(
     draft: Any,
     target_dir: Path,
-    segments: Mapping[str, Iterable[TrainingSample]],
+    segments: Mapping[str, Iterable[ReplaySample]],
     ks: Sequence[int],
 ) -> dict[str, dict[int, AcceptanceCount]]:
     """Acceptance length of ``draft`` per segment and per k, from captured states only."""
     from tide_lib.training.trainer import TargetHead  # noqa: PLC0415
 
-    lm_head = TargetHead(target_dir)
+    return acceptance_counts(draft, TargetHead(target_dir), segments, ks)
+
+
+def acceptance_counts(
+    draft: Any,
+    lm_head: torch.nn.Module,
+    segments: Mapping[str, Iterable[ReplaySample]],
+    ks: Sequence[int],
+) -> dict[str, dict[int, AcceptanceCount]]:
+    """:func:`offline_acceptance` with the target's output layer already at hand."""
     runner = DraftRunner(draft)
     results: dict[str, dict[int, AcceptanceCount]] = {}
     for name, samples in segments.items():

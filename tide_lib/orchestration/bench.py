@@ -73,10 +73,8 @@ def load_workload(path: Path) -> list[dict[str, Any]]:
         if unknown:
             raise WorkloadError(f"{path}:{number}: unknown keys {sorted(unknown)}")
         requests.append(item)
-    if len({item["segment"] for item in requests}) < 2:
-        raise WorkloadError(
-            f"{path}: needs at least two segments (older traffic, then new traffic)"
-        )
+    if not requests:
+        raise WorkloadError(f"{path}: no requests")
     return requests
 
 
@@ -298,7 +296,7 @@ def _train_oracle(
         data,
         target_dir,
         loop.work / "oracle",
-        config.training.model_copy(update={"steps": steps}),
+        config.training.model_copy(update={"steps": steps, "warm_epochs": 0}),
         parent_dir=loop.versions["static"],
     ).draft_dir
 

@@ -618,16 +618,22 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
         )
     run_id, parent_version = _training_run(registry, cycle_id)
     try:
-        draft_uri = registry.client.get_run(run_id).data.tags.get("tide.draft_uri")
+        tags = registry.client.get_run(run_id).data.tags
+        draft_uri, improved = tags.get("tide.draft_uri"), tags.get(_NOT_IMPROVED_TAG) != "true"
         if draft_uri:
             logger.info("cycle %s: run %s logged its draft before: reusing it", cycle_id, run_id)
         else:
-            draft_uri = _train_in_run(config, registry, snapshot, run_id, parent_version)
+            draft_uri, improved = _train_in_run(config, registry, snapshot, run_id, parent_version)
     except BaseException:
         _end_run(registry, run_id, "FAILED")  # never left RUNNING; a retry resumes it
         raise
     registry.client.set_terminated(run_id)
-    return Trained(run_id=run_id, draft_uri=draft_uri, parent_version=parent_version)
+    return Trained(
+        run_id=run_id, draft_uri=draft_uri, parent_version=parent_version, improved=improved
+    )
+
+
+_NOT_IMPROVED_TAG = "tide.best_is_parent"  # on the run: its best checkpoint was the parent
 
 
 def _train_in_run(
@@ -636,8 +642,12 @@ def _train_in_run(
     snapshot: Snapshot,
     run_id: str,
     parent_version: str | None,
-) -> str:
-    """Train in ``run_id`` and log the draft to it; returns the draft's URI."""
+) -> tuple[str, bool]:
+    """Train in ``run_id`` and log the draft to it; returns its URI and whether it improved.
+
+    When the best checkpoint on held-out traffic was the parent itself, nothing new is
+    logged: the URI is the parent's registered model and the cycle registers nothing.
+    """
     from tide_lib.training.launch import TrainJob, run_training  # noqa: PLC0415
 
     cycle_id = snapshot.cycle_id
@@ -654,12 +664,26 @@ def _train_in_run(
             mlflow_run_id=run_id,
         )
         result = run_training(job, config)
-        draft_uri = registry.log_draft(run_id, result.draft_dir)
+        improved = not (result.best_is_parent and parent_version)
+        if improved:
+            draft_uri = registry.log_draft(run_id, result.draft_dir)
+        else:
+            draft_uri = registry.model_uri(str(parent_version))
+            logger.info(
+                "cycle %s: no checkpoint beat the parent v%s on held-out traffic (%s): "
+                "nothing to register",
+                cycle_id,
+                parent_version,
+                ", ".join(
+                    f"step {e['step']}: {e['accept_length']:.3f}" for e in result.evaluations
+                ),
+            )
     client = registry.client
     client.log_param(run_id, "window_tokens", snapshot.window_tokens)
     client.log_param(run_id, "replay_tokens", snapshot.replay_tokens)
-    client.set_tag(run_id, "tide.draft_uri", draft_uri)
-    return draft_uri
+    client.set_tag(run_id, _NOT_IMPROVED_TAG, str(not improved).lower())
+    client.set_tag(run_id, "tide.draft_uri", draft_uri)  # last: marks the outcome complete
+    return draft_uri, improved
 
 
 def register(config: TideConfig, snapshot: Snapshot, trained: Trained) -> str:

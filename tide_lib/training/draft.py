@@ -23,6 +23,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Iterable
+from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -128,13 +129,21 @@ def build_vocab_mapping(
     return d2t, t2d
 
 
-def count_output_tokens(samples: Iterable[dict[str, torch.Tensor]]) -> Counter[int]:
-    """Frequencies of loss-bearing tokens, the input of :func:`build_vocab_mapping`."""
+def count_output_tokens(
+    samples: Iterable[dict[str, torch.Tensor]], weights: Iterable[int] | None = None
+) -> Counter[int]:
+    """Frequencies of loss-bearing tokens, the input of :func:`build_vocab_mapping`.
+
+    ``weights``: how many times each sample counts (how often training draws it);
+    default once each.
+    """
     counts: Counter[int] = Counter()
-    for sample in samples:
+    for sample, weight in zip(samples, weights if weights is not None else repeat(1), strict=False):
+        if weight <= 0:
+            continue
         selected = sample["input_ids"].reshape(-1)[sample["loss_mask"].reshape(-1).bool()]
         ids, freqs = torch.unique(selected, return_counts=True)
-        counts.update(dict(zip(ids.tolist(), freqs.tolist(), strict=True)))
+        counts.update(dict(zip(ids.tolist(), (freqs * weight).tolist(), strict=True)))
     return counts
 
 

@@ -11,9 +11,16 @@ or remapping its vocabulary), windows read from the lake, resumable
 checkpoints, and metrics to an MLflow run.
 
 Data: a directory in SpecForge's offline layout (one ``.ckpt`` per sample), as
-written by :meth:`tide_lib.lake.LakeReader.export_specforge`. The sample order
-is a pure function of the seed and the step, so a resumed run sees exactly the
-samples an uninterrupted one would.
+written by :meth:`tide_lib.lake.LakeReader.export_specforge`, optionally split
+into ``window/`` (new traffic) and ``replay/`` (older traffic) subdirectories. The
+sample order is a pure function of the seed and the step, so a resumed run sees
+exactly the samples an uninterrupted one would.
+
+Warm starts fine-tune rather than retrain (:func:`~tide_lib.training.schedule.step_plan`:
+steps, batch and learning rate scaled to the window), rebuild the draft
+vocabulary from the training mix (``vocab_mapping="mix"``), add a distillation
+term toward the parent on replay samples (:mod:`.distill`), and export the best
+draft scored on a held-out split, the parent included (:mod:`.selection`).
 
 Multi-GPU: run the same entry point under ``torchrun``; each process takes its
 share of every step's samples and gradients are averaged by DDP. Device and
@@ -28,6 +35,7 @@ skipped: then the data, not one sample, is the problem.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -43,21 +51,32 @@ import torch
 from tqdm import tqdm
 
 from tide_lib.config import TrainConfig
+from tide_lib.training.distill import LogitTap, LossMaskTap, distill_kl, teacher_columns
 from tide_lib.training.draft import (
     WEIGHTS_FILE,
+    build_vocab_mapping,
     count_output_tokens,
     export_draft,
     load_draft,
     load_target_tensor,
     new_draft,
 )
-from tide_lib.training.schedule import warmup_cosine
+from tide_lib.training.schedule import StepPlan, step_plan, warmup_cosine
+from tide_lib.training.selection import (
+    REPLAY,
+    BestDraft,
+    HeldOut,
+    Selection,
+    sample_split,
+    split_held_out,
+)
 from tide_lib.training.specforge_runtime import prepare_specforge
 
 __all__ = [
     "MetricSink",
     "TargetHead",
     "TrainResult",
+    "draw_counts",
     "evaluate_draft",
     "list_samples",
     "load_sample",
@@ -85,6 +104,34 @@ class TrainResult:
     seconds: float
     loss_backend: str
     skipped_steps: int = 0  # steps with a non-finite loss or gradient: no optimizer step
+    # The step whose draft was exported: 0 is the starting draft (the parent of a warm
+    # start), ``steps`` the last; without validation always ``steps``.
+    best_step: int | None = None
+    # The exported draft is the parent's weights, bit for bit: training found nothing
+    # better on held-out traffic, so there is nothing new to register.
+    best_is_parent: bool = False
+    # The exported draft scores above the starting draft on held-out traffic; None
+    # when nothing was held out (validation_fraction 0, or a single sample).
+    improved: bool | None = None
+    # Held-out acceptance, one entry per evaluation in step order (step 0 first):
+    # {"step": int, "accept_length": float, "groups": {"window"|"replay"|segment: float}}
+    evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    validation_samples: int = 0
+    learning_rate: float = 0.0  # the base learning rate used (scaled for warm starts)
+    batch_size: int = 0  # samples per step and process used
+
+    @property
+    def accept_length_before(self) -> float | None:
+        """Held-out acceptance length of the starting draft (the parent)."""
+        return self.evaluations[0]["accept_length"] if self.evaluations else None
+
+    @property
+    def accept_length_after(self) -> float | None:
+        """Held-out acceptance length of the exported draft."""
+        for evaluation in self.evaluations:
+            if evaluation["step"] == self.best_step:
+                return float(evaluation["accept_length"])
+        return None
 
     @property
     def tokens_per_s(self) -> float:
@@ -164,21 +211,48 @@ class _TargetFeatures:
         return {**raw, "hidden_state": final[0], "aux_hidden_state": aux[0]}
 
 
-class _Eagle3Objective:
-    """SpecForge's EAGLE3 TTT objective around one draft, on one device."""
+class _Teacher:
+    """The frozen parent draft running the same TTT unroll, for the distillation term."""
 
-    def __init__(self, draft: torch.nn.Module, target_dir: Path, config: TrainConfig) -> None:
+    def __init__(self, parent: Any, student: Any, head: TargetHead, config: TrainConfig) -> None:
+        from specforge.algorithms.eagle3.model import OnlineEagle3Model  # noqa: PLC0415
+        from specforge.training.strategies.base import Eagle3TrainStrategy  # noqa: PLC0415
+
+        self.draft: Any = copy.deepcopy(parent).to(config.device).eval()
+        self.draft.requires_grad_(False)
+        model = OnlineEagle3Model(self.draft, length=config.ttt_length, attention_backend="sdpa")
+        self.strategy = Eagle3TrainStrategy(model, target_head=head, ploss_decay=config.ploss_decay)
+        self.logits = LogitTap(self.draft.lm_head)
+        self.columns = teacher_columns(student.d2t, self.draft.d2t)
+        shared = int((self.columns >= 0).sum())
+        logger.info(
+            "distilling toward the parent on replay samples (%d draft tokens shared)", shared
+        )
+
+
+class _Eagle3Objective:
+    """SpecForge's EAGLE3 TTT objective around one draft, on one device.
+
+    With a ``teacher`` (the parent), :meth:`forward` can also return the
+    distillation term toward it on the same batch.
+    """
+
+    def __init__(
+        self, draft: Any, target_dir: Path, config: TrainConfig, teacher: Any | None = None
+    ) -> None:
         from specforge.algorithms.eagle3.data import normalize_offline_sample  # noqa: PLC0415
         from specforge.algorithms.eagle3.model import OnlineEagle3Model  # noqa: PLC0415
         from specforge.training.strategies.base import Eagle3TrainStrategy  # noqa: PLC0415
 
         self.device = torch.device(config.device)
         self.max_len = config.max_len
+        self.ploss_decay = config.ploss_decay
         self.normalize = normalize_offline_sample
         self.draft = draft.to(self.device)
-        self.model: torch.nn.Module = OnlineEagle3Model(
-            self.draft, length=config.ttt_length, attention_backend="sdpa"
-        )
+        eagle3 = OnlineEagle3Model(self.draft, length=config.ttt_length, attention_backend="sdpa")
+        self.logits = LogitTap(self.draft.lm_head)
+        self.loss_mask = LossMaskTap(eagle3)
+        self.model: torch.nn.Module = eagle3
         if torch.distributed.is_initialized():
             self.model = torch.nn.parallel.DistributedDataParallel(self.model)
         self.head = TargetHead(target_dir).to(self.device)
@@ -188,13 +262,14 @@ class _Eagle3Objective:
         self.strategy = Eagle3TrainStrategy(
             self.model, target_head=self.head, ploss_decay=config.ploss_decay
         )
+        self.teacher = _Teacher(teacher, self.draft, self.head, config) if teacher else None
         self.bf16 = config.precision == "bf16" or (
             config.precision == "auto"
             and self.device.type == "cuda"
             and torch.cuda.is_bf16_supported()
         )
 
-    def forward(self, raw: dict[str, torch.Tensor], sample_id: str) -> Any:
+    def _batch(self, raw: dict[str, torch.Tensor], sample_id: str) -> Any:
         from specforge.runtime.contracts import TrainBatch  # noqa: PLC0415
 
         if self.recompute is not None:
@@ -203,14 +278,29 @@ class _Eagle3Objective:
         dtype = next(self.draft.parameters()).dtype
         tensors["hidden_state"] = tensors["hidden_state"].to(dtype)
         tensors["target"] = tensors["target"].to(dtype)
-        batch = TrainBatch(
+        return TrainBatch(
             sample_ids=[sample_id],
             strategy="eagle3",
             tensors=tensors,
             metadata={"target_repr": "hidden_state"},
         )
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            return self.strategy.forward_loss(batch)
+
+    def forward(
+        self, raw: dict[str, torch.Tensor], sample_id: str, *, distill: bool = False
+    ) -> tuple[Any, torch.Tensor | None]:
+        """SpecForge's step output, and KL(parent || draft) when ``distill`` (else None)."""
+        batch = self._batch(raw, sample_id)
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        if not (distill and self.teacher is not None):
+            with autocast:
+                return self.strategy.forward_loss(batch), None
+        with torch.no_grad(), autocast, self.teacher.logits.recording() as parent_logits:
+            self.teacher.strategy.forward_loss(batch)
+        with autocast, self.logits.recording() as logits:
+            output = self.strategy.forward_loss(batch)
+        loss_mask = self.loss_mask.take()
+        kl = distill_kl(logits, parent_logits, loss_mask, self.teacher.columns, self.ploss_decay)
+        return output, kl
 
 
 class _Accuracy:
@@ -236,6 +326,17 @@ def _sample_index(global_index: int, num_samples: int, seed: int) -> int:
     epoch, offset = divmod(global_index, num_samples)
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return int(torch.randperm(num_samples, generator=generator)[offset])
+
+
+def draw_counts(total_draws: int, num_samples: int, seed: int) -> list[int]:
+    """How often the sampler draws each sample in ``total_draws`` draws (exactly)."""
+    epochs, remainder = divmod(total_draws, num_samples)
+    counts = [epochs] * num_samples
+    if remainder:
+        generator = torch.Generator().manual_seed(seed * 100_003 + epochs)
+        for index in torch.randperm(num_samples, generator=generator)[:remainder].tolist():
+            counts[index] += 1
+    return counts
 
 
 def _rank_world() -> tuple[int, int]:
@@ -264,7 +365,11 @@ def _file_digest(path: Path) -> str:
 
 
 def _run_fingerprint(
-    data_dir: Path, samples: list[Path], config: TrainConfig, parent_dir: Path | None
+    data_dir: Path,
+    samples: list[Path],
+    config: TrainConfig,
+    parent_dir: Path | None,
+    batch_size: int,
 ) -> str:
     """What a checkpoint must match to be resumed: names, settings, parent weights; no paths.
 
@@ -288,7 +393,7 @@ def _run_fingerprint(
             }
         ),
         # Processes x batch is what a step trains on; how it is split does not matter.
-        "step_batch": config.batch_size * int(os.environ.get("WORLD_SIZE", "1")),
+        "step_batch": batch_size * int(os.environ.get("WORLD_SIZE", "1")),
         "parent": _file_digest(parent_dir / WEIGHTS_FILE) if parent_dir else None,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -312,25 +417,39 @@ def _remap_vocabulary(draft: Any, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
 
 
 def _initial_draft(
-    samples: list[Path], target_dir: Path, config: TrainConfig, parent_dir: Path | None
+    samples: list[Path],
+    draws: list[int],
+    target_dir: Path,
+    config: TrainConfig,
+    parent: Any | None,
 ) -> Any:
-    def counts() -> Any:
-        return count_output_tokens(load_sample(path) for path in samples)
+    """The draft training starts from: a new one, or a copy of the parent (vocabulary per
+    ``vocab_mapping``). Token frequencies are the training mix's, each sample counted
+    as often as training draws it."""
 
-    if parent_dir is None:
+    def counts() -> Any:
+        weights = draws if sum(draws) else None  # no steps: each sample once
+        return count_output_tokens((load_sample(path) for path in samples), weights)
+
+    if parent is None:
         logger.info(
             "training a new draft (draft vocabulary %d from the window)", config.draft_vocab_size
         )
         return new_draft(target_dir, config.draft_vocab_size, counts())
-    draft = load_draft(parent_dir, target_dir)
-    logger.info("warm start from %s (vocabulary mapping: %s)", parent_dir, config.vocab_mapping)
-    if config.vocab_mapping == "window":
-        from tide_lib.training.draft import build_vocab_mapping  # noqa: PLC0415
-
+    draft = copy.deepcopy(parent)
+    if config.vocab_mapping == "mix":
         d2t, t2d = build_vocab_mapping(
             counts(), draft.config.draft_vocab_size, draft.config.vocab_size
         )
+        kept = int((t2d & parent.t2d.cpu()).sum())
         _remap_vocabulary(draft, d2t, t2d)
+        logger.info(
+            "warm start, draft vocabulary rebuilt from the training mix: %d of %d tokens kept",
+            kept,
+            int(t2d.sum()),
+        )
+    else:
+        logger.info("warm start, keeping the parent's draft vocabulary")
     return draft
 
 
@@ -364,10 +483,11 @@ def _resume(
     draft: Any,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
-    config: TrainConfig,
+    steps: int,
     on_stale_checkpoint: Callable[[], None] | None,
-) -> int | None:
-    """Load the latest checkpoint of this run, if any; the step it was taken at.
+) -> dict[str, Any] | None:
+    """Load the latest checkpoint of this run, if any; returns it (its ``step``, best so
+    far, evaluations and skipped steps come back with it).
 
     A checkpoint of another run (other data, parent or settings) is an error, or,
     with ``on_stale_checkpoint``, is dropped (the callback drops its copies too)
@@ -396,15 +516,15 @@ def _resume(
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
-    logger.info("resuming from %s (step %d of %d)", latest, state["step"], config.steps)
-    return int(state["step"])
+    logger.info("resuming from %s (step %d of %d)", latest, state["step"], steps)
+    return state
 
 
 class _NonFiniteSteps:
     """Counts skipped steps; raises once more than the allowed share of all steps was skipped."""
 
-    def __init__(self, config: TrainConfig, skipped: int = 0) -> None:
-        self.allowed = config.max_skipped_step_fraction * config.steps
+    def __init__(self, config: TrainConfig, steps: int, skipped: int = 0) -> None:
+        self.allowed = config.max_skipped_step_fraction * steps
         self.skipped = skipped
 
     def check(self, loss: float, grad_norm: torch.Tensor, step: int) -> bool:
@@ -450,128 +570,259 @@ def train_draft(
     on_checkpoint: Callable[[Path], None] | None = None,
     on_stale_checkpoint: Callable[[], None] | None = None,
 ) -> TrainResult:
-    """Train (or resume training) a draft; exports it to ``out_dir/draft`` and returns figures."""
+    """Train (or resume training) a draft; exports the best one to ``out_dir/draft``.
+
+    The best is the draft with the highest held-out acceptance among step 0 (the
+    parent of a warm start) and every evaluation; the result says which.
+    """
     backend = prepare_specforge(config.device, config.loss_backend)
     _maybe_init_distributed(config.device)
     rank, world = _rank_world()
     samples = list_samples(data_dir)
-    fingerprint = _run_fingerprint(data_dir, samples, config, parent_dir)
+    train_samples, held_paths = split_held_out(data_dir, samples, config)
+    plan = step_plan(config, len(train_samples), warm=parent_dir is not None, world=world)
+    fingerprint = _run_fingerprint(data_dir, samples, config, parent_dir, plan.batch_size)
     torch.manual_seed(config.seed)
 
-    draft = _initial_draft(samples, target_dir, config, parent_dir)
-    objective = _Eagle3Objective(draft, target_dir, config)
+    parent = load_draft(parent_dir, target_dir) if parent_dir is not None else None
+    draws = draw_counts(plan.steps * plan.batch_size * world, len(train_samples), config.seed)
+    draft = _initial_draft(train_samples, draws, target_dir, config, parent)
+    splits = [sample_split(data_dir, path) for path in train_samples]
+    distill = parent is not None and config.distill_weight > 0 and REPLAY in splits
+    objective = _Eagle3Objective(draft, target_dir, config, teacher=parent if distill else None)
     trainable = [p for p in objective.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate)
+    optimizer = torch.optim.AdamW(trainable, lr=plan.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps)
+        optimizer, lambda step: warmup_cosine(step, plan.warmup_steps, plan.steps)
+    )
+    logger.info(
+        "%d training samples (%d replay), %d held out; %d steps of %d x %d at lr %.2g",
+        len(train_samples),
+        splits.count(REPLAY),
+        len(held_paths),
+        plan.steps,
+        plan.batch_size,
+        world,
+        plan.learning_rate,
     )
 
     checkpoint_dir = out_dir / CHECKPOINT_DIR
-    resumed_from = _resume(
+    resumed = _resume(
         checkpoint_dir,
         fingerprint,
         draft=draft,
         optimizer=optimizer,
         scheduler=scheduler,
-        config=config,
+        steps=plan.steps,
         on_stale_checkpoint=on_stale_checkpoint,
     )
-    start_step = resumed_from or 0
-    nonfinite = _NonFiniteSteps(config, _skipped_before(checkpoint_dir, resumed_from))
-
-    started = time.perf_counter()
-    trained_tokens = 0
-    window: dict[str, list[float]] = {}
-    last: dict[str, float] = {"loss": float("nan")}
-    progress = tqdm(
-        range(start_step, config.steps),
-        desc="train draft",
-        unit="step",
-        disable=rank != 0,
-        initial=start_step,
-        total=config.steps,
+    held_out = (
+        HeldOut(data_dir, held_paths, load_sample, objective.head, config.k)
+        if held_paths and rank == 0
+        else None
     )
-    objective.model.train()
-    for step in progress:
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
-        accuracy = _Accuracy()
-        for slot in range(rank, config.batch_size * world, world):
-            index = _sample_index(
-                step * config.batch_size * world + slot, len(samples), config.seed
-            )
-            raw = load_sample(samples[index])
-            output = objective.forward(raw, samples[index].name)
-            (output.loss / config.batch_size).backward()
-            step_loss += float(output.loss.detach()) / config.batch_size
-            trained_tokens += int(raw["input_ids"].numel())
-            accuracy.add(output.metrics)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
-        finite = nonfinite.check(step_loss, grad_norm, step)
-        if finite:
-            optimizer.step()
-        else:
-            optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-
-        step_metrics = {"loss": step_loss, "lr": float(scheduler.get_last_lr()[0])}
-        step_metrics |= {f"acc_{i}": value for i, value in enumerate(accuracy.values())}
-        if finite:  # a skipped step's NaN would poison the logged averages
-            for key, value in step_metrics.items():
-                window.setdefault(key, []).append(value)
-        window.setdefault("skipped_steps", []).append(float(nonfinite.skipped))
-        done = step + 1
-        if rank == 0 and (done % config.log_every == 0 or done == config.steps):
-            last = {key: sum(values) / len(values) for key, values in window.items()}
-            window.clear()
-            progress.set_postfix(
-                loss=f"{last.get('loss', math.nan):.3f}", acc0=f"{last.get('acc_0', 0):.3f}"
-            )
-            if metrics is not None:
-                metrics.log_metrics(last, step=done)
-        if rank == 0 and (done % config.checkpoint_every == 0 or done == config.steps):
-            saved = _save_checkpoint(
-                checkpoint_dir,
-                {
-                    "step": done,
-                    "fingerprint": fingerprint,
-                    "draft": {k: v for k, v in draft.state_dict().items() if "embed" not in k},
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": torch.get_rng_state(),
-                    "skipped_steps": nonfinite.skipped,
-                },
-                config.keep_checkpoints,
-            )
-            if on_checkpoint is not None:
-                on_checkpoint(saved)
-        if on_step is not None:
-            on_step(done, step_metrics)
-
+    selection = Selection(held_out, metrics.log_metrics if metrics is not None else None)
+    selection.begin(draft, parent, resumed.get("selection") if resumed else None)
+    run = _Run(
+        config=config,
+        plan=plan,
+        objective=objective,
+        samples=train_samples,
+        splits=splits,
+        rank=rank,
+        world=world,
+        nonfinite=_NonFiniteSteps(config, plan.steps, resumed["skipped_steps"] if resumed else 0),
+    )
+    started = time.perf_counter()
+    last = run.loop(
+        int(resumed["step"]) if resumed else 0,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        trainable=trainable,
+        selection=selection,
+        metrics=metrics,
+        on_step=on_step,
+        checkpoint=lambda done: _checkpoint(
+            checkpoint_dir,
+            fingerprint,
+            done,
+            run=run,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            selection=selection,
+            on_checkpoint=on_checkpoint,
+        ),
+    )
     seconds = time.perf_counter() - started
-    draft_dir = export_draft(draft, out_dir / DRAFT_DIR) if rank == 0 else out_dir / DRAFT_DIR
+    if rank == 0 and metrics is not None and selection.best is not None:
+        metrics.log_metrics(selection.summary_metrics(), step=plan.steps)
+    best_step = selection.best.step if selection.best is not None else plan.steps
+    best_is_parent = parent is not None and (best_step == 0)
+    draft_dir = out_dir / DRAFT_DIR
+    if rank == 0:
+        _export_best(draft, parent, selection.best, plan.steps, draft_dir)
     if world > 1:
         torch.distributed.barrier()
-    final_accuracy = [last[key] for key in sorted(k for k in last if k.startswith("acc_"))]
     return TrainResult(
         draft_dir=draft_dir,
-        steps=config.steps,
-        resumed_from_step=resumed_from,
+        steps=plan.steps,
+        resumed_from_step=int(resumed["step"]) if resumed else None,
         final_loss=last.get("loss", math.nan),
-        accuracy=final_accuracy,
-        trained_tokens=trained_tokens,
+        accuracy=[last[key] for key in sorted(k for k in last if k.startswith("acc_"))],
+        trained_tokens=run.trained_tokens,
         seconds=seconds,
         loss_backend=backend,
-        skipped_steps=nonfinite.skipped,
+        skipped_steps=run.nonfinite.skipped,
+        best_step=best_step,
+        best_is_parent=best_is_parent,
+        improved=None if selection.best is None else best_step > 0,
+        evaluations=[dataclasses.asdict(entry) for entry in selection.evaluations],
+        validation_samples=len(held_paths),
+        learning_rate=plan.learning_rate,
+        batch_size=plan.batch_size,
     )
 
 
-def _skipped_before(checkpoint_dir: Path, resumed_from: int | None) -> int:
-    """Steps the resumed run had skipped (its checkpoint remembers them)."""
-    latest = _latest_checkpoint(checkpoint_dir) if resumed_from else None
-    if latest is None:
-        return 0
-    return int(_load_checkpoint(latest).get("skipped_steps", 0))
+def _export_best(
+    draft: Any, parent: Any | None, best: BestDraft | None, steps: int, draft_dir: Path
+) -> None:
+    """Export the best draft: the parent itself, the last draft, or the best step's weights."""
+    if parent is not None and (best.state is None if best is not None else steps == 0):
+        if steps > 0:
+            logger.warning("no step beat the parent on held-out traffic: exporting the parent")
+        export_draft(parent, draft_dir)  # the parent's weights and vocabulary, untouched
+    elif best is None or best.step == steps:
+        export_draft(draft, draft_dir)
+    else:
+        logger.info("exporting step %d, the best on held-out traffic", best.step)
+        draft.load_state_dict(best.state, strict=False)
+        export_draft(draft, draft_dir)
+
+
+def _checkpoint(
+    directory: Path,
+    fingerprint: str,
+    done: int,
+    *,
+    run: _Run,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    selection: Selection,
+    on_checkpoint: Callable[[Path], None] | None,
+) -> None:
+    saved = _save_checkpoint(
+        directory,
+        {
+            "step": done,
+            "fingerprint": fingerprint,
+            "draft": {
+                k: v for k, v in run.objective.draft.state_dict().items() if "embed" not in k
+            },
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "skipped_steps": run.nonfinite.skipped,
+            "selection": selection.to_state(),
+        },
+        run.config.keep_checkpoints,
+    )
+    if on_checkpoint is not None:
+        on_checkpoint(saved)
+
+
+@dataclasses.dataclass
+class _Run:
+    """One run's training steps: sampling, the objective (plus distillation), logging."""
+
+    config: TrainConfig
+    plan: StepPlan
+    objective: _Eagle3Objective
+    samples: list[Path]
+    splits: list[str]
+    rank: int
+    world: int
+    nonfinite: _NonFiniteSteps
+    trained_tokens: int = 0
+
+    def step(self, step: int) -> tuple[float, dict[str, float]]:
+        """Forward and backward of one step's samples (this process's share)."""
+        batch, world = self.plan.batch_size, self.world
+        step_loss = distill_sum = 0.0
+        distilled = 0
+        accuracy = _Accuracy()
+        for slot in range(self.rank, batch * world, world):
+            index = _sample_index(step * batch * world + slot, len(self.samples), self.config.seed)
+            raw = load_sample(self.samples[index])
+            replay = self.splits[index] == REPLAY
+            output, kl = self.objective.forward(raw, self.samples[index].name, distill=replay)
+            loss = output.loss if kl is None else output.loss + self.config.distill_weight * kl
+            (loss / batch).backward()
+            step_loss += float(output.loss.detach()) / batch
+            if kl is not None:
+                distill_sum, distilled = distill_sum + float(kl.detach()), distilled + 1
+            self.trained_tokens += int(raw["input_ids"].numel())
+            accuracy.add(output.metrics)
+        extra = {f"acc_{i}": value for i, value in enumerate(accuracy.values())}
+        if distilled:
+            extra["distill_kl"] = distill_sum / distilled
+        return step_loss, extra
+
+    def loop(
+        self,
+        start_step: int,
+        *,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        trainable: list[torch.nn.Parameter],
+        selection: Selection,
+        metrics: MetricSink | None,
+        on_step: Callable[[int, dict[str, float]], None] | None,
+        checkpoint: Callable[[int], None],
+    ) -> dict[str, float]:
+        """Steps ``start_step``..``plan.steps``; returns the last logged averages."""
+        config, steps = self.config, self.plan.steps
+        window: dict[str, list[float]] = {}
+        last: dict[str, float] = {"loss": float("nan")}
+        progress = tqdm(
+            range(start_step, steps),
+            desc="train draft",
+            unit="step",
+            disable=self.rank != 0,
+            initial=start_step,
+            total=steps,
+        )
+        self.objective.model.train()
+        for step in progress:
+            optimizer.zero_grad(set_to_none=True)
+            step_loss, extra = self.step(step)
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
+            finite = self.nonfinite.check(step_loss, grad_norm, step)
+            if finite:
+                optimizer.step()
+            else:
+                optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step_metrics = {"loss": step_loss, "lr": float(scheduler.get_last_lr()[0])} | extra
+            if finite:  # a skipped step's NaN would poison the logged averages
+                for key, value in step_metrics.items():
+                    window.setdefault(key, []).append(value)
+            window.setdefault("skipped_steps", []).append(float(self.nonfinite.skipped))
+            done = step + 1
+            if self.rank == 0 and (done % config.log_every == 0 or done == steps):
+                last = {key: sum(values) / len(values) for key, values in window.items()}
+                window.clear()
+                progress.set_postfix(
+                    loss=f"{last.get('loss', math.nan):.3f}", acc0=f"{last.get('acc_0', 0):.3f}"
+                )
+                if metrics is not None:
+                    metrics.log_metrics(last, step=done)
+            if self.rank == 0 and (done % config.eval_every == 0 or done == steps):
+                selection.evaluate(self.objective.draft, done)
+            if self.rank == 0 and (done % config.checkpoint_every == 0 or done == steps):
+                checkpoint(done)
+            if on_step is not None:
+                on_step(done, step_metrics)
+        return last
 
 
 @torch.no_grad()
@@ -596,5 +847,6 @@ def evaluate_draft(
     objective.model.eval()
     accuracy = _Accuracy()
     for path in list_samples(data_dir):
-        accuracy.add(objective.forward(load_sample(path), path.name).metrics)
+        output, _ = objective.forward(load_sample(path), path.name)
+        accuracy.add(output.metrics)
     return accuracy.values()

@@ -1,0 +1,327 @@
+"""Warm starts that do not regress: vocabulary from the mix, distillation, best checkpoint.
+
+Real SpecForge forward/backward on the tiny target. Training data are its
+captured states of corpus conversations (the tiny target's own greedy answers are
+too repetitive to learn from) in the layout the cycle exports: ``window/``
+(Korean, the new traffic) and ``replay/`` (English, older traffic).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tide_lib.config import TrainConfig
+from tide_lib.training.distill import distill_kl, teacher_columns
+from tide_lib.training.draft import build_vocab_mapping, count_output_tokens, load_draft
+from tide_lib.training.schedule import step_plan
+from tide_lib.training.selection import split_held_out
+from tide_lib.training.trainer import (
+    _Eagle3Objective,
+    _initial_draft,
+    _sample_index,
+    draw_counts,
+    list_samples,
+    load_sample,
+    train_draft,
+)
+
+logger = logging.getLogger(__name__)
+
+BASE = TrainConfig(
+    steps=40,
+    batch_size=4,
+    ttt_length=3,
+    draft_vocab_size=256,
+    learning_rate=3e-3,
+    checkpoint_every=100,
+    log_every=5,
+    eval_every=10,
+    k=4,
+)
+
+
+# -- pure functions ---------------------------------------------------------------------
+
+
+def test_a_warm_start_is_scaled_to_the_window() -> None:
+    config = BASE.model_copy(
+        update={"warm_epochs": 4.0, "warm_min_steps": 10, "warm_max_steps": 200}
+    )
+    fresh = step_plan(config, 30, warm=False)
+    assert (fresh.steps, fresh.batch_size, fresh.learning_rate) == (40, 4, 3e-3)
+    warm = step_plan(config, 30, warm=True)
+    assert warm.steps == math.ceil(4.0 * 30 / 4) == 30
+    assert warm.batch_size == 4
+    assert warm.learning_rate == pytest.approx(3e-3 * config.warm_lr_scale)
+    assert warm.warmup_steps <= warm.steps // 10
+    assert step_plan(config, 30, warm=True, world=2).steps == math.ceil(4.0 * 30 / 8)
+    tiny = step_plan(config, 2, warm=True)  # batch never exceeds the window, steps clamped
+    assert (tiny.batch_size, tiny.steps) == (2, 10)
+    assert step_plan(config, 10_000, warm=True).steps == 200
+    as_given = step_plan(config.model_copy(update={"warm_epochs": 0}), 30, warm=True)
+    assert (as_given.steps, as_given.learning_rate) == (40, 3e-3)
+
+
+def test_draw_counts_are_what_the_sampler_draws() -> None:
+    for total, samples, seed in ((0, 5, 0), (7, 5, 1), (23, 7, 3), (40, 4, 0)):
+        drawn = [0] * samples
+        for index in range(total):
+            drawn[_sample_index(index, samples, seed)] += 1
+        assert draw_counts(total, samples, seed) == drawn
+
+
+def test_the_held_out_split_hashes_names_of_window_and_replay(tmp_path: Path) -> None:
+    for split in ("window", "replay"):
+        (tmp_path / split).mkdir()
+        for index in range(40):
+            (tmp_path / split / f"data_{index:06d}.ckpt").write_bytes(b"x")
+    samples = list_samples(tmp_path)
+    config = BASE.model_copy(update={"validation_fraction": 0.2, "validation_max_samples": 100})
+    train, held = split_held_out(tmp_path, samples, config)
+    assert set(train).isdisjoint(held) and len(train) + len(held) == len(samples)
+    assert {path.parent.name for path in held} == {"window", "replay"}
+    assert 4 <= len(held) <= 30
+    assert split_held_out(tmp_path, list(reversed(samples)), config)[1] == sorted(
+        held, key=samples.index, reverse=True
+    )
+    capped = config.model_copy(update={"validation_max_samples": 3})
+    assert len(split_held_out(tmp_path, samples, capped)[1]) == 3
+    off = config.model_copy(update={"validation_fraction": 0})
+    assert split_held_out(tmp_path, samples, off) == (samples, [])
+
+
+def test_the_distillation_gradient_is_student_minus_parent() -> None:
+    torch.manual_seed(0)
+    parent = [torch.randn(1, 6, 5) for _ in range(2)]
+    student = [(p + 0.7 * torch.randn_like(p)).requires_grad_(True) for p in parent]
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1]])
+    columns = torch.arange(5)
+    kl = distill_kl(student, parent, mask, columns, decay=0.8)
+    kl.backward()
+    for step, (s, p) in enumerate(zip(student, parent, strict=True)):
+        shifted = torch.cat((mask[:, step:], torch.zeros(1, step, dtype=mask.dtype)), dim=1)
+        expected = (s.softmax(-1) - p.softmax(-1)) * shifted[..., None] / shifted.sum()
+        assert s.grad is not None
+        assert torch.allclose(s.grad, 0.8**step * expected, atol=1e-6)
+    same = [p.clone().requires_grad_(True) for p in parent]
+    zero = distill_kl(same, parent, mask, columns, decay=0.8)
+    zero.backward()
+    assert zero.item() == pytest.approx(0.0, abs=1e-6)
+    assert all(float(s.grad.abs().max()) < 1e-6 for s in same if s.grad is not None)
+
+
+def test_distillation_compares_drafts_on_the_tokens_both_can_draft() -> None:
+    parent_targets, student_targets = [10, 11, 12, 13], [12, 10, 20, 11]
+    columns = teacher_columns(
+        torch.tensor(student_targets) - torch.arange(4),
+        torch.tensor(parent_targets) - torch.arange(4),
+    )
+    assert columns.tolist() == [2, 0, -1, 1]
+    parent = torch.tensor([[[2.0, 1.0, 0.5, 9.0]]])  # 13 is not in the student's vocabulary
+    # The student exactly matching the parent renormalised over 12, 10, 11 (and 0 on 20).
+    restricted = torch.tensor([0.5, 2.0, 1.0])
+    student = torch.tensor([[[0.5, 2.0, -1e4, 1.0]]], requires_grad=True)
+    kl = distill_kl([student], [parent], torch.ones(1, 1), columns, decay=1.0)
+    assert kl.item() == pytest.approx(0.0, abs=1e-5)
+    assert float(restricted.softmax(-1)[0]) == pytest.approx(
+        student.detach().softmax(-1)[0, 0, 0].item()
+    )
+
+
+# -- real training on the tiny target -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mix(captured: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cycle's training data: Korean ``window/`` and English ``replay/``."""
+    root = tmp_path_factory.mktemp("mix")
+    for split, source, count in (("window", "ko_train", 48), ("replay", "en_train", 16)):
+        (root / split).mkdir()
+        for path in sorted(captured[source].glob("*.ckpt"))[:count]:
+            shutil.copy(path, root / split / path.name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def parent(
+    tiny_target: Path, captured: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The champion: a draft trained on English traffic only."""
+    config = BASE.model_copy(update={"steps": 60, "validation_fraction": 0})
+    out = tmp_path_factory.mktemp("parent")
+    return train_draft(captured["en_train"], tiny_target, out, config).draft_dir
+
+
+@pytest.mark.slow
+def test_the_vocabulary_follows_the_mix_and_keeps_shared_rows(
+    tiny_target: Path, mix: Path, parent: Path
+) -> None:
+    samples = list_samples(mix)
+    replay = [path.parent.name == "replay" for path in samples]
+    champion = load_draft(parent, tiny_target)
+    parent_targets = (torch.arange(champion.d2t.numel()) + champion.d2t).tolist()
+    for replay_draws in (1, 5):  # replay drawn once vs five times per window draw
+        draws = [replay_draws if is_replay else 1 for is_replay in replay]
+        draft = _initial_draft(samples, draws, tiny_target, BASE, champion)
+        counts = count_output_tokens((load_sample(p) for p in samples), draws)
+        d2t, t2d = build_vocab_mapping(counts, 256, champion.config.vocab_size)
+        assert torch.equal(draft.d2t, d2t) and torch.equal(draft.t2d, t2d)
+        new_targets = (torch.arange(d2t.numel()) + d2t).tolist()
+        stayed = [t for t in new_targets if t in parent_targets]
+        assert stayed and len(stayed) < len(new_targets)  # some tokens stay, some are new
+        for token in stayed:
+            row = draft.lm_head.weight[new_targets.index(token)]
+            assert torch.equal(row, champion.lm_head.weight[parent_targets.index(token)])
+        window_tokens = count_output_tokens(
+            load_sample(p) for p, is_replay in zip(samples, replay, strict=True) if not is_replay
+        )
+        covered = sum(n for t, n in window_tokens.items() if t in set(new_targets))
+        assert covered > sum(n for t, n in window_tokens.items() if t in set(parent_targets))
+        replay_only = [
+            t
+            for t in count_output_tokens(
+                load_sample(p) for p, r in zip(samples, replay, strict=True) if r
+            )
+            if t not in window_tokens
+        ]
+        once = count_output_tokens(load_sample(p) for p in samples)
+        assert all(counts[t] == replay_draws * once[t] for t in replay_only)
+    assert not torch.equal(champion.d2t, draft.d2t)
+
+
+@pytest.mark.slow
+def test_distillation_on_real_drafts_vanishes_at_the_parent_and_a_step_reduces_it(
+    tiny_target: Path, mix: Path, parent: Path
+) -> None:
+    champion = load_draft(parent, tiny_target)
+    student = copy.deepcopy(champion)
+    objective = _Eagle3Objective(student, tiny_target, BASE, teacher=champion)
+    raw = load_sample(list_samples(mix / "replay")[0])
+
+    output, kl = objective.forward(raw, "same", distill=True)
+    assert kl is not None and output.loss.requires_grad
+    kl.backward()
+    assert kl.item() == pytest.approx(0.0, abs=1e-6)
+    gradients = [p.grad for p in student.parameters() if p.grad is not None]
+    assert gradients and all(float(g.abs().max()) < 1e-6 for g in gradients)
+
+    torch.manual_seed(1)
+    with torch.no_grad():
+        student.lm_head.weight.add_(0.05 * torch.randn_like(student.lm_head.weight))
+    student.zero_grad()
+    _, before = objective.forward(raw, "perturbed", distill=True)
+    assert before is not None and before.item() > 1e-3
+    before.backward()
+    grad = student.lm_head.weight.grad
+    assert grad is not None and float(grad.abs().max()) > 0
+    with torch.no_grad():
+        student.lm_head.weight.sub_(0.5 * grad / grad.norm())
+    _, after = objective.forward(raw, "stepped", distill=True)
+    assert after is not None
+    logger.info("KL to the parent: %.5f before a step, %.5f after", before.item(), after.item())
+    assert after.item() < before.item()
+    _, none = objective.forward(raw, "window sample", distill=False)
+    assert none is None
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logged.append((step, dict(metrics)))
+
+
+@pytest.mark.slow
+def test_a_run_that_makes_things_worse_exports_the_parent_bit_for_bit(
+    tiny_target: Path, mix: Path, parent: Path, tmp_path: Path
+) -> None:
+    config = BASE.model_copy(
+        update={
+            "learning_rate": 5.0,
+            "warm_lr_scale": 1.0,
+            "warm_epochs": 0,
+            "steps": 10,
+            "warmup_steps": 0,
+            "max_grad_norm": 1e4,
+            "eval_every": 5,
+        }
+    )
+    result = train_draft(mix, tiny_target, tmp_path, config, parent_dir=parent)
+    logger.info("huge learning rate: %s", result.evaluations)
+    assert result.best_step == 0 and result.best_is_parent and result.improved is False
+    assert [e["step"] for e in result.evaluations] == [0, 5, 10]
+    assert max(e["accept_length"] for e in result.evaluations[1:]) <= result.accept_length_before
+    exported = load_file(result.draft_dir / "model.safetensors")
+    original = load_file(parent / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[key], original[key]) for key in original)
+
+
+@pytest.mark.slow
+def test_a_normal_warm_start_improves_and_reports_each_split(
+    tiny_target: Path, mix: Path, parent: Path, tmp_path: Path
+) -> None:
+    sink = _Recorder()
+    result = train_draft(mix, tiny_target, tmp_path, BASE, parent_dir=parent, metrics=sink)
+    logger.info("warm start: best step %s, %s", result.best_step, result.evaluations)
+    assert result.improved is True and not result.best_is_parent
+    assert result.best_step is not None and result.best_step > 0
+    assert result.accept_length_after is not None and result.accept_length_before is not None
+    assert result.accept_length_after > result.accept_length_before
+    assert result.validation_samples > 0
+    assert result.learning_rate == pytest.approx(BASE.learning_rate * BASE.warm_lr_scale)
+    first_step, first = sink.logged[0]
+    assert first_step == 0
+    assert {"heldout_accept_length_window", "heldout_accept_length_replay"} <= set(first)
+    summary = sink.logged[-1][1]
+    for split in ("window", "replay"):
+        assert f"before_heldout_accept_length_{split}" in summary
+        assert f"after_heldout_accept_length_{split}" in summary
+    assert any("distill_kl" in metrics for _step, metrics in sink.logged)
+    exported = load_draft(result.draft_dir, tiny_target)
+    champion = load_draft(parent, tiny_target)
+    assert not torch.equal(exported.d2t, champion.d2t)  # the vocabulary followed the mix
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_best_so_far(
+    tiny_target: Path, mix: Path, parent: Path, tmp_path: Path
+) -> None:
+    config = BASE.model_copy(
+        update={"warm_epochs": 0, "steps": 16, "checkpoint_every": 4, "eval_every": 4}
+    )
+
+    def crash(step: int, _metrics: dict[str, float]) -> None:
+        if step == 10:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train_draft(
+            mix,
+            tiny_target,
+            tmp_path / "crashy",
+            config,
+            parent_dir=parent,
+            on_step=crash,
+        )
+    checkpoint = torch.load(tmp_path / "crashy" / "checkpoints" / "step-00000008.pt")
+    assert [e["step"] for e in checkpoint["selection"]["evaluations"]] == [0, 4, 8]
+    resumed = train_draft(mix, tiny_target, tmp_path / "crashy", config, parent_dir=parent)
+    straight = train_draft(mix, tiny_target, tmp_path / "straight", config, parent_dir=parent)
+    assert resumed.resumed_from_step == 8
+    assert [e["step"] for e in resumed.evaluations] == [0, 4, 8, 12, 16]
+    assert resumed.evaluations == straight.evaluations
+    assert resumed.best_step == straight.best_step
+    a = load_file(resumed.draft_dir / "model.safetensors")
+    b = load_file(straight.draft_dir / "model.safetensors")
+    for key in a:
+        assert torch.allclose(a[key].float(), b[key].float(), atol=1e-6), key

@@ -1,0 +1,226 @@
+"""Held-out acceptance while training, and keeping the best draft (the parent included).
+
+A warm start trained on a small window can end worse than the draft it started
+from, even on that window's traffic. So a share of the training samples is held
+out (chosen by a hash of each file's path, so window and replay alike, and the
+same split on every retry), never trained on, and scored with the offline
+acceptance replay (:mod:`tide_lib.evaluation.offline`, the engine's own chain
+drafting) at step 0 and every ``eval_every`` steps. The draft exported is the
+best one scored; step 0 is the parent, so a run that never beats its parent
+exports the parent's weights and says so.
+
+Scores are pooled acceptance lengths (tokens per verify step) at ``TrainConfig.k``,
+overall and per group: a sample's segment label when its file carries one
+(``"segment"``), else its split, ``window`` or ``replay`` (the data directory's
+subdirectories; a directory without them is all window).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tide_lib.config import TrainConfig
+from tide_lib.evaluation.offline import ReplaySample, acceptance_counts, replay_sample
+
+__all__ = [
+    "BestDraft",
+    "Evaluation",
+    "HeldOut",
+    "Selection",
+    "sample_split",
+    "split_held_out",
+]
+
+logger = logging.getLogger(__name__)
+
+WINDOW, REPLAY = "window", "replay"
+
+
+def sample_split(data_dir: Path, path: Path) -> str:
+    """``replay`` for a sample under ``data_dir/replay/``, else ``window``."""
+    return REPLAY if path.relative_to(data_dir).parts[0] == REPLAY else WINDOW
+
+
+def _hash_fraction(data_dir: Path, path: Path) -> float:
+    digest = hashlib.sha256(path.relative_to(data_dir).as_posix().encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_held_out(
+    data_dir: Path, samples: list[Path], config: TrainConfig
+) -> tuple[list[Path], list[Path]]:
+    """``(train, held_out)``: held out by path hash below ``validation_fraction``, capped.
+
+    At least one sample is held out when validation is on and there are two or more
+    samples; none when ``validation_fraction`` is 0 or there is a single sample.
+    """
+    if config.validation_fraction == 0 or len(samples) < 2:
+        return samples, []
+    ranked = sorted(samples, key=lambda path: _hash_fraction(data_dir, path))
+    chosen = [p for p in ranked if _hash_fraction(data_dir, p) < config.validation_fraction]
+    held = set((chosen or ranked[:1])[: config.validation_max_samples])
+    return [p for p in samples if p not in held], [p for p in samples if p in held]
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """Held-out acceptance length of the draft at one step (0: the parent / initial draft)."""
+
+    step: int
+    accept_length: float
+    groups: dict[str, float]
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"heldout_accept_length": self.accept_length} | {
+            f"heldout_accept_length_{group}": value for group, value in self.groups.items()
+        }
+
+
+class HeldOut:
+    """The held-out samples, in memory, grouped; scores a draft by offline replay."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        paths: list[Path],
+        load: Callable[[Path], dict[str, Any]],
+        lm_head: torch.nn.Module,
+        k: int,
+    ) -> None:
+        self.groups: dict[str, list[ReplaySample]] = {}
+        for path in paths:
+            raw = load(path)
+            segment = raw.get("segment")
+            group = segment if isinstance(segment, str) else sample_split(data_dir, path)
+            self.groups.setdefault(group, []).append(replay_sample(raw))
+        on_cpu = all(param.device.type == "cpu" for param in lm_head.parameters())
+        self.lm_head = lm_head if on_cpu else copy.deepcopy(lm_head).to("cpu")
+        self.k = k
+
+    def __len__(self) -> int:
+        return sum(len(samples) for samples in self.groups.values())
+
+    def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
+        """Replay every held-out sample with ``draft`` (on CPU; copied there if elsewhere)."""
+        was_training = draft.training
+        weight = draft.get_parameter("fc.weight")
+        on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+        replica = draft if on_cpu else copy.deepcopy(draft).to("cpu").float()
+        counts = acceptance_counts(replica, self.lm_head, self.groups, [self.k])
+        draft.train(was_training)  # the replay's runner puts the draft in eval mode
+        by_group = {group: by_k[self.k] for group, by_k in counts.items()}
+        verify = sum(count.verify_steps for count in by_group.values())
+        emitted = sum(count.emitted for count in by_group.values())
+        evaluation = Evaluation(
+            step=step,
+            accept_length=emitted / verify if verify else 0.0,
+            groups={group: count.accept_length for group, count in by_group.items()},
+        )
+        logger.info(
+            "step %d: held-out acceptance length %.4f at k=%d %s",
+            step,
+            evaluation.accept_length,
+            self.k,
+            {group: round(value, 4) for group, value in evaluation.groups.items()},
+        )
+        return evaluation
+
+
+@dataclasses.dataclass
+class BestDraft:
+    """The best draft scored so far; ``state`` None at step 0 means the starting draft."""
+
+    step: int
+    accept_length: float
+    state: dict[str, torch.Tensor] | None = None
+
+    def offer(self, evaluation: Evaluation, draft: torch.nn.Module) -> bool:
+        """Keep ``draft`` if it scores strictly better (ties keep the earlier, the parent)."""
+        if evaluation.accept_length <= self.accept_length:
+            return False
+        self.step, self.accept_length = evaluation.step, evaluation.accept_length
+        self.state = {
+            key: value.detach().to("cpu", copy=True)
+            for key, value in draft.state_dict().items()
+            if "embed" not in key
+        }
+        return True
+
+    def to_state(self) -> dict[str, Any]:
+        return {"step": self.step, "accept_length": self.accept_length, "state": self.state}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> BestDraft:
+        return cls(int(state["step"]), float(state["accept_length"]), state["state"])
+
+
+class Selection:
+    """The run's evaluations and best draft; survives a resume through the checkpoint."""
+
+    def __init__(
+        self,
+        held_out: HeldOut | None,
+        log: Callable[[dict[str, float], int], None] | None = None,
+    ) -> None:
+        self.held_out = held_out
+        self.log = log
+        self.evaluations: list[Evaluation] = []
+        self.best: BestDraft | None = None
+
+    def begin(
+        self, draft: torch.nn.Module, parent: torch.nn.Module | None, saved: dict[str, Any] | None
+    ) -> None:
+        """Restore from a checkpoint's ``saved`` selection, or score the start as step 0."""
+        if self.held_out is None:
+            return
+        if saved is not None:
+            self.evaluations = [Evaluation(**entry) for entry in saved["evaluations"]]
+            self.best = BestDraft.from_state(saved["best"])
+            return
+        first = self.held_out.score(parent if parent is not None else draft, 0)
+        self._record(first)
+        if parent is not None:  # the parent's weights stay on disk: nothing to copy
+            self.best = BestDraft(0, first.accept_length)
+        else:
+            self.best = BestDraft(0, float("-inf"))
+            self.best.offer(first, draft)
+
+    def evaluate(self, draft: torch.nn.Module, step: int) -> None:
+        if self.held_out is None or self.best is None:
+            return
+        evaluation = self.held_out.score(draft, step)
+        self._record(evaluation)
+        if self.best.offer(evaluation, draft):
+            logger.info("step %d is the best draft so far", step)
+
+    def _record(self, evaluation: Evaluation) -> None:
+        self.evaluations.append(evaluation)
+        if self.log is not None:
+            self.log(evaluation.as_metrics(), evaluation.step)
+
+    def to_state(self) -> dict[str, Any] | None:
+        if self.best is None:
+            return None
+        return {
+            "evaluations": [dataclasses.asdict(entry) for entry in self.evaluations],
+            "best": self.best.to_state(),
+        }
+
+    def summary_metrics(self) -> dict[str, float]:
+        """Held-out acceptance before (step 0) and after (the exported step), per group."""
+        if not self.evaluations or self.best is None:
+            return {}
+        before = self.evaluations[0]
+        after = next(e for e in self.evaluations if e.step == self.best.step)
+        metrics = {"best_step": float(self.best.step)}
+        for name, evaluation in (("before", before), ("after", after)):
+            metrics |= {f"{name}_{key}": value for key, value in evaluation.as_metrics().items()}
+        return metrics
