@@ -99,9 +99,13 @@ def test_stack_generates_missing_secrets_once(
     for name in generated:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TIDE_SECRETS_DIR", str(tmp_path / "secrets"))
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
     first = ensure_stack_secrets(load_config())
     files = sorted(p.name for p in (tmp_path / "secrets").iterdir())
-    assert files == sorted(generated)
+    assert files == sorted([*generated, "MLFLOW_TRACKING_USERNAME"])  # a login needs both
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME")
+    load_config()  # what a later `tide` command does: it logs in as the stack's user
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "admin"
     assert all(((tmp_path / "secrets" / f).stat().st_mode & 0o077) == 0 for f in files)
     for name in generated:
         monkeypatch.delenv(name)

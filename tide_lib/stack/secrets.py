@@ -60,6 +60,17 @@ def _secret_file(folder: Path, name: str) -> Path:
     return path
 
 
+def _keep_login_name(folder: Path, name: str) -> None:
+    """Keep the user name beside its password, so later ``tide`` commands log in as it
+    (MLflow's client sends no login at all with a password but no user name)."""
+    path = folder / name
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(os.environ[name])
+
+
 def ensure_stack_secrets(config: TideConfig) -> TideConfig:
     """Every secret the stack needs, in the environment and in ``config``.
 
@@ -81,6 +92,7 @@ def ensure_stack_secrets(config: TideConfig) -> TideConfig:
             os.environ[name] = _secret_file(secrets_dir(), name).read_text().strip()
     if config.stack.auth:
         os.environ.setdefault("MLFLOW_TRACKING_USERNAME", mlflow_username())
+        _keep_login_name(secrets_dir(), "MLFLOW_TRACKING_USERNAME")
 
     def env_secret(name: str) -> SecretStr | None:
         return SecretStr(os.environ[name]) if os.environ.get(name) else None
