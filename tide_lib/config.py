@@ -318,6 +318,14 @@ class TrainConfig(StrictModel):
     validation_max_samples: int = Field(32, ge=1, description="cap on held-out samples")
     eval_every: int = Field(20, gt=0, description="steps between held-out evaluations")
     k: int = Field(4, ge=1, description="draft tokens per verify of the held-out replay")
+    forgetting_tolerance: float = Field(
+        0.1,
+        ge=0,
+        description=(
+            "a step whose held-out acceptance on any group (replayed older traffic, a "
+            "segment) fell more than this below the parent's is never kept (as gate.tolerance)"
+        ),
+    )
     distill_weight: float = Field(
         1.0,
         ge=0,

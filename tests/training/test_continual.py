@@ -22,7 +22,7 @@ from tide_lib.config import TrainConfig
 from tide_lib.training.distill import distill_kl, teacher_columns
 from tide_lib.training.draft import build_vocab_mapping, count_output_tokens, load_draft
 from tide_lib.training.schedule import step_plan
-from tide_lib.training.selection import split_held_out
+from tide_lib.training.selection import Evaluation, Selection, split_held_out
 from tide_lib.training.trainer import (
     _Eagle3Objective,
     _initial_draft,
@@ -325,3 +325,37 @@ def test_resume_keeps_the_best_so_far(
     b = load_file(straight.draft_dir / "model.safetensors")
     for key in a:
         assert torch.allclose(a[key].float(), b[key].float(), atol=1e-6), key
+
+
+class _Scripted:
+    """A held-out set whose scores are given: step -> (pooled, per group)."""
+
+    def __init__(self, scores: dict[int, tuple[float, dict[str, float]]]) -> None:
+        self.scores = scores
+
+    def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
+        pooled, groups = self.scores[step]
+        return Evaluation(step=step, accept_length=pooled, groups=groups)
+
+
+def test_a_step_that_forgets_the_replayed_traffic_is_never_kept() -> None:
+    """The trainer keeps what the gate would accept: a gain on the window that costs the
+    older traffic more than the tolerance is not a better draft."""
+    scripted = _Scripted(
+        {
+            0: (2.0, {"window": 1.5, "replay": 3.0}),
+            10: (2.6, {"window": 2.6, "replay": 2.5}),  # best pooled, but forgot 0.5
+            20: (2.2, {"window": 1.9, "replay": 2.95}),  # a smaller gain, nothing forgotten
+        }
+    )
+    draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    selection = Selection(scripted, forgetting_tolerance=0.1)  # type: ignore[arg-type]
+    selection.begin(draft, parent, None)
+    selection.evaluate(draft, 10)
+    selection.evaluate(draft, 20)
+    assert selection.best is not None and selection.best.step == 20
+    lenient = Selection(scripted, forgetting_tolerance=1.0)  # type: ignore[arg-type]
+    lenient.begin(draft, parent, None)
+    lenient.evaluate(draft, 10)
+    lenient.evaluate(draft, 20)
+    assert lenient.best is not None and lenient.best.step == 10

@@ -6,7 +6,10 @@ promoted on, the accelerator hours buy a draft the gate then rejects (or that
 regresses). So before training, the cycle measures the champion's acceptance
 length on the window, per segment, and compares it with a *baseline*: the
 champion's acceptance when it was promoted (the gate's figures on its version),
-or, for a champion that was never judged (a seeded one), its first measurement.
+or, for a champion that was never judged (a seeded one), its first measurement
+on the segments it serves best (:func:`first_baseline`): a seeded draft was
+trained on some traffic, and the segments it serves far worse than that are the
+drift, even in the first window.
 
 The rule (:func:`judge_drift`, a pure function): only segments holding at least
 ``min_share`` of the window's tokens count. A known segment has drifted when it
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["DriftVerdict", "judge_drift"]
+__all__ = ["DriftVerdict", "first_baseline", "judge_drift"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +31,14 @@ class DriftVerdict:
     drift: bool
     reason: str
     drifted: dict[str, float]  # segment -> how far it fell below its reference
+
+
+def first_baseline(measured: dict[str, float], tolerance: float) -> dict[str, float]:
+    """A never-judged champion's baseline: the segments within ``tolerance`` of its best."""
+    if not measured:
+        return {}
+    best = max(measured.values())
+    return {segment: value for segment, value in measured.items() if value >= best - tolerance}
 
 
 def _reference_of_new_segments(baseline: dict[str, float]) -> float:

@@ -340,17 +340,26 @@ def _retention(
 def _timing(
     loop: _Loop, target_dir: Path, prompts: list[str], max_new_tokens: int
 ) -> dict[str, float]:
-    """Output tokens/s of static, final adapted and plain decoding, side by side."""
-    from tide_lib.serving.bench import _engine, _side_by_side  # noqa: PLC0415
+    """Output tokens/s of static, final adapted (fixed and adaptive k) and plain decoding,
+    side by side on the same prompts."""
+    from tide_lib.serving.bench import _engine, _side_by_side, _warm_up  # noqa: PLC0415
 
     static = loop.versions["static"]
     engines = {
         "static": _engine(loop.config, target_dir, static, capture=False),
         "adapted": _engine(loop.config, target_dir, loop.versions[loop.champion], capture=False),
+        "adapted_adaptive_k": _engine(
+            loop.config,
+            target_dir,
+            loop.versions[loop.champion],
+            capture=False,
+            speculative_adaptive=True,
+        ),
         "plain": _engine(loop.config, target_dir, static, capture=False, disable_speculation=True),
     }
     try:
         ids = [engines["static"].encode(prompt) for prompt in prompts]
+        _warm_up(engines, ids[:4], max_new_tokens)  # adaptive k learns its costs first
         totals = _side_by_side(engines, ids, max_new_tokens)
     finally:
         for engine in engines.values():
@@ -470,6 +479,7 @@ def _result(
         "tokens_per_s_static": tokens_per_s["static"],
         "tokens_per_s_adapted": tokens_per_s["adapted"],
         "tokens_per_s_plain": tokens_per_s["plain"],
+        "tokens_per_s_adapted_adaptive_k": tokens_per_s["adapted_adaptive_k"],
         "threshold_to_serving_s": loop.threshold_to_serving,
         "final_adapted": final,
         "cycles": len(loop.cycles),

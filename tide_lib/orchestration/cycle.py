@@ -505,7 +505,9 @@ def _champion_baseline(
     config: TideConfig, registry: DraftRegistry, champion: Any, measured: dict[str, float]
 ) -> dict[str, float]:
     """The champion's acceptance per segment when it was promoted (the gate's figures on its
-    version); for one never judged (a seeded champion), its first measurement."""
+    version); for one never judged (a seeded champion), its first measurement on the
+    segments it serves best."""
+    from tide_lib.evaluation.drift import first_baseline  # noqa: PLC0415
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
     store, key = _store(config), _state_key(config, "baseline.json")
@@ -514,7 +516,11 @@ def _champion_baseline(
         if stored.get("version") == champion.version and stored.get("k") == config.gate.k:
             return {str(s): float(v) for s, v in stored["accept_length"].items()}
     judged = decision_from_tags(dict(champion.tags or {}), config.gate.k)
-    baseline, source = (judged.challenger, "gate") if judged else (measured, "first measurement")
+    if judged is not None:
+        baseline, source = judged.challenger, "gate"
+    else:
+        baseline = first_baseline(measured, config.cycle.drift_tolerance)
+        source = "first measurement"
     _store_baseline(config, champion.version, baseline, source)
     return baseline
 

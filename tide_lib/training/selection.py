@@ -6,7 +6,10 @@ out (chosen by a hash of each file's path, so window and replay alike, and the
 same split on every retry), never trained on, and scored with the offline
 acceptance replay (:mod:`tide_lib.evaluation.offline`, the engine's own chain
 drafting) at step 0 and every ``eval_every`` steps. The draft exported is the
-best one scored; step 0 is the parent, so a run that never beats its parent
+best one scored among those that forget nothing: a step whose score on any group
+(the replayed older traffic, a segment) fell more than ``forgetting_tolerance``
+below the parent's is never kept, whatever it gains on the window, since the gate
+would reject it. Step 0 is the parent, so a run that never beats its parent
 exports the parent's weights and says so.
 
 Scores are pooled acceptance lengths (tokens per verify step) at ``TrainConfig.k``,
@@ -169,9 +172,11 @@ class Selection:
         self,
         held_out: HeldOut | None,
         log: Callable[[dict[str, float], int], None] | None = None,
+        forgetting_tolerance: float = float("inf"),
     ) -> None:
         self.held_out = held_out
         self.log = log
+        self.forgetting_tolerance = forgetting_tolerance
         self.evaluations: list[Evaluation] = []
         self.best: BestDraft | None = None
 
@@ -198,8 +203,20 @@ class Selection:
             return
         evaluation = self.held_out.score(draft, step)
         self._record(evaluation)
-        if self.best.offer(evaluation, draft):
+        forgot = self._forgotten(evaluation)
+        if forgot:
+            logger.info("step %d is not kept: it forgot %s", step, forgot)
+        elif self.best.offer(evaluation, draft):
             logger.info("step %d is the best draft so far", step)
+
+    def _forgotten(self, evaluation: Evaluation) -> dict[str, float]:
+        """Groups that fell more than ``forgetting_tolerance`` below the start (step 0)."""
+        start = self.evaluations[0].groups if self.evaluations else {}
+        return {
+            group: start[group] - value
+            for group, value in evaluation.groups.items()
+            if group in start and start[group] - value > self.forgetting_tolerance
+        }
 
     def _record(self, evaluation: Evaluation) -> None:
         self.evaluations.append(evaluation)

@@ -621,7 +621,11 @@ def train_draft(
         if held_paths and rank == 0
         else None
     )
-    selection = Selection(held_out, metrics.log_metrics if metrics is not None else None)
+    selection = Selection(
+        held_out,
+        metrics.log_metrics if metrics is not None else None,
+        forgetting_tolerance=config.forgetting_tolerance,
+    )
     selection.begin(draft, parent, resumed.get("selection") if resumed else None)
     run = _Run(
         config=config,
