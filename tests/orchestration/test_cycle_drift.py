@@ -9,14 +9,12 @@ once per cycle and read back on a rerun.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.orchestration.test_cycle_retries import _capture, _config
 from tide_lib.config import TideConfig
-from tide_lib.lake import ObjectStore
 from tide_lib.orchestration import cycle
 from tide_lib.registry import DraftRegistry
 
@@ -37,23 +35,28 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
 
     _capture(config, tiny_target, documents=12)
     first = cycle.snapshot_window(config, "c1")
-    verdict = cycle.check_drift(config, first)
-    assert not verdict.drift and "no drift" in verdict.reason
-    assert verdict.champion_version == champion
-    assert verdict.measured and verdict.measured == verdict.baseline  # its first measurement
-    assert all(value > 1.0 for value in verdict.measured.values())
-    assert cycle.check_drift(config, first) == verdict  # decided once, read back on a rerun
+    never_judged = cycle.check_drift(config, first)
+    assert never_judged.drift and "never judged by the gate" in never_judged.reason
     cycle.advance_watermark(config, first)
 
-    # The champion's baseline was higher than it now serves: the window has drifted.
-    store = ObjectStore(config.store, config.store.lake_bucket)
-    key = cycle._state_key(config, "baseline.json")
-    baseline = json.loads(store.get_bytes(key))
-    raised = {s: v + 2 * config.cycle.drift_tolerance for s, v in verdict.measured.items()}
-    store.put_bytes(key, json.dumps({**baseline, "accept_length": raised}).encode())
+    # The gate measured it (as a rejected challenger's champion): that is its baseline.
+    segments = cycle._window_sample(config, first)[1]
+    cycle._store_baseline(config, champion, dict.fromkeys(segments, 1.0), "gate")
     _capture(config, tiny_target, documents=12)
     second = cycle.snapshot_window(config, "c2")
-    drifted = cycle.check_drift(config, second)
+    verdict = cycle.check_drift(config, second)
+    assert not verdict.drift and "no drift" in verdict.reason
+    assert verdict.champion_version == champion and set(verdict.measured) == set(segments)
+    assert all(value >= 1.0 for value in verdict.measured.values())
+    assert cycle.check_drift(config, second) == verdict  # decided once, read back on a rerun
+    cycle.advance_watermark(config, second)
+
+    # Its baseline was higher than it now serves: the window has drifted.
+    raised = {s: v + 2 * config.cycle.drift_tolerance for s, v in verdict.measured.items()}
+    cycle._store_baseline(config, champion, raised, "gate")
+    _capture(config, tiny_target, documents=12)
+    third = cycle.snapshot_window(config, "c3")
+    drifted = cycle.check_drift(config, third)
     assert drifted.drift and "fell by more than" in drifted.reason
     assert drifted.baseline == raised and drifted.saved_train_seconds is None
 

@@ -5,17 +5,16 @@ champion serves the new window as well as it served the traffic it was
 promoted on, the accelerator hours buy a draft the gate then rejects (or that
 regresses). So before training, the cycle measures the champion's acceptance
 length on the window, per segment, and compares it with a *baseline*: the
-champion's acceptance when it was promoted (the gate's figures on its version),
-or, for a champion that was never judged (a seeded one), its first measurement
-on the segments it serves best (:func:`first_baseline`): a seeded draft was
-trained on some traffic, and the segments it serves far worse than that are the
-drift, even in the first window.
+champion's acceptance as the gate last measured it: at its promotion (the
+gate's figures on its version), or, for a champion never promoted by a cycle (a
+seeded one), when a challenger failed to beat it. A champion the gate never
+judged has no baseline: the cycle trains, and its gate sets one.
 
 The rule (:func:`judge_drift`, a pure function): only segments holding at least
 ``min_share`` of the window's tokens count. A known segment has drifted when it
 fell more than ``tolerance`` below its baseline; a segment the baseline does
 not know (new traffic) has drifted when the champion serves it more than
-``tolerance`` below the baseline's traffic-weighted average. No drifted segment:
+``tolerance`` below the average of the baseline's segments. No drifted segment:
 the cycle records "no drift", moves the watermark and trains nothing.
 """
 
@@ -23,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["DriftVerdict", "first_baseline", "judge_drift"]
+__all__ = ["DriftVerdict", "judge_drift"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +30,6 @@ class DriftVerdict:
     drift: bool
     reason: str
     drifted: dict[str, float]  # segment -> how far it fell below its reference
-
-
-def first_baseline(measured: dict[str, float], tolerance: float) -> dict[str, float]:
-    """A never-judged champion's baseline: the segments within ``tolerance`` of its best."""
-    if not measured:
-        return {}
-    best = max(measured.values())
-    return {segment: value for segment, value in measured.items() if value >= best - tolerance}
 
 
 def _reference_of_new_segments(baseline: dict[str, float]) -> float:

@@ -327,6 +327,7 @@ def cycle_segmenter(config: TideConfig, snapshot: Snapshot) -> tuple[Segmenter, 
     """
     store, key = _store(config), _segmenter_key(config, snapshot.cycle_id)
     if store.exists(key):
+        _point_to_segmenter(config, snapshot, key)  # a retry finishes what it began
         return Segmenter.from_json(store.get_bytes(key)), key
     reader = _sample_reader(config)
     markers = _markers(reader, [*snapshot.window, *snapshot.held_out_older])
@@ -338,13 +339,20 @@ def cycle_segmenter(config: TideConfig, snapshot: Snapshot) -> tuple[Segmenter, 
         seed=config.training.seed,
     )
     store.put_bytes(key, segmenter.to_json(), content_type="application/json")
-    store.put_bytes(
-        _state_key(config, "segmenter.json"),
-        json.dumps({"cycle_id": snapshot.cycle_id, "key": key}).encode(),
-        content_type="application/json",
-    )
+    _point_to_segmenter(config, snapshot, key)
     _log_debris(reader, f"cycle {snapshot.cycle_id} segmenter")
     return segmenter, key
+
+
+def _point_to_segmenter(config: TideConfig, snapshot: Snapshot, key: str) -> None:
+    """Point the next cycle's warm start at this segmenter, unless a later window has one."""
+    store, pointer = _store(config), _state_key(config, "segmenter.json")
+    if store.exists(pointer):
+        current = json.loads(store.get_bytes(pointer))
+        if str(current.get("window_until", "")) >= snapshot.watermark_after:
+            return  # this cycle's, or a later one's (a cleared older run never moves it back)
+    payload = {"cycle_id": snapshot.cycle_id, "key": key, "window_until": snapshot.watermark_after}
+    store.put_bytes(pointer, json.dumps(payload).encode(), content_type="application/json")
 
 
 @dataclasses.dataclass
@@ -423,7 +431,17 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     store, key = _store(config), _drift_key(config, snapshot.cycle_id)
     if store.exists(key):
         return Drift.model_validate_json(store.get_bytes(key))
-    drift = _measure_drift(config, snapshot)
+    try:
+        drift = _measure_drift(config, snapshot)
+    except Exception as error:  # a check that cannot measure must not stop adaptation
+        logger.exception("cycle %s: the drift check failed; training", snapshot.cycle_id)
+        drift = Drift(
+            drift=True,
+            reason=f"training: the drift check failed ({type(error).__name__}: {error})",
+            champion_version=None,
+            measured={},
+            baseline={},
+        )
     store.put_bytes(key, drift.model_dump_json().encode(), content_type="application/json")
     logger.info("cycle %s: %s", snapshot.cycle_id, drift.reason)
     return drift
@@ -440,9 +458,18 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         return Drift(
             drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
         )
+    baseline = _champion_baseline(config, registry, champion)
+    if not baseline:
+        return Drift(
+            drift=True,
+            reason=f"training: champion v{champion.version} was never judged by the gate "
+            "(its figures at promotion are the baseline)",
+            champion_version=champion.version,
+            measured={},
+            baseline={},
+        )
     samples, shares = _window_sample(config, snapshot)
     measured = _accept_lengths(config, registry, champion.version, samples)
-    baseline = _champion_baseline(config, registry, champion, measured)
     verdict = judge_drift(
         measured,
         shares,
@@ -502,12 +529,11 @@ def _accept_lengths(
 
 
 def _champion_baseline(
-    config: TideConfig, registry: DraftRegistry, champion: Any, measured: dict[str, float]
+    config: TideConfig, registry: DraftRegistry, champion: Any
 ) -> dict[str, float]:
-    """The champion's acceptance per segment when it was promoted (the gate's figures on its
-    version); for one never judged (a seeded champion), its first measurement on the
-    segments it serves best."""
-    from tide_lib.evaluation.drift import first_baseline  # noqa: PLC0415
+    """The champion's acceptance per segment as the gate last measured it: at its
+    promotion (the figures on its version), or as the champion a rejected challenger
+    could not beat (stored by :func:`evaluate_and_gate`). Empty if never judged."""
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
     store, key = _store(config), _state_key(config, "baseline.json")
@@ -516,13 +542,10 @@ def _champion_baseline(
         if stored.get("version") == champion.version and stored.get("k") == config.gate.k:
             return {str(s): float(v) for s, v in stored["accept_length"].items()}
     judged = decision_from_tags(dict(champion.tags or {}), config.gate.k)
-    if judged is not None:
-        baseline, source = judged.challenger, "gate"
-    else:
-        baseline = first_baseline(measured, config.cycle.drift_tolerance)
-        source = "first measurement"
-    _store_baseline(config, champion.version, baseline, source)
-    return baseline
+    if judged is None or not judged.challenger:
+        return {}
+    _store_baseline(config, champion.version, judged.challenger, "gate")
+    return judged.challenger
 
 
 def _store_baseline(
@@ -538,12 +561,16 @@ def _store_baseline(
 
 def _last_training_seconds(registry: DraftRegistry) -> float | None:
     """How long the latest finished training run took: what a skipped cycle saves."""
-    runs = registry.client.search_runs(
-        [registry.experiment_id()],
-        filter_string="attributes.status = 'FINISHED'",
-        order_by=["attributes.end_time DESC"],
-        max_results=1,
-    )
+    try:
+        runs = registry.client.search_runs(
+            [registry.experiment_id()],
+            filter_string="attributes.status = 'FINISHED'",
+            order_by=["attributes.end_time DESC"],
+            max_results=1,
+        )
+    except Exception as error:  # a figure for the log, never a reason to fail the check
+        logger.warning("could not read the last training run's time: %s", error)
+        return None
     if not runs or not runs[0].info.end_time:
         return None
     return float(runs[0].info.end_time - runs[0].info.start_time) / 1000
@@ -675,6 +702,7 @@ def _train_in_run(
             draft_uri = registry.log_draft(run_id, result.draft_dir)
         else:
             draft_uri = registry.model_uri(str(parent_version))
+            _clear_checkpoints(config, cycle_id)  # register, which clears them, will not run
             logger.info(
                 "cycle %s: no checkpoint beat the parent v%s on held-out traffic (%s): "
                 "nothing to register",
@@ -696,8 +724,6 @@ def register(config: TideConfig, snapshot: Snapshot, trained: Trained) -> str:
     """Register the challenger from its URI (once per cycle); drop the cycle's checkpoints."""
     import specforge  # noqa: PLC0415
 
-    from tide_lib.training.launch import CheckpointMirror  # noqa: PLC0415
-
     version = _registry(config).register(
         trained.draft_uri,
         trained.run_id,
@@ -711,9 +737,16 @@ def register(config: TideConfig, snapshot: Snapshot, trained: Trained) -> str:
             "tide.specforge_version": getattr(specforge, "__version__", "0.2.0"),
         },
     )
-    prefix = _checkpoint_prefix(config, snapshot.cycle_id)
-    CheckpointMirror(config, prefix, config.training.keep_checkpoints).clear()
+    _clear_checkpoints(config, snapshot.cycle_id)
     return version.version
+
+
+def _clear_checkpoints(config: TideConfig, cycle_id: str) -> None:
+    """Drop the cycle's training checkpoints from the lake bucket (done with them)."""
+    from tide_lib.training.launch import CheckpointMirror  # noqa: PLC0415
+
+    prefix = _checkpoint_prefix(config, cycle_id)
+    CheckpointMirror(config, prefix, config.training.keep_checkpoints).clear()
 
 
 def evaluate_and_gate(
@@ -743,12 +776,27 @@ def evaluate_and_gate(
         )
         decision = _judge(config, registry, snapshot, version, traffic)
         log_decision(config.mlflow.tracking_uri, registry.name, version, decision, k)
+        _keep_champion_baseline(config, registry, version, decision)
     return Decision(
         promote=decision.promote or config.cycle.force_promote,
         reason=decision.reason,
         challenger=decision.challenger,
         champion=decision.champion,
     )
+
+
+def _keep_champion_baseline(
+    config: TideConfig, registry: DraftRegistry, version: str, decision: GateDecision
+) -> None:
+    """A champion never judged before (a seeded one) that held its place: the gate's
+    figures on it are its baseline, so later cycles train only if its traffic drifts."""
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
+
+    champion = registry.alias(CHAMPION)
+    if decision.promote or not decision.champion or champion is None:
+        return
+    if champion.version != version and not _champion_baseline(config, registry, champion):
+        _store_baseline(config, champion.version, decision.champion, "gate: held its place")
 
 
 def _judge(
