@@ -267,27 +267,38 @@ REPLAY_DIR = "replay"  # from replayed older traffic by these sub-directories
 
 
 def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> int:
-    """Write the training set in SpecForge's layout: ``out/window/`` (the window minus
-    held-out requests) and ``out/replay/`` (replayed older requests), one ``.ckpt`` each.
+    """Write the training set in SpecForge's layout: ``out/window/`` (the new traffic to
+    learn) and ``out/replay/`` (traffic to keep), one ``.ckpt`` each, with its segment.
+
+    Traffic to keep is the replayed older requests and, when the cycle's drift check
+    named the segments that drifted, the window's requests of the other segments: the
+    trainer holds the draft close to the champion on them (distillation), so a cycle
+    that learns Korean does not forget the English arriving beside it.
 
     Lake debris (a marker whose shard is gone, a corrupt shard, bad records) is
     quarantined or skipped, counted and logged; the cycle goes on without it.
     """
     reader = _sample_reader(config)
+    segmenter, _ = cycle_segmenter(config, snapshot)
+    drift = _saved_drift(config, snapshot.cycle_id)
+    drifted = set(drift.drifted) if drift is not None else set()
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
-    def save(sample: TrainingSample, part: str) -> None:
+    def save(sample: TrainingSample, window: bool) -> None:
+        segment = segment_of(sample, segmenter)
+        part = WINDOW_DIR if window and (not drifted or segment in drifted) else REPLAY_DIR
         folder = out / part
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save(sample.to_specforge(), folder / f"data_{counts[part]:08d}.ckpt")
+        payload = {**sample.to_specforge(), "segment": segment}
+        torch.save(payload, folder / f"data_{counts[part]:08d}.ckpt")
         counts[part] += 1
 
     for held, sample in _window_split(config, snapshot, reader):
         if not held:
-            save(sample, WINDOW_DIR)
+            save(sample, window=True)
     for sample in reader.iter_samples(_markers(reader, snapshot.replay)):
         if not _held_out(sample, config.cycle.held_out_percent):
-            save(sample, REPLAY_DIR)
+            save(sample, window=False)
     logger.info(
         "cycle %s: %d window and %d replay training samples",
         snapshot.cycle_id,
@@ -420,6 +431,11 @@ def _drift_key(config: TideConfig, cycle_id: str) -> str:
     return _state_key(config, f"cycles/{cycle_id}/drift.json")
 
 
+def _saved_drift(config: TideConfig, cycle_id: str) -> Drift | None:
+    store, key = _store(config), _drift_key(config, cycle_id)
+    return Drift.model_validate_json(store.get_bytes(key)) if store.exists(key) else None
+
+
 def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     """Does the champion still fit this window? Decided once per cycle (a rerun reads it).
 
@@ -428,9 +444,10 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     baseline by :func:`tide_lib.evaluation.drift.judge_drift`. No drift: the cycle
     trains nothing and only moves the watermark.
     """
+    saved = _saved_drift(config, snapshot.cycle_id)
+    if saved is not None:
+        return saved
     store, key = _store(config), _drift_key(config, snapshot.cycle_id)
-    if store.exists(key):
-        return Drift.model_validate_json(store.get_bytes(key))
     try:
         drift = _measure_drift(config, snapshot)
     except Exception as error:  # a check that cannot measure must not stop adaptation
@@ -459,17 +476,21 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
             drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
         )
     baseline = _champion_baseline(config, registry, champion)
+    samples, shares = _window_sample(config, snapshot)
+    measured = _accept_lengths(config, registry, champion.version, samples)
     if not baseline:
+        best = max(measured.values(), default=0.0)
         return Drift(
             drift=True,
             reason=f"training: champion v{champion.version} was never judged by the gate "
             "(its figures at promotion are the baseline)",
             champion_version=champion.version,
-            measured={},
+            measured=measured,
             baseline={},
+            drifted=sorted(
+                s for s, v in measured.items() if v < best - config.cycle.drift_tolerance
+            ),
         )
-    samples, shares = _window_sample(config, snapshot)
-    measured = _accept_lengths(config, registry, champion.version, samples)
     verdict = judge_drift(
         measured,
         shares,
@@ -485,6 +506,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         champion_version=champion.version,
         measured=measured,
         baseline=baseline,
+        drifted=sorted(verdict.drifted),
         saved_train_seconds=None if verdict.drift else _last_training_seconds(registry),
     )
 

@@ -88,6 +88,11 @@ class Drift(HandOff):
     champion_version: str | None
     measured: dict[str, float] = Field(description="champion's acceptance length per segment")
     baseline: dict[str, float] = Field(description="its acceptance length at promotion")
+    drifted: list[str] = Field(
+        default_factory=list,
+        description="segments it serves worse than its baseline (or, never judged, far "
+        "below its best segment); the rest of the window is trained as traffic to keep",
+    )
     saved_train_seconds: float | None = Field(
         None, description="no drift: the last trained cycle's training time, not spent"
     )
