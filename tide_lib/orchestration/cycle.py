@@ -538,16 +538,31 @@ def _accept_lengths(
     samples: dict[str, list[TrainingSample]],
 ) -> dict[str, float]:
     """Offline acceptance length of ``version`` per segment at ``gate.k``."""
-    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
-    from tide_lib.training.draft import load_draft  # noqa: PLC0415
     from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
 
     prepare_specforge("cpu")
-    target, k = config.cycle.target_path, config.gate.k
+    k = config.gate.k
     with task_scratch(config, f"drift-v{version}") as work:
-        draft = load_draft(registry.download(version, work / f"v{version}"), target)
-        counts = offline_acceptance(draft, target, samples, [k])
-    return {segment: by_k[k].accept_length for segment, by_k in counts.items()}
+        return _version_acceptance(config, registry, version, samples, ks=[k], work=work)[k]
+
+
+def _version_acceptance(
+    config: TideConfig,
+    registry: DraftRegistry,
+    version: str,
+    samples: dict[str, list[TrainingSample]],
+    *,
+    ks: list[int],
+    work: Path,
+) -> dict[int, dict[str, float]]:
+    """Download ``version`` into ``work`` and replay it offline: k -> segment -> acceptance."""
+    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
+    from tide_lib.training.draft import load_draft  # noqa: PLC0415
+
+    target = config.cycle.target_path
+    draft = load_draft(registry.download(version, work / f"v{version}"), target)
+    counts = offline_acceptance(draft, target, samples, ks)
+    return {k: {segment: by_k[k].accept_length for segment, by_k in counts.items()} for k in ks}
 
 
 def _champion_baseline(
@@ -830,21 +845,14 @@ def _judge(
 ) -> GateDecision:
     """Measure challenger and champion on the held-out traffic at every k; decide at gate.k."""
     from tide_lib.evaluation.gate import decide  # noqa: PLC0415
-    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
     from tide_lib.registry import CHAMPION  # noqa: PLC0415
-    from tide_lib.training.draft import load_draft  # noqa: PLC0415
 
-    target, k = config.cycle.target_path, config.gate.k
+    k = config.gate.k
     ks = sorted({k, *config.gate.ks})
     with task_scratch(config, f"evaluate-{snapshot.cycle_id}") as work:
 
         def figures(number: str) -> dict[int, dict[str, float]]:
-            draft_dir = registry.download(number, work / f"v{number}")
-            counts = offline_acceptance(load_draft(draft_dir, target), target, traffic.samples, ks)
-            return {
-                at_k: {segment: by_k[at_k].accept_length for segment, by_k in counts.items()}
-                for at_k in ks
-            }
+            return _version_acceptance(config, registry, number, traffic.samples, ks=ks, work=work)
 
         challenger = figures(version)
         champion_version = registry.alias(CHAMPION)
