@@ -140,3 +140,12 @@ def test_a_segmenter_of_another_hidden_size_says_to_refit() -> None:
     )
     with pytest.raises(ValueError, match="refit"):
         fitted.assign(other)
+
+
+def test_a_segmenter_with_no_clusters_reads_back() -> None:
+    """All traffic labelled: the cycle stores a segmenter without clusters, and every later
+    step of the cycle (the export) reads it back."""
+    from tide_lib.evaluation.segments import _empty
+
+    empty = Segmenter.from_json(_empty().to_json())
+    assert empty.num_clusters == 0

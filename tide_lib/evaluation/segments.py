@@ -111,7 +111,7 @@ class Segmenter:
         if centroids.ndim != 2 and ids:
             raise ValueError(f"segmenter centroids have shape {centroids.shape}, expected [C, H]")
         return cls(
-            centroids=centroids.reshape(len(ids), -1),
+            centroids=centroids.reshape(len(ids), -1) if ids else centroids.reshape(0, 0),
             cluster_ids=ids,
             segment_of_cluster=tuple(str(s) for s in data["segment_of_cluster"]),
             shares=tuple(float(s) for s in data["shares"]),
