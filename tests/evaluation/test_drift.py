@@ -37,4 +37,3 @@ def test_a_new_segment_drifts_only_if_served_below_the_baseline_average() -> Non
 def test_without_a_baseline_or_a_meaningful_segment_the_cycle_trains() -> None:
     assert judge({"en": 3.0}, {"en": 1.0}, {}).drift
     assert judge({"en": 3.0}, {"en": 0.05}, {"en": 3.0}).drift
-
