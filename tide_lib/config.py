@@ -316,6 +316,13 @@ class TrainConfig(StrictModel):
         ),
     )
     validation_max_samples: int = Field(32, ge=1, description="cap on held-out samples")
+    export: Literal["best", "last"] = Field(
+        "best",
+        description=(
+            "which draft a run exports: 'best' on held-out traffic (a run whose best was "
+            "the parent registers nothing), or the 'last' step (what cycle.force_promote uses)"
+        ),
+    )
     eval_every: int = Field(20, gt=0, description="steps between held-out evaluations")
     k: int = Field(4, ge=1, description="draft tokens per verify of the held-out replay")
     forgetting_tolerance: float = Field(
@@ -610,7 +617,14 @@ class CycleConfig(StrictModel):
             "0: only triggered cycles. Read when the DAG is parsed, not per run"
         ),
     )
-    force_promote: bool = Field(False, description="promote even if the gate rejects")
+    force_promote: bool = Field(
+        False,
+        description=(
+            "train every cycle (no drift check) and promote the last trained step even if "
+            "it never beat its parent on held-out traffic and the gate rejects it (demos "
+            "and tests of the promotion path)"
+        ),
+    )
     dry_run: bool = Field(False, description="train, register and evaluate, but do not promote")
 
 

@@ -78,6 +78,12 @@ def test_without_a_champion_or_with_the_check_off_the_cycle_trains(
     verdict = cycle.check_drift(off, cycle.snapshot_window(off, "c2"))
     assert verdict.drift and "skip_without_drift is off" in verdict.reason
 
+    forced = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"force_promote": True})}
+    )
+    verdict = cycle.check_drift(forced, cycle.snapshot_window(forced, "c3"))
+    assert verdict.drift and "force_promote is on" in verdict.reason
+
 
 def test_a_cycle_whose_best_checkpoint_is_its_parent_registers_nothing(
     stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
@@ -106,3 +112,10 @@ def test_a_cycle_whose_best_checkpoint_is_its_parent_registers_nothing(
     assert [
         v.version for v in registry.client.search_model_versions(f"name = '{registry.name}'")
     ] == [parent]
+
+    # cycle.force_promote (demos, tests of the promotion path) keeps the last step instead
+    forced = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"force_promote": True})}
+    )
+    last = cycle.train(forced, cycle.snapshot_window(forced, "c2"))
+    assert last.improved and last.draft_uri != registry.model_uri(parent)

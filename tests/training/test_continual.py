@@ -264,6 +264,12 @@ def test_a_run_that_makes_things_worse_exports_the_parent_bit_for_bit(
     original = load_file(parent / "model.safetensors")
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[key], original[key]) for key in original)
+    # export="last" (what cycle.force_promote trains with) keeps the last step regardless
+    forced = config.model_copy(update={"export": "last"})
+    last = train_draft(mix, tiny_target, tmp_path / "last", forced, parent_dir=parent)
+    assert last.best_step == 10 and not last.best_is_parent and last.improved is None
+    trained = load_file(last.draft_dir / "model.safetensors")
+    assert any(not torch.equal(trained[key], original[key]) for key in original)
 
 
 @pytest.mark.slow

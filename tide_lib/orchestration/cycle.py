@@ -470,8 +470,15 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
 
     registry = _registry(config)
     champion = registry.alias(CHAMPION)
-    if not config.cycle.skip_without_drift or champion is None:
-        why = "no champion yet" if champion is None else "cycle.skip_without_drift is off"
+    forced = config.cycle.force_promote
+    if not config.cycle.skip_without_drift or forced or champion is None:
+        why = (
+            "no champion yet"
+            if champion is None
+            else "cycle.force_promote is on"
+            if forced
+            else "cycle.skip_without_drift is off"
+        )
         return Drift(
             drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
         )
@@ -724,11 +731,14 @@ def _train_in_run(
     with task_scratch(config, f"train-{cycle_id}") as work:
         export_training_data(config, snapshot, work / "data")
         parent = registry.download(parent_version, work / "parent") if parent_version else None
+        forced = config.cycle.force_promote  # promote what was trained, whatever it scores
         job = TrainJob(
             data_dir=work / "data",
             target_dir=config.cycle.target_path,
             out_dir=work / "run",
-            training=config.training,
+            training=config.training.model_copy(update={"export": "last"})
+            if forced
+            else config.training,
             parent_dir=parent,
             checkpoint_prefix=_checkpoint_prefix(config, cycle_id),
             mlflow_run_id=run_id,

@@ -660,11 +660,12 @@ def train_draft(
     seconds = time.perf_counter() - started
     if rank == 0 and metrics is not None and selection.best is not None:
         metrics.log_metrics(selection.summary_metrics(), step=plan.steps)
-    best_step = selection.best.step if selection.best is not None else plan.steps
+    best = selection.best if config.export == "best" else None
+    best_step = best.step if best is not None else plan.steps
     best_is_parent = parent is not None and (best_step == 0)
     draft_dir = out_dir / DRAFT_DIR
     if rank == 0:
-        _export_best(draft, parent, selection.best, plan.steps, draft_dir)
+        _export_best(draft, parent, best, plan.steps, draft_dir)
     if world > 1:
         torch.distributed.barrier()
     return TrainResult(
@@ -679,7 +680,7 @@ def train_draft(
         skipped_steps=run.nonfinite.skipped,
         best_step=best_step,
         best_is_parent=best_is_parent,
-        improved=None if selection.best is None else best_step > 0,
+        improved=None if best is None else best_step > 0,
         evaluations=[dataclasses.asdict(entry) for entry in selection.evaluations],
         validation_samples=len(held_paths),
         learning_rate=plan.learning_rate,
