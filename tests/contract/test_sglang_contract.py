@@ -194,6 +194,30 @@ def test_plugin_hook_targets_and_signatures() -> None:
     assert any(getattr(node, "name", "") == "register" for node in registry.body)
 
 
+def test_the_label_hooks_match_sglang() -> None:
+    """custom_labels reaches the tokenizer only; the tokenized request carries it over."""
+    assert "custom_labels" in release.dataclass_fields(IO, "GenerateReqInput")
+    assert "custom_labels" not in release.dataclass_fields(IO, "TokenizedGenerateReqInput")
+    for name in ("TokenizedGenerateReqInput", "BaseReq"):  # no slots: an attribute pickles along
+        decorators = release.class_def(IO, name).decorator_list
+        assert [release.ast.unparse(d) for d in decorators] == ["dataclass"], name
+    module, _, qualified = sglang_plugin._TOKENIZE_TARGET.rpartition(".")
+    module, _, class_name = module.rpartition(".")
+    assert release.parameters(release.method(module, class_name, qualified))[:2] == ["self", "obj"]
+    module, _, qualified = sglang_plugin._RECEIVE_TARGET.rpartition(".")
+    module, _, class_name = module.rpartition(".")
+    handler = release.method(module, class_name, qualified)
+    assert release.parameters(handler) == ["self", "recv_req"]
+    first_args = [  # Req(recv_req.rid, ...): the id capture looks the label up by
+        release.ast.unparse(node.args[0])
+        for node in release.ast.walk(handler)
+        if isinstance(node, release.ast.Call)
+        and release.ast.unparse(node.func) == "Req"
+        and node.args
+    ]
+    assert first_args and set(first_args) == {"recv_req.rid"}
+
+
 def test_req_fields_the_plugin_reads() -> None:
     fields = release.self_attributes("sglang.srt.managers.schedule_batch", "Req")
     read = {

@@ -129,6 +129,53 @@ def test_chunked_prefill_prefix_cache_and_verify_blocks_land_as_the_target_compu
     assert (capture.captured, capture.skipped, capture.dropped) == (2, 0, 0)
 
 
+@dataclasses.dataclass
+class TokenizedRequest:
+    """A plain dataclass, as SGLang's ``TokenizedGenerateReqInput`` is (no slots)."""
+
+    rid: str
+
+
+def test_a_client_label_rides_from_the_tokenizer_to_the_record(
+    stack: TideConfig,
+    lake_config: LakeConfig,
+    lake_store: ObjectStore,
+    true_states: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``custom_labels`` stays in SGLang's tokenizer process: the hooks carry the segment
+    on the tokenized request (pickled, as ZMQ sends it) and note it in the scheduler."""
+    import pickle
+
+    ids, final, aux = true_states
+    pending = sglang_plugin.PendingSegments()
+    monkeypatch.setattr(sglang_plugin._Process, "segments", pending)
+    for rid, labels in (("k", {"segment": "korean law"}), ("x", {"segment": "no/slashes"})):
+        request = SimpleNamespace(rid=rid, custom_labels=labels)
+        tokenized = sglang_plugin._label_tokenized(TokenizedRequest(rid), object(), request, "")
+        sglang_plugin._note_segment(object(), pickle.loads(pickle.dumps(tokenized)))
+    sglang_plugin._note_segment(object(), TokenizedRequest("u"))  # no label at all
+    assert len(pending) == 1  # the invalid label was dropped, the request still served
+
+    target = "sglang/labelled"
+    capture = SGLangCapture(_config(stack, lake_config), target, "v1", NUM_STEPS, segments=pending)
+    requests = [Req(rid, ids[:6], output_ids=[ids[6]], done=True) for rid in ("k", "x", "u")]
+    capture.on_prefill(requests, [0, 0, 0], [6, 6, 6], final[:6].repeat(3, 1), aux[:6].repeat(3, 1))
+    capture.close()
+    samples = _read_back(lake_store, lake_config, target)
+    assert {rid: sample.segment for rid, sample in samples.items()} == {
+        "k": "korean law",
+        "x": None,
+        "u": None,
+    }
+    assert len(pending) == 0
+
+    bounded = sglang_plugin.PendingSegments(limit=2)
+    for rid in ("a", "b", "c"):
+        bounded.note(rid, "s")
+    assert (bounded.take("a"), bounded.take("c"), len(bounded)) == (None, "s", 1)
+
+
 def test_threshold_sampling_retraction_and_aborts_keep_requests_out(
     stack: TideConfig, lake_config: LakeConfig, lake_store: ObjectStore, true_states: Any
 ) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "MAX_SEGMENT_CHARS",
     "RECORD_SCHEMA",
     "SCHEMA_VERSION",
+    "SEGMENT_LABEL",
     "CapturedRecord",
     "InvalidRecordError",
     "record_nbytes",
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION: Final = 2
 MAX_SEGMENT_CHARS: Final = 64
+SEGMENT_LABEL: Final = "segment"  # the key of SGLang's custom_labels that names the segment
 _SEGMENT_LABEL: Final = re.compile(r"\w[\w.\- ]*")
 HIDDEN_DTYPES: Final = ("float16", "bfloat16")
 NUM_AUX_LAYERS: Final = 3

@@ -40,7 +40,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tide_lib.config import ServeConfig, TideConfig
-from tide_lib.lake.schema import segment_problem
+from tide_lib.lake.schema import SEGMENT_LABEL, segment_problem
 from tide_lib.serving.auth import InsecureBindError, decide, require_keys_off_loopback
 from tide_lib.serving.draft_sources import DraftRefusedError
 from tide_lib.serving.engine import (
@@ -77,7 +77,6 @@ def _encodable(value: str | None) -> str | None:
     return value
 
 
-SEGMENT_LABEL = "segment"  # the key of custom_labels that names the request's traffic segment
 SEGMENT_HEADER = "x-tide-segment"
 CUSTOM_LABELS_HEADER = "x-custom-labels"  # SGLang's --tokenizer-metrics-custom-labels-header
 _MAX_CUSTOM_LABELS = 16

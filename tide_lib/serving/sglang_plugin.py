@@ -19,6 +19,11 @@ What is hooked (chain drafting, ``--speculative-eagle-topk 1``, the overlap work
   prompt token; after each verify, the ``[bs * num_draft_tokens]`` blocks and the
   accept lengths. Only GPU-side copies are made here; nothing waits on the GPU.
 - ``EAGLEWorkerV2.update_weights_from_disk``: the draft version written into records.
+- ``TokenizerManager._create_tokenized_object`` (the HTTP process) and
+  ``Scheduler.handle_generate_request``: a request's ``custom_labels["segment"]``
+  stays behind in the tokenizer (``TokenizedGenerateReqInput`` has no labels), so
+  the first hook carries it on the tokenized request, pickled to the scheduler,
+  and the second notes it by request id for the record.
 - ``SchedulerWeightUpdaterManager.update_weights_from_disk`` (always, capture or
   not): a draft-only hot swap for drafts and draft URIs, see
   :mod:`tide_lib.serving.sglang_swap`.
@@ -65,7 +70,7 @@ import torch
 
 from tide_lib.config import TideConfig
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
-from tide_lib.lake.schema import target_limits
+from tide_lib.lake.schema import SEGMENT_LABEL, segment_problem, target_limits
 from tide_lib.serving.capture import sampled, serves_well
 from tide_lib.serving.sglang_swap import (
     MODEL_INFO_TARGET,
@@ -90,6 +95,9 @@ ENABLE_ENV = "TIDE_SGLANG_CAPTURE"
 FINAL_STATES_KEY = "tide_final_hidden"
 _LOGITS_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
 _WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
+_TOKENIZE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
+_RECEIVE_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
+SEGMENT_ATTRIBUTE = "tide_segment"  # set on TokenizedGenerateReqInput, pickled along with it
 _POLL_SECONDS = 0.5
 # Requests SGLang makes of itself, never traffic (names checked against 0.5.14 by tests/contract):
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants, /health's one-token request
@@ -148,9 +156,10 @@ class RequestStates:
     drafting puts the accepted path first), in order.
     """
 
-    def __init__(self, request_id: str, offset: int) -> None:
+    def __init__(self, request_id: str, offset: int, segment: str | None = None) -> None:
         self.request_id = request_id
         self.offset = offset
+        self.segment = segment  # the client's label, if the request had one
         self.started_at = datetime.now(UTC)
         self.prefill_rows = 0
         self.verify_steps = 0
@@ -190,6 +199,32 @@ class RequestStates:
 
 def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class PendingSegments:
+    """Segment labels of requests the scheduler received but capture has not yet seen.
+
+    Bounded: a request that never reaches a batch (aborted in the queue) is forgotten
+    once ``limit`` newer labels arrived, so labels cannot grow the scheduler's memory.
+    """
+
+    def __init__(self, limit: int = 65536) -> None:
+        self._labels: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def note(self, request_id: str, segment: str) -> None:
+        with self._lock:
+            self._labels[request_id] = segment
+            while len(self._labels) > self._limit:
+                self._labels.popitem(last=False)
+
+    def take(self, request_id: str) -> str | None:
+        with self._lock:
+            return self._labels.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._labels)
 
 
 def _is_self_request(req: Any, warmup_prompts: set[tuple[int, ...]]) -> bool:
@@ -236,6 +271,7 @@ class SGLangCapture:
         *,
         warmup_prompts: set[tuple[int, ...]] | None = None,
         target_dir: str | None = None,
+        segments: PendingSegments | None = None,
     ) -> None:
         self.config = config
         self.target_id = target_id
@@ -248,6 +284,7 @@ class SGLangCapture:
         )
         self.max_held_bytes = config.serve.capture_max_held_bytes
         self.warmup_prompts = warmup_prompts or set()
+        self.segments = segments if segments is not None else PendingSegments()
         self.captured = 0
         self.skipped = 0
         self.dropped = 0
@@ -267,10 +304,11 @@ class SGLangCapture:
         """The request's states, opened at first sight (caller holds the lock)."""
         entry = self._open.get(req.rid)
         if entry is None:
+            segment = self.segments.take(req.rid)
             keep = sampled(self.config.serve, self._rng) and not _is_self_request(
                 req, self.warmup_prompts
             )
-            entry = (req, RequestStates(req.rid, prefix) if keep else None)
+            entry = (req, RequestStates(req.rid, prefix, segment) if keep else None)
             self._open[req.rid] = entry
         return entry[1]
 
@@ -423,6 +461,7 @@ class SGLangCapture:
             spec_verify_ct=states.verify_steps,
             spec_accept_tokens=item.accepted_draft_tokens,
             completion_tokens=len(item.output_ids),
+            segment=states.segment,
         )
         if self.writer.submit(record):
             self.captured += 1
@@ -452,6 +491,7 @@ class _Process:
     """This scheduler process's capture, started by the first batch TP rank 0 runs."""
 
     capture: SGLangCapture | None = None
+    segments = PendingSegments()  # labels received before (or without) capture starting
     disabled = False  # set by the first error inside a hook: capture stops, serving goes on
     errors: ClassVar[collections.Counter[str]] = collections.Counter()
 
@@ -584,6 +624,7 @@ def _start_capture(worker: Any) -> SGLangCapture | None:
         worker.speculative_num_steps,
         warmup_prompts=_warmup_prompts(args),
         target_dir=args.model_path,  # the writer refuses records unfit for this target
+        segments=_Process.segments,
     )
     logger.info("TIDE capture on: target %s, draft %s, spool %s", target_id, version, spool)
     return _Process.capture
@@ -612,6 +653,32 @@ def _capture_batch(original: Any, worker: Any, batch: Any, *args: Any, **kwargs:
     except Exception:  # TIDE's error: the scheduler never sees it
         _hook_failed("batch")
     return result
+
+
+def _label_tokenized(result: Any, _manager: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+    """Tokenizer process: the request's segment label rides on the tokenized request."""
+    try:
+        labels = getattr(obj, "custom_labels", None)
+        segment = labels.get(SEGMENT_LABEL) if isinstance(labels, dict) else None
+        if segment is not None:
+            problem = segment_problem(segment)
+            if problem is None:
+                setattr(result, SEGMENT_ATTRIBUTE, segment)
+            else:  # the request is served; only its record goes unlabelled
+                logger.debug("request %s: %s; its record is unlabelled", obj.rid, problem)
+    except Exception:
+        _hook_failed("label")
+    return result
+
+
+def _note_segment(_scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
+    """Scheduler process: remember the label by request id until capture opens the request."""
+    try:
+        segment = getattr(recv_req, SEGMENT_ATTRIBUTE, None)
+        if segment is not None and isinstance(recv_req.rid, str):
+            _Process.segments.note(recv_req.rid, segment)
+    except Exception:
+        _hook_failed("label")
 
 
 def _note_draft_version(result: Any, worker: Any, recv_req: Any) -> Any:
@@ -664,3 +731,5 @@ def register() -> None:
     HookRegistry.register(_LOGITS_TARGET, _keep_final_states, HookType.AROUND)
     HookRegistry.register(f"{worker}.forward_batch_generation", _capture_batch, HookType.AROUND)
     HookRegistry.register(f"{worker}.update_weights_from_disk", _note_draft_version, HookType.AFTER)
+    HookRegistry.register(_TOKENIZE_TARGET, _label_tokenized, HookType.AFTER)
+    HookRegistry.register(_RECEIVE_TARGET, _note_segment, HookType.BEFORE)
