@@ -191,6 +191,8 @@ def _fleet(args: argparse.Namespace, config: TideConfig) -> int:
         if rollout.rollout == "restart" and rollout.restart_command
         else None,
     )
+    if args.action == "tune-k":
+        return _fleet_k(args, fleet)
     try:
         if args.action == "promote":
             states = fleet.promote(
@@ -215,6 +217,34 @@ def _fleet(args: argparse.Namespace, config: TideConfig) -> int:
             f"{accept:>11}  {state.draft_path or state.error or '-'}"
         )
     return 0 if all(state.healthy for state in states) else 1
+
+
+def _fleet_k(args: argparse.Namespace, fleet: Any) -> int:
+    """``tide fleet tune-k``: the k each server should run with, applied on ``--apply``."""
+    from tide_lib.serving.fleet import FleetError  # noqa: PLC0415
+
+    choices = fleet.recommended_k(
+        draft_cost_ratio=args.draft_cost_ratio,
+        verify_token_cost_ratio=args.verify_token_cost_ratio,
+        max_k=args.max_k,
+    )
+    _out(f"{'server':<32}{'k now':>6}{'accept len':>11}{'best k':>7}  tokens per plain step")
+    for state in fleet.status():
+        choice = choices.get(state.url)
+        accept = f"{state.avg_accept_length:.2f}" if state.avg_accept_length is not None else "-"
+        best = str(choice.k) if choice is not None else "-"
+        rates = " ".join(f"{r:.2f}" for r in choice.tokens_per_s) if choice is not None else ""
+        now = state.speculative_num_steps or "-"
+        _out(f"{state.url:<32}{now:>6}{accept:>11}{best:>7}  {rates}")
+    if not args.apply:
+        return 0
+    try:
+        relaunched = fleet.apply_k(choices)
+    except FleetError as error:
+        logger.error("%s", error)
+        return 1
+    _out(f"relaunched with their best k: {', '.join(relaunched) or 'none'}")
+    return 0
 
 
 def _bench_serve(args: argparse.Namespace, config: TideConfig) -> int:
@@ -608,10 +638,34 @@ def build_parser() -> argparse.ArgumentParser:
         ("status", "health, weight version, acceptance length and draft of each server"),
         ("promote", "serve a draft on every server, one at a time; roll all back on failure"),
         ("rollback", "serve an earlier draft on every server (no acceptance gate)"),
+        (
+            "tune-k",
+            "the number of draft tokens k that pays on each server, from the acceptance "
+            "it reports; --apply relaunches those that differ (restart rollout)",
+        ),
     ):
-        sub = fleet.add_parser(action, help=text)
+        sub = fleet.add_parser(action, help=text, description=text)
         sub.add_argument("--servers", required=True, help="comma-separated base URLs")
-        if action != "status":
+        if action == "tune-k":
+            sub.add_argument(
+                "--draft-cost-ratio",
+                type=float,
+                required=True,
+                help="time of one draft forward / one plain decode step (measure it once)",
+            )
+            sub.add_argument(
+                "--verify-token-cost-ratio",
+                type=float,
+                default=0.0,
+                help="extra verify time per drafted token / plain step (about 0 on a GPU)",
+            )
+            sub.add_argument("--max-k", type=int, help="default: each server's launch k")
+            sub.add_argument(
+                "--apply",
+                action="store_true",
+                help="relaunch servers with their best k through fleet.restart_command",
+            )
+        elif action != "status":
             sub.add_argument("--model-path", required=True, help="draft directory or s3:// URI")
             sub.add_argument("--weight-version", required=True, help="version the servers report")
         if action == "promote":

@@ -497,7 +497,7 @@ class FleetConfig(StrictModel):
         None,
         description=(
             "launcher that relaunches one server with a new draft, run without a shell; "
-            "placeholders {url} {host} {port} {draft} {weight_version}"
+            "placeholders {url} {host} {port} {draft} {weight_version} {num_steps} (k)"
         ),
     )
     restart_timeout_s: float = Field(

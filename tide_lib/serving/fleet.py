@@ -19,7 +19,7 @@ import shlex
 import string
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -247,17 +247,20 @@ class RestartLauncher:
     gets a new draft by a restart with a new ``--speculative-draft-model-path``.
     ``template`` is the operator's launcher command, split like a shell would split
     it and run without one; its placeholders ``{url}``, ``{host}``, ``{port}``,
-    ``{draft}`` and ``{weight_version}`` are filled per server (a Kubernetes example:
+    ``{draft}``, ``{weight_version}`` and ``{num_steps}`` (k: SGLang's
+    ``--speculative-num-steps``; ``--speculative-num-draft-tokens`` is k + 1 for chain
+    drafting) are filled per server (a Kubernetes example:
     ``kubectl -n llm set env deploy/sglang-{port} TIDE_DRAFT={draft}
-    TIDE_WEIGHT_VERSION={weight_version}``). The server counts as updated once it is
-    healthy again and ``/model_info`` reports the new weight version.
+    TIDE_WEIGHT_VERSION={weight_version} TIDE_NUM_STEPS={num_steps}``). The server
+    counts as updated once it is healthy again and ``/model_info`` reports the new
+    weight version (and ``/server_info`` the new k, when one was asked for).
     """
 
     def __init__(self, template: str, timeout_s: float = 1800.0, poll_s: float = 5.0) -> None:
         self.argv = shlex.split(template)
         if not self.argv:
             raise FleetError("the restart command template is empty")
-        allowed = {"url", "host", "port", "draft", "weight_version"}
+        allowed = {"url", "host", "port", "draft", "weight_version", "num_steps"}
         for part in self.argv:
             try:
                 names = {name for _, name, _, _ in string.Formatter().parse(part) if name}
@@ -268,9 +271,21 @@ class RestartLauncher:
                     f"restart command {template!r} uses {sorted(names - allowed)}; "
                     f"placeholders are {sorted(allowed)} (double a literal brace: {{{{ }}}})"
                 )
+        self.uses_num_steps = any("{num_steps}" in part for part in self.argv)
         self.timeout_s, self.poll_s = timeout_s, poll_s
 
-    def __call__(self, client: EngineClient, draft: str, weight_version: str) -> None:
+    def __call__(
+        self, client: EngineClient, draft: str, weight_version: str, num_steps: int | None = None
+    ) -> None:
+        """Relaunch ``client``'s server; ``num_steps`` None keeps the k it runs with."""
+        keep = num_steps is None
+        if keep and self.uses_num_steps:
+            num_steps = client.state().speculative_num_steps
+            if num_steps is None:
+                raise FleetError(
+                    f"{client.url}: /server_info reports no speculative_num_steps to keep for "
+                    "the restart command's {num_steps}"
+                )
         parsed = urlparse(client.url)
         fields = {
             "url": client.url,
@@ -278,9 +293,12 @@ class RestartLauncher:
             "port": str(parsed.port or ""),
             "draft": draft,
             "weight_version": weight_version,
+            "num_steps": str(num_steps if num_steps is not None else ""),
         }
         argv = [part.format(**fields) for part in self.argv]
-        logger.info("relaunching %s with draft %s (%s)", client.url, draft, weight_version)
+        logger.info(
+            "relaunching %s with draft %s (%s), k %s", client.url, draft, weight_version, num_steps
+        )
         try:
             done = subprocess.run(
                 argv, capture_output=True, text=True, timeout=self.timeout_s, check=False
@@ -291,17 +309,20 @@ class RestartLauncher:
             raise FleetError(
                 f"restart command for {client.url} exited {done.returncode}: {done.stderr[-500:]}"
             )
+        wanted_k = None if keep else num_steps
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if client.health(attempts=1):
-                try:
-                    if client.weight_version() == weight_version:
-                        return
-                except (httpx.HTTPError, FleetError, KeyError, ValueError):
-                    pass
+                state = client.state()
+                if state.weight_version == weight_version and (
+                    wanted_k is None or state.speculative_num_steps == wanted_k
+                ):
+                    return
             time.sleep(self.poll_s)
+        with_k = f" at k={wanted_k}" if wanted_k is not None else ""
         raise FleetError(
-            f"{client.url} did not come back serving {weight_version} within {self.timeout_s:.0f} s"
+            f"{client.url} did not come back serving {weight_version}{with_k} within "
+            f"{self.timeout_s:.0f} s"
         )
 
 
@@ -326,6 +347,7 @@ class FleetManager:
     ) -> None:
         if not urls:
             raise FleetError("no servers given")
+        self._launcher = launcher
         self._apply: Callable[[EngineClient, str, str], None] = launcher or _hot_swap
         self.clients = [
             EngineClient(url, api_key=api_key, admin_api_key=admin_api_key) for url in urls
@@ -362,6 +384,37 @@ class FleetManager:
                 max_k=max_k,
             )
         return choices
+
+    def apply_k(self, choices: Mapping[str, KChoice | None]) -> list[str]:
+        """Relaunch, one at a time, each server whose recommended k differs from its own.
+
+        Needs the restart rollout (SGLang fixes k at launch); each server keeps its
+        draft and weight version. A recommendation of 0 (plain decoding pays more) is
+        logged, not applied: relaunching without speculation is the operator's call.
+        Returns the servers relaunched; the first failure stops the rollout.
+        """
+        launcher = self._launcher
+        if launcher is None or not launcher.uses_num_steps:
+            raise FleetError(
+                "applying k relaunches servers: set fleet.rollout=restart and a "
+                "fleet.restart_command that passes {num_steps} to --speculative-num-steps"
+            )
+        relaunched: list[str] = []
+        for client in self.clients:
+            choice, state = choices.get(client.url), client.state()
+            if choice is None or choice.k == state.speculative_num_steps:
+                continue
+            if choice.k == 0:
+                logger.warning(
+                    "%s: plain decoding would beat speculation at every k; not applied",
+                    client.url,
+                )
+                continue
+            if not state.healthy or state.draft_path is None or state.weight_version is None:
+                raise FleetError(f"{client.url} is not healthy ({state.error}); k not applied")
+            launcher(client, state.draft_path, state.weight_version, choice.k)
+            relaunched.append(client.url)
+        return relaunched
 
     def promote(
         self,
