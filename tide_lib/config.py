@@ -586,6 +586,15 @@ class CycleConfig(StrictModel):
         ge=0,
         description="tokens of older held-out traffic the gate judges forgetting on",
     )
+    segment_labels_max: int = Field(
+        16,
+        ge=0,
+        le=256,
+        description=(
+            "most client labels (custom_labels.segment) kept as segments of their own, the "
+            "most tokens first; requests of further labels are clustered as if unlabelled"
+        ),
+    )
     segment_clusters: int = Field(
         4,
         ge=1,

@@ -125,6 +125,35 @@ def test_client_labels_win_and_are_not_clustered() -> None:
     assert all(segment_of(s, fitted).startswith("cluster-") for s in unlabelled)
 
 
+def test_labels_beyond_the_cap_are_clustered_and_the_cap_survives_storage() -> None:
+    """A client that sends many labels gets at most max_labels segments (most tokens first);
+    the requests of the others are clustered as unlabelled traffic."""
+    rng, centers = np.random.default_rng(4), _centers(3)
+    big = [_sample(f"b{i}", centers[0], rng, segment="law") for i in range(20)]
+    small = [_sample(f"s{i}", centers[1], rng, segment=f"ticket {i}") for i in range(10)]
+    plain = [_sample(f"u{i}", centers[2], rng) for i in range(20)]
+    fitted = fit_segmenter([*big, *small, *plain], num_clusters=2, min_share=0.1, max_labels=1)
+    assert fitted.labels == ("law",) and fitted.fitted_on == 30
+    stored = Segmenter.from_json(fitted.to_json())
+    assert {segment_of(s, stored) for s in big} == {"law"}
+    for group in (small, plain):
+        names = {segment_of(s, stored) for s in group}
+        assert len(names) == 1 and names.pop().startswith("cluster-")
+    assert segment_of(small[0], stored) != segment_of(plain[0], stored)
+    legacy = b'{"format": 1, "centroids": [], "cluster_ids": [], "segment_of_cluster": [], '
+    legacy += b'"shares": []}'
+    assert Segmenter.from_json(legacy).keeps("anything")  # stored before the cap: all kept
+
+
+@pytest.mark.parametrize("label", ["all", "ALL", "cluster-3", "Cluster-x"])
+def test_tide_own_segment_names_are_refused_as_labels(label: str) -> None:
+    from tide_lib.lake.schema import segment_problem
+
+    problem = segment_problem(label)
+    assert problem is not None and "reserved" in problem
+    assert segment_problem("clusters of law") is None
+
+
 def test_a_segmenter_of_another_hidden_size_says_to_refit() -> None:
     fitted = fit_segmenter([s for _, s in _traffic({0: 5})], num_clusters=1, min_share=0.1)
     other = TrainingSample(

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from tide_lib.lake.schema import CLUSTER_PREFIX, UNSEGMENTED
+
 if TYPE_CHECKING:
     from tide_lib.lake.reader import TrainingSample
 
@@ -40,8 +42,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CLUSTER_PREFIX: Final = "cluster-"
-UNSEGMENTED: Final = "all"  # the one segment when nothing was labelled and no cluster exists
 _MAX_ITERATIONS: Final = 100
 _FORMAT_VERSION: Final = 1
 
@@ -67,6 +67,11 @@ class Segmenter:
     segment_of_cluster: tuple[str, ...]
     shares: tuple[float, ...]  # token share of each cluster in the data it was fitted on
     fitted_on: int = 0  # requests
+    labels: tuple[str, ...] | None = None  # client labels kept as segments; None: every one
+
+    def keeps(self, label: str) -> bool:
+        """Is ``label`` a segment of its own (else its requests are clustered)?"""
+        return self.labels is None or label in self.labels
 
     @property
     def num_clusters(self) -> int:
@@ -95,6 +100,7 @@ class Segmenter:
                 "segment_of_cluster": list(self.segment_of_cluster),
                 "shares": list(self.shares),
                 "fitted_on": self.fitted_on,
+                "labels": list(self.labels) if self.labels is not None else None,
             }
         ).encode()
 
@@ -110,18 +116,20 @@ class Segmenter:
         ids = tuple(int(i) for i in data["cluster_ids"])
         if centroids.ndim != 2 and ids:
             raise ValueError(f"segmenter centroids have shape {centroids.shape}, expected [C, H]")
+        labels = data.get("labels")  # absent in segmenters stored before labels were capped
         return cls(
             centroids=centroids.reshape(len(ids), -1) if ids else centroids.reshape(0, 0),
             cluster_ids=ids,
             segment_of_cluster=tuple(str(s) for s in data["segment_of_cluster"]),
             shares=tuple(float(s) for s in data["shares"]),
             fitted_on=int(data.get("fitted_on", 0)),
+            labels=tuple(str(label) for label in labels) if labels is not None else None,
         )
 
 
 def segment_of(sample: TrainingSample, segmenter: Segmenter | None) -> str:
-    """The client's label when the request has one, else the segmenter's cluster."""
-    if sample.segment is not None:
+    """The client's label when the request has one the segmenter keeps, else its cluster."""
+    if sample.segment is not None and (segmenter is None or segmenter.keeps(sample.segment)):
         return sample.segment
     return segmenter.assign(sample) if segmenter is not None else UNSEGMENTED
 
@@ -131,23 +139,46 @@ def fit_segmenter(
     *,
     num_clusters: int,
     min_share: float,
+    max_labels: int = 16,
     previous: Segmenter | None = None,
     seed: int = 0,
 ) -> Segmenter:
-    """Fit clusters on the unlabelled requests among ``samples`` (labelled ones are skipped).
+    """Fit clusters on the unlabelled requests among ``samples``.
+
+    Client labels are segments of their own, up to ``max_labels`` of them (the most
+    tokens first): labels come from clients, and each segment costs the gate a check
+    and the registry a tag, so the requests of any further label are clustered as if
+    unlabelled.
 
     Token-weighted k-means (a long request weighs as its tokens), started from
     ``previous``'s centroids when it has the same hidden size, new centroids (if
     ``num_clusters`` grew) by k-means++ with ``seed``. Deterministic for the same
     inputs.
     """
-    points, weights = [], []
+    points, weights, owners = [], [], []
+    label_tokens: dict[str, float] = {}
     for sample in samples:
-        if sample.segment is None:
-            points.append(pooled_state(sample))
-            weights.append(float(sample.input_ids.numel()))
+        tokens = float(sample.input_ids.numel())
+        if sample.segment is not None:
+            label_tokens[sample.segment] = label_tokens.get(sample.segment, 0.0) + tokens
+        points.append(pooled_state(sample))
+        weights.append(tokens)
+        owners.append(sample.segment)
+    kept = tuple(sorted(label_tokens, key=lambda label: (-label_tokens[label], label))[:max_labels])
+    if len(kept) < len(label_tokens):
+        logger.warning(
+            "%d client labels, at most %d kept as segments (%s); the requests of the others "
+            "are clustered",
+            len(label_tokens),
+            max_labels,
+            ", ".join(kept),
+        )
+    clustered = [i for i, owner in enumerate(owners) if owner is None or owner not in kept]
+    points = [points[i] for i in clustered]
+    weights = [weights[i] for i in clustered]
     if not points:
-        return previous or _empty()
+        base = previous or _empty()
+        return dataclasses.replace(base, labels=kept)
     data, mass = np.stack(points), np.asarray(weights)
     usable = previous if previous is not None and _same_width(previous, data) else None
     ids, start = _initial(data, mass, num_clusters, usable, np.random.default_rng(seed))
@@ -161,6 +192,7 @@ def fit_segmenter(
         ),
         shares=tuple(float(s) for s in shares),
         fitted_on=len(points),
+        labels=kept,
     )
     logger.info(
         "segmenter fitted on %d unlabelled requests: %s",

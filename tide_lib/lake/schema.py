@@ -31,12 +31,14 @@ import numpy as np
 import pyarrow as pa
 
 __all__ = [
+    "CLUSTER_PREFIX",
     "HIDDEN_DTYPES",
     "LEGACY_RECORD_SCHEMAS",
     "MAX_SEGMENT_CHARS",
     "RECORD_SCHEMA",
     "SCHEMA_VERSION",
     "SEGMENT_LABEL",
+    "UNSEGMENTED",
     "CapturedRecord",
     "InvalidRecordError",
     "record_nbytes",
@@ -52,6 +54,9 @@ logger = logging.getLogger(__name__)
 SCHEMA_VERSION: Final = 2
 MAX_SEGMENT_CHARS: Final = 64
 SEGMENT_LABEL: Final = "segment"  # the key of SGLang's custom_labels that names the segment
+# Names TIDE gives segments itself; a client label may not take them.
+CLUSTER_PREFIX: Final = "cluster-"  # clusters of unlabelled traffic: cluster-0, cluster-1, ...
+UNSEGMENTED: Final = "all"  # the one segment when nothing was labelled and no cluster exists
 _SEGMENT_LABEL: Final = re.compile(r"\w[\w.\- ]*")
 HIDDEN_DTYPES: Final = ("float16", "bfloat16")
 NUM_AUX_LAYERS: Final = 3
@@ -138,6 +143,12 @@ def segment_problem(segment: object) -> str | None:
         return (
             f"segment label {segment!r} is not a short name (letters, digits, '_', '-', '.', "
             "spaces; starting with a letter, digit or '_')"
+        )
+    folded = segment.casefold()
+    if folded == UNSEGMENTED or folded.startswith(CLUSTER_PREFIX):
+        return (
+            f"segment label {segment!r} is reserved ({UNSEGMENTED!r} and {CLUSTER_PREFIX}* name "
+            "TIDE's own segments of unlabelled traffic); choose another name"
         )
     return None
 

@@ -346,6 +346,7 @@ def cycle_segmenter(config: TideConfig, snapshot: Snapshot) -> tuple[Segmenter, 
         reader.iter_samples(markers),
         num_clusters=config.cycle.segment_clusters,
         min_share=config.gate.min_segment_share,
+        max_labels=config.cycle.segment_labels_max,
         previous=_latest_segmenter(config, snapshot.cycle_id),
         seed=config.training.seed,
     )
