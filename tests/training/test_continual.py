@@ -172,11 +172,14 @@ def test_the_vocabulary_follows_the_mix_and_keeps_shared_rows(
         draws = [replay_draws if is_replay else 1 for is_replay in replay]
         draft = _initial_draft(samples, draws, tiny_target, BASE, champion)
         counts = count_output_tokens((load_sample(p) for p in samples), draws)
-        d2t, t2d = build_vocab_mapping(counts, 256, champion.config.vocab_size)
+        d2t, t2d = build_vocab_mapping(counts, 256, champion.config.vocab_size, keep=parent_targets)
         assert torch.equal(draft.d2t, d2t) and torch.equal(draft.t2d, t2d)
         new_targets = (torch.arange(d2t.numel()) + d2t).tolist()
         stayed = [t for t in new_targets if t in parent_targets]
         assert stayed and len(stayed) < len(new_targets)  # some tokens stay, some are new
+        # places the mix leaves free keep the parent's tokens, never arbitrary low ids
+        assert all(counts[t] > 0 or t in parent_targets for t in new_targets)
+        assert set(parent_targets) <= set(new_targets) or all(counts[t] for t in new_targets)
         for token in stayed:
             row = draft.lm_head.weight[new_targets.index(token)]
             assert torch.equal(row, champion.lm_head.weight[parent_targets.index(token)])

@@ -18,7 +18,9 @@ this one check, so a checkpoint one accepts the other accepts too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import logging
 from collections import Counter
@@ -42,6 +44,7 @@ __all__ = [
     "build_vocab_mapping",
     "check_vocab_mapping",
     "draft_config_for",
+    "draft_tokens",
     "export_draft",
     "load_draft",
     "load_target_tensor",
@@ -117,16 +120,34 @@ def draft_config_for(
     return config
 
 
+_KEPT_TOKEN_PRIOR = 0.5  # below any token the mix holds, above SpecForge's zero-count filler
+
+
 def build_vocab_mapping(
-    token_counts: Counter[int], draft_vocab_size: int, target_vocab_size: int
+    token_counts: Counter[int],
+    draft_vocab_size: int,
+    target_vocab_size: int,
+    keep: Iterable[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d2t, t2d)`` keeping the window's most frequent output tokens (SpecForge's rule)."""
+    """``(d2t, t2d)`` keeping the mix's most frequent output tokens (SpecForge's rule).
+
+    ``keep`` (a warm start: the parent's tokens) fills the places the mix leaves
+    free: SpecForge would fill them with the lowest token ids, throwing away trained
+    rows of tokens that only missed this cycle's small mix.
+    """
     from specforge.data.preprocessing import process_token_dict_to_mappings  # noqa: PLC0415
 
-    d2t, t2d = process_token_dict_to_mappings(
-        Counter(token_counts), draft_vocab_size, target_vocab_size
-    )
+    counts: Counter[int] = Counter(token_counts)
+    for token in keep:
+        counts.setdefault(int(token), _KEPT_TOKEN_PRIOR)  # type: ignore[arg-type]
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
+        d2t, t2d = process_token_dict_to_mappings(counts, draft_vocab_size, target_vocab_size)
     return d2t, t2d
+
+
+def draft_tokens(d2t: torch.Tensor) -> torch.Tensor:
+    """The target token id of each draft token (``d2t`` stores offsets)."""
+    return torch.arange(d2t.numel()) + d2t.cpu()
 
 
 def count_output_tokens(

@@ -56,6 +56,7 @@ from tide_lib.training.draft import (
     WEIGHTS_FILE,
     build_vocab_mapping,
     count_output_tokens,
+    draft_tokens,
     export_draft,
     load_draft,
     load_target_tensor,
@@ -401,8 +402,8 @@ def _run_fingerprint(
 
 def _remap_vocabulary(draft: Any, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     """Adopt a new vocabulary mapping, keeping the lm_head rows of tokens both mappings share."""
-    old_targets = torch.arange(draft.d2t.numel()) + draft.d2t.cpu()
-    new_targets = torch.arange(d2t.numel()) + d2t
+    old_targets = draft_tokens(draft.d2t)
+    new_targets = draft_tokens(d2t)
     old_row = {int(token): row for row, token in enumerate(old_targets.tolist())}
     weight = draft.lm_head.weight.detach().clone()
     fresh = torch.empty_like(weight)
@@ -439,7 +440,10 @@ def _initial_draft(
     draft = copy.deepcopy(parent)
     if config.vocab_mapping == "mix":
         d2t, t2d = build_vocab_mapping(
-            counts(), draft.config.draft_vocab_size, draft.config.vocab_size
+            counts(),
+            draft.config.draft_vocab_size,
+            draft.config.vocab_size,
+            keep=draft_tokens(parent.d2t).tolist(),
         )
         kept = int((t2d & parent.t2d.cpu()).sum())
         _remap_vocabulary(draft, d2t, t2d)
