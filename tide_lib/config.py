@@ -540,6 +540,15 @@ class GateConfig(StrictModel):
             "into their nearest larger cluster"
         ),
     )
+    min_segment_tokens: int = Field(
+        64,
+        ge=0,
+        description=(
+            "held-out output tokens a segment needs before the tolerance protects it: a "
+            "figure from fewer is too noisy to block a promotion (it still counts in the "
+            "weighted gain)"
+        ),
+    )
     k: int = Field(4, ge=1, description="draft tokens per verify the gate judges at")
     ks: list[int] = Field(default_factory=lambda: [3, 5], description="k values evaluated")
 

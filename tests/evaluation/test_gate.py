@@ -90,6 +90,30 @@ def test_no_figures_is_an_error() -> None:
         decide({}, CHAMPION, CONFIG)
 
 
+def test_a_segment_measured_on_too_few_tokens_cannot_block_a_promotion() -> None:
+    """Two short held-out requests make a noisy figure: it counts in the weighted gain,
+    but the tolerance protects only segments measured on gate.min_segment_tokens."""
+    challenger = {"korean": 3.5, "english": 2.9, "cluster-2": 1.8}
+    champion = {**CHAMPION, "cluster-2": 2.5}
+    shares = {"korean": 0.5, "english": 0.37, "cluster-2": 0.13}
+    tokens = {"korean": 400, "english": 300, "cluster-2": CONFIG.min_segment_tokens - 1}
+    decision = decide(challenger, champion, CONFIG, weights=shares, held_out_tokens=tokens)
+    assert decision.promote and decision.protected == ("english", "korean")
+    enough = {**tokens, "cluster-2": CONFIG.min_segment_tokens}
+    blocked = decide(challenger, champion, CONFIG, weights=shares, held_out_tokens=enough)
+    assert not blocked.promote and "'cluster-2'" in blocked.reason
+    tokens["english"] = 10  # an old segment with too little evidence is not protected either
+    older = decide(
+        {**challenger, "english": 1.0},
+        champion,
+        CONFIG,
+        weights=shares,
+        older_shares={"english": 1.0},
+        held_out_tokens=tokens,
+    )
+    assert "english" not in older.protected
+
+
 def test_tags_and_report_carry_the_figures() -> None:
     decision = decide(
         {"korean": 2.5, "english": 2.9},

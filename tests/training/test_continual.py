@@ -78,17 +78,20 @@ def test_draw_counts_are_what_the_sampler_draws() -> None:
         assert draw_counts(total, samples, seed) == drawn
 
 
-def test_the_held_out_split_hashes_names_of_window_and_replay(tmp_path: Path) -> None:
+def test_the_held_out_split_hashes_names_and_covers_every_segment(tmp_path: Path) -> None:
     for split in ("window", "replay"):
         (tmp_path / split).mkdir()
         for index in range(40):
-            (tmp_path / split / f"data_{index:06d}.ckpt").write_bytes(b"x")
+            payload = {"segment": "law"} if split == "window" and index < 3 else {}
+            torch.save(payload, tmp_path / split / f"data_{index:06d}.ckpt")
     samples = list_samples(tmp_path)
     config = BASE.model_copy(update={"validation_fraction": 0.2, "validation_max_samples": 100})
     train, held = split_held_out(tmp_path, samples, config)
     assert set(train).isdisjoint(held) and len(train) + len(held) == len(samples)
     assert {path.parent.name for path in held} == {"window", "replay"}
     assert 4 <= len(held) <= 30
+    law = [p for p in held if p.parent.name == "window" and int(p.stem[-6:]) < 3]
+    assert len(law) == 2  # a 3-sample segment: 2 held out (the minimum), 1 trained on
     assert split_held_out(tmp_path, list(reversed(samples)), config)[1] == sorted(
         held, key=samples.index, reverse=True
     )

@@ -9,7 +9,9 @@ requests of the window and of the older traffic in the lookback. Rules, in order
    length). A segment is protected when its token share of the window, or of the
    older traffic, reaches ``min_segment_share``: traffic that stopped arriving is
    still protected while it is in the lookback. A cycle without older traffic
-   (the first) protects every segment it has data for.
+   (the first) protects every segment it has data for. Either way a segment needs
+   ``min_segment_tokens`` held-out output tokens: the figure of two short requests
+   is noise, and would block every promotion by chance.
 3. The acceptance length weighted by each segment's share of the window's tokens
    must gain at least ``margin``: the challenger has to pay off on what the fleet
    serves now.
@@ -87,21 +89,24 @@ def protected_segments(
     weights: dict[str, float],
     older_shares: dict[str, float],
     min_share: float,
+    *,
+    held_out_tokens: dict[str, int] | None = None,
+    min_tokens: int = 0,
 ) -> tuple[str, ...]:
-    """Segments the tolerance protects: share of window or of older traffic >= ``min_share``.
+    """Segments the tolerance protects: share of window or of older traffic >= ``min_share``
+    (without older traffic, a first cycle: every segment with figures), and at least
+    ``min_tokens`` held-out output tokens when ``held_out_tokens`` counts them."""
 
-    Without older traffic (a first cycle) every segment with figures is protected.
-    """
-    if not older_shares:
-        return tuple(sorted(segments))
-    return tuple(
-        sorted(
-            segment
-            for segment in segments
-            if max(weights.get(segment, 0.0), older_shares.get(segment, 0.0))
-            >= min_share - _EPSILON
-        )
-    )
+    def measured(segment: str) -> bool:
+        return held_out_tokens is None or held_out_tokens.get(segment, 0) >= min_tokens
+
+    def shared(segment: str) -> bool:
+        if not older_shares:
+            return True
+        share = max(weights.get(segment, 0.0), older_shares.get(segment, 0.0))
+        return share >= min_share - _EPSILON
+
+    return tuple(sorted(s for s in segments if shared(s) and measured(s)))
 
 
 def decide(
@@ -110,19 +115,29 @@ def decide(
     config: GateConfig,
     weights: dict[str, float] | None = None,
     older_shares: dict[str, float] | None = None,
+    *,
+    held_out_tokens: dict[str, int] | None = None,
 ) -> GateDecision:
     """Promote or not; ``challenger``/``champion`` map segment -> acceptance length at k.
 
     ``weights`` are the segments' shares of the window's tokens (equal when not
     given: every segment then counts alike and is protected); ``older_shares`` their
-    shares of the older traffic (none: a first cycle).
+    shares of the older traffic (none: a first cycle); ``held_out_tokens`` the output
+    tokens each figure was measured on (not given: every figure counts as measured).
     """
     if not challenger:
         raise ValueError("the challenger has no figures: no held-out traffic was evaluated")
     shares = dict(weights) if weights else dict.fromkeys(challenger, 1.0)
     older = dict(older_shares or {})
     weighted_challenger = _weighted(challenger, shares)
-    protected = protected_segments(list(challenger), shares, older, config.min_segment_share)
+    protected = protected_segments(
+        list(challenger),
+        shares,
+        older,
+        config.min_segment_share,
+        held_out_tokens=held_out_tokens,
+        min_tokens=config.min_segment_tokens,
+    )
 
     def verdict(promote: bool, reason: str, weighted_champion: float | None = None) -> GateDecision:
         return GateDecision(

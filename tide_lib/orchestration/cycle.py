@@ -395,6 +395,14 @@ class HeldOutTraffic:
     def older_shares(self) -> dict[str, float]:
         return self._shares(self.older_tokens)
 
+    @property
+    def output_tokens(self) -> dict[str, int]:
+        """Held-out output tokens per segment: how much each gate figure rests on."""
+        return {
+            segment: sum(int(sample.loss_mask.sum()) for sample in samples)
+            for segment, samples in self.samples.items()
+        }
+
 
 def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
     """The gate's traffic, read from the lake: held-out requests of the window and of the
@@ -876,6 +884,7 @@ def _judge(
         config.gate,
         weights=traffic.window_shares,
         older_shares=traffic.older_shares,
+        held_out_tokens=traffic.output_tokens,
     )
     return dataclasses.replace(
         decision,

@@ -47,9 +47,20 @@ logger = logging.getLogger(__name__)
 WINDOW, REPLAY = "window", "replay"
 
 
+MIN_HELD_OUT_PER_GROUP = 2  # a group with fewer held-out samples could forget unseen
+
+
 def sample_split(data_dir: Path, path: Path) -> str:
     """``replay`` for a sample under ``data_dir/replay/``, else ``window``."""
     return REPLAY if path.relative_to(data_dir).parts[0] == REPLAY else WINDOW
+
+
+def sample_group(data_dir: Path, path: Path, raw: dict[str, Any] | None = None) -> str:
+    """The group a sample is scored in: its segment label, else its split."""
+    if raw is None:  # memory-mapped: only the label is read, not the states
+        raw = torch.load(path, weights_only=True, mmap=True)
+    segment = raw.get("segment")
+    return segment if isinstance(segment, str) else sample_split(data_dir, path)
 
 
 def _hash_fraction(data_dir: Path, path: Path) -> float:
@@ -60,16 +71,35 @@ def _hash_fraction(data_dir: Path, path: Path) -> float:
 def split_held_out(
     data_dir: Path, samples: list[Path], config: TrainConfig
 ) -> tuple[list[Path], list[Path]]:
-    """``(train, held_out)``: held out by path hash below ``validation_fraction``, capped.
+    """``(train, held_out)``, stratified by group (segment, else split).
 
-    At least one sample is held out when validation is on and there are two or more
-    samples; none when ``validation_fraction`` is 0 or there is a single sample.
+    Each group holds out its samples whose path hash is below ``validation_fraction``,
+    and at least :data:`MIN_HELD_OUT_PER_GROUP` of them (never its last sample): the
+    forgetting check can only protect a segment it scores. The total is capped at
+    ``validation_max_samples``, taken from the largest quotas first. None are held out
+    when ``validation_fraction`` is 0 or there is a single sample.
     """
     if config.validation_fraction == 0 or len(samples) < 2:
         return samples, []
-    ranked = sorted(samples, key=lambda path: _hash_fraction(data_dir, path))
-    chosen = [p for p in ranked if _hash_fraction(data_dir, p) < config.validation_fraction]
-    held = set((chosen or ranked[:1])[: config.validation_max_samples])
+    groups: dict[str, list[Path]] = {}
+    for path in sorted(samples, key=lambda path: _hash_fraction(data_dir, path)):
+        groups.setdefault(sample_group(data_dir, path), []).append(path)
+    quota = {
+        name: min(
+            len(members) - 1,
+            max(
+                MIN_HELD_OUT_PER_GROUP,
+                sum(_hash_fraction(data_dir, p) < config.validation_fraction for p in members),
+            ),
+        )
+        for name, members in groups.items()
+    }
+    if not any(quota.values()):  # every group a single sample: hold out one of them
+        quota[next(iter(groups))] = 1
+    while sum(quota.values()) > config.validation_max_samples:
+        largest = max(quota, key=lambda name: (quota[name], name))
+        quota[largest] -= 1
+    held = {path for name, members in groups.items() for path in members[: quota[name]]}
     return [p for p in samples if p not in held], [p for p in samples if p in held]
 
 
@@ -101,8 +131,7 @@ class HeldOut:
         self.groups: dict[str, list[ReplaySample]] = {}
         for path in paths:
             raw = load(path)
-            segment = raw.get("segment")
-            group = segment if isinstance(segment, str) else sample_split(data_dir, path)
+            group = sample_group(data_dir, path, raw)
             self.groups.setdefault(group, []).append(replay_sample(raw))
         on_cpu = all(param.device.type == "cpu" for param in lm_head.parameters())
         self.lm_head = lm_head if on_cpu else copy.deepcopy(lm_head).to("cpu")
