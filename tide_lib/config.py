@@ -333,6 +333,14 @@ class TrainConfig(StrictModel):
             "segment) fell more than this below the parent's is never kept (as gate.tolerance)"
         ),
     )
+    forgetting_min_tokens: int = Field(
+        64,
+        ge=0,
+        description=(
+            "held-out output tokens a group needs for the forgetting check to judge it "
+            "(as gate.min_segment_tokens)"
+        ),
+    )
     distill_weight: float = Field(
         1.0,
         ge=0,

@@ -342,8 +342,13 @@ def test_resume_keeps_the_best_so_far(
 class _Scripted:
     """A held-out set whose scores are given: step -> (pooled, per group)."""
 
-    def __init__(self, scores: dict[int, tuple[float, dict[str, float]]]) -> None:
+    def __init__(
+        self,
+        scores: dict[int, tuple[float, dict[str, float]]],
+        output_tokens: dict[str, int] | None = None,
+    ) -> None:
         self.scores = scores
+        self.output_tokens = output_tokens or {"window": 500, "replay": 500}
 
     def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
         pooled, groups = self.scores[step]
@@ -371,3 +376,11 @@ def test_a_step_that_forgets_the_replayed_traffic_is_never_kept() -> None:
     lenient.evaluate(draft, 10)
     lenient.evaluate(draft, 20)
     assert lenient.best is not None and lenient.best.step == 10
+    # a group scored on fewer held-out tokens than forgetting_min_tokens is not judged
+    scripted.output_tokens = {"window": 500, "replay": 40}
+    sparse = Selection(  # type: ignore[arg-type]
+        scripted, forgetting_tolerance=0.1, forgetting_min_tokens=64
+    )
+    sparse.begin(draft, parent, None)
+    sparse.evaluate(draft, 10)
+    assert sparse.best is not None and sparse.best.step == 10

@@ -129,10 +129,13 @@ class HeldOut:
         k: int,
     ) -> None:
         self.groups: dict[str, list[ReplaySample]] = {}
+        self.output_tokens: dict[str, int] = {}  # what each group's figure rests on
         for path in paths:
             raw = load(path)
             group = sample_group(data_dir, path, raw)
             self.groups.setdefault(group, []).append(replay_sample(raw))
+            tokens = int(raw["loss_mask"].sum())
+            self.output_tokens[group] = self.output_tokens.get(group, 0) + tokens
         on_cpu = all(param.device.type == "cpu" for param in lm_head.parameters())
         self.lm_head = lm_head if on_cpu else copy.deepcopy(lm_head).to("cpu")
         self.k = k
@@ -202,10 +205,12 @@ class Selection:
         held_out: HeldOut | None,
         log: Callable[[dict[str, float], int], None] | None = None,
         forgetting_tolerance: float = float("inf"),
+        forgetting_min_tokens: int = 0,
     ) -> None:
         self.held_out = held_out
         self.log = log
         self.forgetting_tolerance = forgetting_tolerance
+        self.forgetting_min_tokens = forgetting_min_tokens
         self.evaluations: list[Evaluation] = []
         self.best: BestDraft | None = None
 
@@ -239,12 +244,17 @@ class Selection:
             logger.info("step %d is the best draft so far", step)
 
     def _forgotten(self, evaluation: Evaluation) -> dict[str, float]:
-        """Groups that fell more than ``forgetting_tolerance`` below the start (step 0)."""
+        """Groups that fell more than ``forgetting_tolerance`` below the start (step 0),
+        among those measured on ``forgetting_min_tokens`` held-out output tokens (as the
+        gate's ``min_segment_tokens``: fewer make a figure too noisy to judge by)."""
         start = self.evaluations[0].groups if self.evaluations else {}
+        tokens = self.held_out.output_tokens if self.held_out is not None else {}
         return {
             group: start[group] - value
             for group, value in evaluation.groups.items()
-            if group in start and start[group] - value > self.forgetting_tolerance
+            if group in start
+            and tokens.get(group, 0) >= self.forgetting_min_tokens
+            and start[group] - value > self.forgetting_tolerance
         }
 
     def _record(self, evaluation: Evaluation) -> None:

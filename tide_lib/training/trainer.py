@@ -629,6 +629,7 @@ def train_draft(
         held_out,
         metrics.log_metrics if metrics is not None else None,
         forgetting_tolerance=config.forgetting_tolerance,
+        forgetting_min_tokens=config.forgetting_min_tokens,
     )
     selection.begin(draft, parent, resumed.get("selection") if resumed else None)
     run = _Run(
