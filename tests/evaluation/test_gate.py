@@ -172,3 +172,31 @@ def test_recent_segment_still_loads_but_says_it_is_deprecated() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GateConfig()  # the default says nothing
+
+
+def test_the_paired_drop_and_its_error() -> None:
+    """Both drafts replayed on the same requests: the error comes from how the requests'
+    changes disagree, not from how the requests differ from each other."""
+    from tide_lib.evaluation.offline import paired_drop, significant_drop
+
+    before = [(30, 10), (12, 10), (50, 20)]  # 3.0, 1.2, 2.5 tokens per verify
+    steady = [(e - v // 2, v) for e, v in before]  # every request loses 0.5
+    drop, error = paired_drop(before, steady)
+    assert drop == pytest.approx(92 / 40 - 72 / 40) and error == pytest.approx(0.0, abs=1e-12)
+    assert significant_drop(before, steady, tolerance=0.2) == pytest.approx(0.5)
+    mixed = [(10, 10), (30, 10), (30, 20)]  # one request collapses, one gains
+    drop, error = paired_drop(before, mixed)
+    assert drop == pytest.approx(92 / 40 - 70 / 40) and error > 0.3
+    assert significant_drop(before, mixed, tolerance=0.2) is None  # 0.55 is within the noise
+    assert paired_drop(before[:1], mixed[:1])[1] == float("inf")  # one request: no estimate
+    with pytest.raises(ValueError, match="same requests"):
+        paired_drop(before, mixed[:2])
+
+
+def test_a_drop_within_its_noise_does_not_reject() -> None:
+    challenger = {"korean": 3.5, "english": 2.7}  # english drops 0.3 > tolerance 0.2
+    shares = {"korean": 0.5, "english": 0.5}
+    noisy = decide(challenger, CHAMPION, CONFIG, weights=shares, drop_errors={"english": 0.1})
+    assert noisy.promote
+    sure = decide(challenger, CHAMPION, CONFIG, weights=shares, drop_errors={"english": 0.01})
+    assert not sure.promote and "standard error 0.010" in sure.reason

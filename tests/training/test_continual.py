@@ -9,6 +9,7 @@ too repetitive to learn from) in the layout the cycle exports: ``window/``
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import shutil
@@ -384,3 +385,35 @@ def test_a_step_that_forgets_the_replayed_traffic_is_never_kept() -> None:
     sparse.begin(draft, parent, None)
     sparse.evaluate(draft, 10)
     assert sparse.best is not None and sparse.best.step == 10
+
+
+def test_forgetting_is_judged_paired_on_the_held_out_requests() -> None:
+    """A group's drop counts only beyond the noise of its requests: two requests that move
+    apart are not forgetting; the same pooled drop on every request is."""
+    start = [(30, 10), (24, 10)]  # replay: 2.7
+    apart = [(10, 10), (34, 10)]  # 2.2: one request collapsed, the other gained
+    alike = [(25, 10), (19, 10)]  # 2.2: both lost 0.5
+
+    def scored(replay: list[tuple[int, int]], pooled: float) -> Evaluation:
+        return Evaluation(
+            step=0,
+            accept_length=pooled,
+            groups={"replay": sum(e for e, _ in replay) / sum(v for _, v in replay)},
+            requests={"replay": replay},
+        )
+
+    class Paired:
+        def __init__(self, later: list[tuple[int, int]]) -> None:
+            self.later = later
+            self.output_tokens = {"replay": 500}
+
+        def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
+            evaluation = scored(start, 2.0) if step == 0 else scored(self.later, 2.5)
+            return dataclasses.replace(evaluation, step=step)
+
+    draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    for later, kept in ((apart, 10), (alike, 0)):
+        selection = Selection(Paired(later), forgetting_tolerance=0.1)  # type: ignore[arg-type]
+        selection.begin(draft, parent, None)
+        selection.evaluate(draft, 10)
+        assert selection.best is not None and selection.best.step == kept

@@ -11,7 +11,9 @@ requests of the window and of the older traffic in the lookback. Rules, in order
    still protected while it is in the lookback. A cycle without older traffic
    (the first) protects every segment it has data for. Either way a segment needs
    ``min_segment_tokens`` held-out output tokens: the figure of two short requests
-   is noise, and would block every promotion by chance.
+   is noise, and would block every promotion by chance. And the drop must exceed
+   the tolerance by ``DROP_Z`` (1.645) standard errors of the paired difference
+   (both drafts replayed on the same requests): one-sided 95% that it is real.
 3. The acceptance length weighted by each segment's share of the window's tokens
    must gain at least ``margin``: the challenger has to pay off on what the fleet
    serves now.
@@ -33,6 +35,7 @@ from tide_lib.config import GateConfig
 
 __all__ = [
     "DECISION_TAG",
+    "DROP_Z",
     "SEGMENTER_TAG",
     "GateDecision",
     "decide",
@@ -42,6 +45,9 @@ __all__ = [
     "protected_segments",
 ]
 
+# A drop rejects (or, in the trainer, counts as forgetting) only when it exceeds the
+# tolerance by this many standard errors: one-sided 95% that it is not chance.
+DROP_Z: Final = 1.645
 _EPSILON = 1e-9  # figures at a threshold pass it, whatever float rounding did to them
 
 # Every MLflow tag the gate writes; ``tide.al.<segment>.k<k>`` is the design's per-segment figure.
@@ -117,13 +123,17 @@ def decide(
     older_shares: dict[str, float] | None = None,
     *,
     held_out_tokens: dict[str, int] | None = None,
+    drop_errors: dict[str, float] | None = None,
 ) -> GateDecision:
     """Promote or not; ``challenger``/``champion`` map segment -> acceptance length at k.
 
     ``weights`` are the segments' shares of the window's tokens (equal when not
     given: every segment then counts alike and is protected); ``older_shares`` their
     shares of the older traffic (none: a first cycle); ``held_out_tokens`` the output
-    tokens each figure was measured on (not given: every figure counts as measured).
+    tokens each figure was measured on (not given: every figure counts as measured);
+    ``drop_errors`` the standard error of each segment's drop, champion and challenger
+    replayed on the same requests (:func:`~tide_lib.evaluation.offline.paired_drop`): a
+    drop rejects only when it exceeds the tolerance by ``DROP_Z`` of them.
     """
     if not challenger:
         raise ValueError("the challenger has no figures: no held-out traffic was evaluated")
@@ -157,16 +167,18 @@ def decide(
     common = {s: v for s, v in challenger.items() if s in champion}
     weighted_champion = _weighted({s: champion[s] for s in common}, shares)
     weighted_common = _weighted(common, shares)
+    errors = drop_errors or {}
     for segment in protected:
         if segment not in champion:
             continue
-        drop = champion[segment] - challenger[segment]
-        if drop > config.tolerance + _EPSILON:
+        drop, error = champion[segment] - challenger[segment], errors.get(segment, 0.0)
+        if drop - DROP_Z * error > config.tolerance + _EPSILON:
+            noise = f" + {DROP_Z} x standard error {error:.3f}" if error else ""
             return verdict(
                 False,
                 f"segment {segment!r} ({_share_text(segment, shares, older)}): "
                 f"{challenger[segment]:.3f} vs champion {champion[segment]:.3f} "
-                f"(drop {drop:.3f} > tolerance {config.tolerance:.3f})",
+                f"(drop {drop:.3f} > tolerance {config.tolerance:.3f}{noise})",
                 weighted_champion,
             )
     gain = weighted_common - weighted_champion

@@ -21,12 +21,14 @@ scores its held-out split with the same replay while it trains.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from tide_lib.evaluation.gate import DROP_Z
 from tide_lib.serving.speculative import DraftRunner
 
 __all__ = [
@@ -34,8 +36,10 @@ __all__ = [
     "ReplaySample",
     "acceptance_counts",
     "offline_acceptance",
+    "paired_drop",
     "replay_request",
     "replay_sample",
+    "significant_drop",
 ]
 
 
@@ -72,20 +76,58 @@ def replay_sample(raw: Mapping[str, Any]) -> ReplaySample:
 
 @dataclasses.dataclass
 class AcceptanceCount:
-    """Pooled counts of one segment at one k."""
+    """Pooled counts of one segment at one k, and each request's ``(emitted, verify)``."""
 
     emitted: int = 0
     verify_steps: int = 0
     requests: int = 0
+    per_request: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def add(self, emitted: int, verify_steps: int) -> None:
         self.emitted += emitted
         self.verify_steps += verify_steps
         self.requests += 1
+        self.per_request.append((emitted, verify_steps))
 
     @property
     def accept_length(self) -> float:
         return self.emitted / self.verify_steps if self.verify_steps else 0.0
+
+
+def significant_drop(
+    before: Sequence[tuple[int, int]], after: Sequence[tuple[int, int]], tolerance: float
+) -> float | None:
+    """The drop from ``before`` to ``after`` if it exceeds ``tolerance`` by ``DROP_Z``
+    standard errors (paired, see :func:`paired_drop`), else None."""
+    drop, error = paired_drop(before, after)
+    return drop if drop - DROP_Z * error > tolerance else None
+
+
+def paired_drop(
+    before: Sequence[tuple[int, int]], after: Sequence[tuple[int, int]]
+) -> tuple[float, float]:
+    """``(drop, standard error)`` of the pooled acceptance length from ``before`` to
+    ``after``, two drafts replayed on the same requests (``(emitted, verify)`` each).
+
+    The error is the paired delta-method estimate for a ratio of sums: requests
+    differ far more than drafts do, so pairing them removes most of the noise. With
+    fewer than two requests there is no estimate: the error is infinite.
+    """
+    if len(before) != len(after):
+        raise ValueError(f"paired figures need the same requests ({len(before)} vs {len(after)})")
+    emitted_0, verify_0 = sum(e for e, _ in before), sum(v for _, v in before)
+    emitted_1, verify_1 = sum(e for e, _ in after), sum(v for _, v in after)
+    if not verify_0 or not verify_1:
+        return 0.0, math.inf
+    length_0, length_1 = emitted_0 / verify_0, emitted_1 / verify_1
+    if len(before) < 2:
+        return length_0 - length_1, math.inf
+    residuals = [
+        (e0 - length_0 * v0) / verify_0 - (e1 - length_1 * v1) / verify_1
+        for (e0, v0), (e1, v1) in zip(before, after, strict=True)
+    ]
+    variance = len(residuals) / (len(residuals) - 1) * sum(r * r for r in residuals)
+    return length_0 - length_1, math.sqrt(variance)
 
 
 @torch.no_grad()

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tide_lib.config import TideConfig
+from tide_lib.evaluation.offline import AcceptanceCount, paired_drop
 from tide_lib.evaluation.segments import Segmenter, fit_segmenter, segment_of
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
@@ -559,7 +560,8 @@ def _accept_lengths(
     prepare_specforge("cpu")
     k = config.gate.k
     with task_scratch(config, f"drift-v{version}") as work:
-        return _version_acceptance(config, registry, version, samples, ks=[k], work=work)[k]
+        counts = _version_acceptance(config, registry, version, samples, ks=[k], work=work)
+        return {segment: count.accept_length for segment, count in counts[k].items()}
 
 
 def _version_acceptance(
@@ -570,15 +572,15 @@ def _version_acceptance(
     *,
     ks: list[int],
     work: Path,
-) -> dict[int, dict[str, float]]:
-    """Download ``version`` into ``work`` and replay it offline: k -> segment -> acceptance."""
+) -> dict[int, dict[str, AcceptanceCount]]:
+    """Download ``version`` into ``work`` and replay it offline: k -> segment -> counts."""
     from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
     from tide_lib.training.draft import load_draft  # noqa: PLC0415
 
     target = config.cycle.target_path
     draft = load_draft(registry.download(version, work / f"v{version}"), target)
     counts = offline_acceptance(draft, target, samples, ks)
-    return {k: {segment: by_k[k].accept_length for segment, by_k in counts.items()} for k in ks}
+    return {k: {segment: by_k[k] for segment, by_k in counts.items()} for k in ks}
 
 
 def _champion_baseline(
@@ -870,14 +872,21 @@ def _judge(
     ks = sorted({k, *config.gate.ks})
     with task_scratch(config, f"evaluate-{snapshot.cycle_id}") as work:
 
-        def figures(number: str) -> dict[int, dict[str, float]]:
+        def counts(number: str) -> dict[int, dict[str, AcceptanceCount]]:
             return _version_acceptance(config, registry, number, traffic.samples, ks=ks, work=work)
 
-        challenger = figures(version)
+        challenger_counts = counts(version)
         champion_version = registry.alias(CHAMPION)
-        champion = None
+        champion_counts = None
         if champion_version is not None and champion_version.version != version:
-            champion = figures(champion_version.version)
+            champion_counts = counts(champion_version.version)
+    challenger = _lengths(challenger_counts)
+    champion = _lengths(champion_counts) if champion_counts else None
+    errors = {  # the noise of each segment's drop: the same requests, paired
+        segment: paired_drop(champion_counts[k][segment].per_request, count.per_request)[1]
+        for segment, count in challenger_counts[k].items()
+        if champion_counts and segment in champion_counts[k]
+    }
     decision = decide(
         challenger[k],
         champion[k] if champion else None,
@@ -885,12 +894,17 @@ def _judge(
         weights=traffic.window_shares,
         older_shares=traffic.older_shares,
         held_out_tokens=traffic.output_tokens,
+        drop_errors=errors,
     )
     return dataclasses.replace(
         decision,
         challenger_by_k={at_k: f for at_k, f in challenger.items() if at_k != k},
         champion_by_k={at_k: f for at_k, f in (champion or {}).items() if at_k != k},
     )
+
+
+def _lengths(counts: dict[int, dict[str, AcceptanceCount]]) -> dict[int, dict[str, float]]:
+    return {k: {s: count.accept_length for s, count in by.items()} for k, by in counts.items()}
 
 
 def promote(config: TideConfig, version: str, decision: Decision) -> Promotion:

@@ -31,7 +31,12 @@ from typing import Any
 import torch
 
 from tide_lib.config import TrainConfig
-from tide_lib.evaluation.offline import ReplaySample, acceptance_counts, replay_sample
+from tide_lib.evaluation.offline import (
+    ReplaySample,
+    acceptance_counts,
+    replay_sample,
+    significant_drop,
+)
 
 __all__ = [
     "BestDraft",
@@ -110,6 +115,8 @@ class Evaluation:
     step: int
     accept_length: float
     groups: dict[str, float]
+    # each held-out request's (emitted, verify steps), per group: drops are judged paired
+    requests: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
     def as_metrics(self) -> dict[str, float]:
         return {"heldout_accept_length": self.accept_length} | {
@@ -158,6 +165,7 @@ class HeldOut:
             step=step,
             accept_length=emitted / verify if verify else 0.0,
             groups={group: count.accept_length for group, count in by_group.items()},
+            requests={group: list(count.per_request) for group, count in by_group.items()},
         )
         logger.info(
             "step %d: held-out acceptance length %.4f at k=%d %s",
@@ -244,18 +252,27 @@ class Selection:
             logger.info("step %d is the best draft so far", step)
 
     def _forgotten(self, evaluation: Evaluation) -> dict[str, float]:
-        """Groups that fell more than ``forgetting_tolerance`` below the start (step 0),
-        among those measured on ``forgetting_min_tokens`` held-out output tokens (as the
-        gate's ``min_segment_tokens``: fewer make a figure too noisy to judge by)."""
-        start = self.evaluations[0].groups if self.evaluations else {}
+        """Groups that fell below the start (step 0) by more than ``forgetting_tolerance``,
+        beyond the noise of their held-out requests (:func:`significant_drop`), among
+        those measured on ``forgetting_min_tokens`` held-out output tokens (as the gate)."""
+        start = self.evaluations[0] if self.evaluations else None
         tokens = self.held_out.output_tokens if self.held_out is not None else {}
-        return {
-            group: start[group] - value
-            for group, value in evaluation.groups.items()
-            if group in start
-            and tokens.get(group, 0) >= self.forgetting_min_tokens
-            and start[group] - value > self.forgetting_tolerance
-        }
+        forgot: dict[str, float] = {}
+        for group, value in evaluation.groups.items():
+            if start is None or group not in start.groups:
+                continue
+            if tokens.get(group, 0) < self.forgetting_min_tokens:
+                continue
+            if group in start.requests and group in evaluation.requests:
+                drop = significant_drop(
+                    start.requests[group], evaluation.requests[group], self.forgetting_tolerance
+                )
+            else:  # figures without their requests (a script, an old checkpoint)
+                fell = start.groups[group] - value
+                drop = fell if fell > self.forgetting_tolerance else None
+            if drop is not None:
+                forgot[group] = drop
+        return forgot
 
     def _record(self, evaluation: Evaluation) -> None:
         self.evaluations.append(evaluation)

@@ -686,7 +686,10 @@ def train_draft(
         best_step=best_step,
         best_is_parent=best_is_parent,
         improved=None if best is None else best_step > 0,
-        evaluations=[dataclasses.asdict(entry) for entry in selection.evaluations],
+        evaluations=[  # figures only: per-request counts stay in the checkpoint
+            {k: v for k, v in dataclasses.asdict(entry).items() if k != "requests"}
+            for entry in selection.evaluations
+        ],
         validation_samples=len(held_paths),
         learning_rate=plan.learning_rate,
         batch_size=plan.batch_size,
