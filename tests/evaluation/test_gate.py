@@ -188,6 +188,8 @@ def test_the_paired_drop_and_its_error() -> None:
     drop, error = paired_drop(before, mixed)
     assert drop == pytest.approx(92 / 40 - 70 / 40) and error > 0.3
     assert significant_drop(before, mixed, tolerance=0.2) is None  # 0.55 is within the noise
+    two = [(20, 10), (20, 10)], [(17, 10), (16, 10)]  # both fell, but two requests say little
+    assert paired_drop(*two)[0] > 0.2 and significant_drop(*two, tolerance=0.2) is None
     assert paired_drop(before[:1], mixed[:1])[1] == float("inf")  # one request: no estimate
     with pytest.raises(ValueError, match="same requests"):
         paired_drop(before, mixed[:2])
@@ -196,7 +198,11 @@ def test_the_paired_drop_and_its_error() -> None:
 def test_a_drop_within_its_noise_does_not_reject() -> None:
     challenger = {"korean": 3.5, "english": 2.7}  # english drops 0.3 > tolerance 0.2
     shares = {"korean": 0.5, "english": 0.5}
-    noisy = decide(challenger, CHAMPION, CONFIG, weights=shares, drop_errors={"english": 0.1})
+    noisy = decide(challenger, CHAMPION, CONFIG, weights=shares, drop_margins={"english": 0.15})
     assert noisy.promote
-    sure = decide(challenger, CHAMPION, CONFIG, weights=shares, drop_errors={"english": 0.01})
-    assert not sure.promote and "standard error 0.010" in sure.reason
+    sure = decide(challenger, CHAMPION, CONFIG, weights=shares, drop_margins={"english": 0.05})
+    assert not sure.promote and "margin of error 0.050" in sure.reason
+    from tide_lib.evaluation.gate import t95
+
+    assert t95(1) > t95(2) > t95(9) > t95(25) > t95(1000) == pytest.approx(1.645)
+    assert t95(0) == float("inf")

@@ -12,8 +12,8 @@ requests of the window and of the older traffic in the lookback. Rules, in order
    (the first) protects every segment it has data for. Either way a segment needs
    ``min_segment_tokens`` held-out output tokens: the figure of two short requests
    is noise, and would block every promotion by chance. And the drop must exceed
-   the tolerance by ``DROP_Z`` (1.645) standard errors of the paired difference
-   (both drafts replayed on the same requests): one-sided 95% that it is real.
+   the tolerance by its one-sided 95% margin of error (Student's t over the held-out
+   requests, both drafts replayed on the same ones, see :func:`drop_margin`).
 3. The acceptance length weighted by each segment's share of the window's tokens
    must gain at least ``margin``: the challenger has to pay off on what the fleet
    serves now.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Any, Final
 
@@ -35,7 +36,6 @@ from tide_lib.config import GateConfig
 
 __all__ = [
     "DECISION_TAG",
-    "DROP_Z",
     "SEGMENTER_TAG",
     "GateDecision",
     "decide",
@@ -43,11 +43,28 @@ __all__ = [
     "decision_report",
     "decision_tags",
     "protected_segments",
+    "t95",
 ]
 
-# A drop rejects (or, in the trainer, counts as forgetting) only when it exceeds the
-# tolerance by this many standard errors: one-sided 95% that it is not chance.
-DROP_Z: Final = 1.645
+# One-sided 95% quantiles of Student's t by degrees of freedom (held-out requests - 1):
+# a drop rejects (or, in the trainer, counts as forgetting) only beyond its margin.
+_T95: Final = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860}
+_T95_FAR: Final = ((10, 1.812), (15, 1.753), (20, 1.725), (30, 1.697))
+_Z95: Final = 1.645
+
+
+def t95(degrees: int) -> float:
+    """Student's t one-sided 95% quantile (conservative between tabulated points)."""
+    if degrees < 1:
+        return math.inf
+    if degrees in _T95:
+        return _T95[degrees]
+    for limit, quantile in _T95_FAR:
+        if degrees <= limit:
+            return quantile
+    return _Z95
+
+
 _EPSILON = 1e-9  # figures at a threshold pass it, whatever float rounding did to them
 
 # Every MLflow tag the gate writes; ``tide.al.<segment>.k<k>`` is the design's per-segment figure.
@@ -123,7 +140,7 @@ def decide(
     older_shares: dict[str, float] | None = None,
     *,
     held_out_tokens: dict[str, int] | None = None,
-    drop_errors: dict[str, float] | None = None,
+    drop_margins: dict[str, float] | None = None,
 ) -> GateDecision:
     """Promote or not; ``challenger``/``champion`` map segment -> acceptance length at k.
 
@@ -131,9 +148,9 @@ def decide(
     given: every segment then counts alike and is protected); ``older_shares`` their
     shares of the older traffic (none: a first cycle); ``held_out_tokens`` the output
     tokens each figure was measured on (not given: every figure counts as measured);
-    ``drop_errors`` the standard error of each segment's drop, champion and challenger
-    replayed on the same requests (:func:`~tide_lib.evaluation.offline.paired_drop`): a
-    drop rejects only when it exceeds the tolerance by ``DROP_Z`` of them.
+    ``drop_margins`` the one-sided 95% margin of error of each segment's drop, champion
+    and challenger replayed on the same requests
+    (:func:`~tide_lib.evaluation.offline.drop_margin`): a drop rejects only beyond it.
     """
     if not challenger:
         raise ValueError("the challenger has no figures: no held-out traffic was evaluated")
@@ -167,13 +184,13 @@ def decide(
     common = {s: v for s, v in challenger.items() if s in champion}
     weighted_champion = _weighted({s: champion[s] for s in common}, shares)
     weighted_common = _weighted(common, shares)
-    errors = drop_errors or {}
+    margins = drop_margins or {}
     for segment in protected:
         if segment not in champion:
             continue
-        drop, error = champion[segment] - challenger[segment], errors.get(segment, 0.0)
-        if drop - DROP_Z * error > config.tolerance + _EPSILON:
-            noise = f" + {DROP_Z} x standard error {error:.3f}" if error else ""
+        drop, margin = champion[segment] - challenger[segment], margins.get(segment, 0.0)
+        if drop - margin > config.tolerance + _EPSILON:
+            noise = f" + margin of error {margin:.3f}" if margin else ""
             return verdict(
                 False,
                 f"segment {segment!r} ({_share_text(segment, shares, older)}): "

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tide_lib.config import TideConfig
-from tide_lib.evaluation.offline import AcceptanceCount, paired_drop
+from tide_lib.evaluation.offline import AcceptanceCount, drop_margin
 from tide_lib.evaluation.segments import Segmenter, fit_segmenter, segment_of
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
@@ -882,8 +882,8 @@ def _judge(
             champion_counts = counts(champion_version.version)
     challenger = _lengths(challenger_counts)
     champion = _lengths(champion_counts) if champion_counts else None
-    errors = {  # the noise of each segment's drop: the same requests, paired
-        segment: paired_drop(champion_counts[k][segment].per_request, count.per_request)[1]
+    margins = {  # the noise of each segment's drop: the same requests, paired
+        segment: drop_margin(champion_counts[k][segment].per_request, count.per_request)[1]
         for segment, count in challenger_counts[k].items()
         if champion_counts and segment in champion_counts[k]
     }
@@ -894,7 +894,7 @@ def _judge(
         weights=traffic.window_shares,
         older_shares=traffic.older_shares,
         held_out_tokens=traffic.output_tokens,
-        drop_errors=errors,
+        drop_margins=margins,
     )
     return dataclasses.replace(
         decision,
