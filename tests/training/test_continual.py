@@ -83,7 +83,9 @@ def test_the_held_out_split_hashes_names_and_covers_every_segment(tmp_path: Path
     for split in ("window", "replay"):
         (tmp_path / split).mkdir()
         for index in range(40):
-            payload = {"segment": "law"} if split == "window" and index < 3 else {}
+            payload: dict[str, object] = {"input_ids": torch.tensor([index, len(split), 7])}
+            if split == "window" and index < 3:
+                payload["segment"] = "law"
             torch.save(payload, tmp_path / split / f"data_{index:06d}.ckpt")
     samples = list_samples(tmp_path)
     config = BASE.model_copy(update={"validation_fraction": 0.2, "validation_max_samples": 100})
@@ -93,11 +95,22 @@ def test_the_held_out_split_hashes_names_and_covers_every_segment(tmp_path: Path
     assert 4 <= len(held) <= 30
     law = [p for p in held if p.parent.name == "window" and int(p.stem[-6:]) < 3]
     assert len(law) == 2  # a 3-sample segment: 2 held out (the minimum), 1 trained on
+    # copies of one request fall on the same side, and count once towards a quota
+    for number in range(5):
+        torch.save(
+            {"input_ids": torch.tensor([1, 6, 7])}, tmp_path / "window" / f"dup_{number}.ckpt"
+        )
+    samples = list_samples(tmp_path)
+    train, held = split_held_out(tmp_path, samples, config)
+    copies = [p for p in samples if p.name.startswith("dup_") or p.name == "data_000001.ckpt"]
+    assert all(p in held for p in copies) or all(p in train for p in copies)
     assert split_held_out(tmp_path, list(reversed(samples)), config)[1] == sorted(
         held, key=samples.index, reverse=True
     )
     capped = config.model_copy(update={"validation_max_samples": 3})
-    assert len(split_held_out(tmp_path, samples, capped)[1]) == 3
+    capped_held = split_held_out(tmp_path, samples, capped)[1]
+    distinct = {tuple(torch.load(path)["input_ids"].tolist()) for path in capped_held}
+    assert 2 <= len(distinct) <= 3  # the cap counts distinct requests (a copy is shared)
     off = config.model_copy(update={"validation_fraction": 0})
     assert split_held_out(tmp_path, samples, off) == (samples, [])
 

@@ -21,6 +21,7 @@ scores its held-out split with the same replay while it trains.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -35,6 +36,8 @@ __all__ = [
     "AcceptanceCount",
     "ReplaySample",
     "acceptance_counts",
+    "content_digest",
+    "content_fraction",
     "drop_margin",
     "offline_acceptance",
     "paired_drop",
@@ -63,6 +66,18 @@ class _OfflineSample:
     loss_mask: torch.Tensor
     hidden_state: torch.Tensor
     aux_hidden_state: torch.Tensor
+
+
+def content_digest(input_ids: torch.Tensor) -> bytes:
+    """A request's identity by its tokens: duplicates (the same prompt answered the same
+    way) share it, so they fall on the same side of every held-out split and count
+    once in a held-out figure (two copies of one request are not two pieces of evidence)."""
+    return hashlib.sha256(input_ids.reshape(-1).to(torch.int64).numpy().tobytes()).digest()
+
+
+def content_fraction(input_ids: torch.Tensor) -> float:
+    """Where a request falls in [0, 1) for a held-out split (see :func:`content_digest`)."""
+    return int.from_bytes(content_digest(input_ids)[:8], "big") / 2**64
 
 
 def replay_sample(raw: Mapping[str, Any]) -> ReplaySample:

@@ -37,7 +37,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tide_lib.config import TideConfig
-from tide_lib.evaluation.offline import AcceptanceCount, drop_margin
+from tide_lib.evaluation.offline import (
+    AcceptanceCount,
+    content_digest,
+    content_fraction,
+    drop_margin,
+)
 from tide_lib.evaluation.segments import Segmenter, fit_segmenter, segment_of
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
@@ -244,8 +249,12 @@ def _markers(reader: LakeReader, keys: list[str]) -> list[CommitMarker]:
 
 
 def _held_out(sample: TrainingSample, percent: int) -> bool:
-    """Held out of training in every cycle: judges forgetting once the traffic is older."""
-    return hashlib.sha256(sample.request_id.encode()).digest()[0] * 100 // 256 < percent
+    """Held out of training in every cycle: judges forgetting once the traffic is older.
+
+    A hash of the request's tokens, not of its id: copies of one request (a prompt the
+    fleet sees again and again) are all held out or all trained on, never both.
+    """
+    return content_fraction(sample.input_ids) * 100 < percent
 
 
 def _window_split(
@@ -253,7 +262,7 @@ def _window_split(
 ) -> Iterator[tuple[bool, TrainingSample]]:
     """The window's requests in commit order, each with whether it is held out.
 
-    The one held-out rule (a hash of the request id), so a request judged now is
+    The one held-out rule (a hash of the request's tokens), so a request judged now is
     never trained on later as replay, and train and evaluate agree on any host
     even if a shard is quarantined in between. The window's first request is
     held out too, so a small window still has recent traffic to judge on.
@@ -413,11 +422,21 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
     samples: dict[str, list[TrainingSample]] = {}
     window_tokens: dict[str, int] = {}
     older_tokens: dict[str, int] = {}
+    seen: set[bytes] = set()  # a request judged once, however often it was sent
+
+    def judge(segment: str, sample: TrainingSample) -> bool:
+        digest = content_digest(sample.input_ids)
+        if digest in seen:
+            return False
+        seen.add(digest)
+        samples.setdefault(segment, []).append(sample)
+        return True
+
     for held, sample in _window_split(config, snapshot, reader):
         segment = segment_of(sample, segmenter)
         window_tokens[segment] = window_tokens.get(segment, 0) + int(sample.input_ids.numel())
         if held:
-            samples.setdefault(segment, []).append(sample)
+            judge(segment, sample)
     held_older = 0
     budget = config.cycle.held_out_older_tokens
     for sample in reader.iter_samples(_markers(reader, snapshot.held_out_older)):
@@ -425,8 +444,7 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
             break
         segment, tokens = segment_of(sample, segmenter), int(sample.input_ids.numel())
         older_tokens[segment] = older_tokens.get(segment, 0) + tokens
-        if _held_out(sample, config.cycle.held_out_percent):
-            samples.setdefault(segment, []).append(sample)
+        if _held_out(sample, config.cycle.held_out_percent) and judge(segment, sample):
             held_older += tokens
     _log_debris(reader, f"cycle {snapshot.cycle_id} held-out")
     return HeldOutTraffic(samples, window_tokens, older_tokens, key)

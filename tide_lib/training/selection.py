@@ -2,10 +2,10 @@
 
 A warm start trained on a small window can end worse than the draft it started
 from, even on that window's traffic. So a share of the training samples is held
-out (chosen by a hash of each file's path, so window and replay alike, and the
-same split on every retry), never trained on, and scored with the offline
-acceptance replay (:mod:`tide_lib.evaluation.offline`, the engine's own chain
-drafting) at step 0 and every ``eval_every`` steps. The draft exported is the
+out (chosen by a hash of each request's tokens, so window and replay alike, copies
+of a request together, and the same split on every retry), never trained on, and
+scored with the offline acceptance replay (:mod:`tide_lib.evaluation.offline`, the
+engine's own chain drafting) at step 0 and every ``eval_every`` steps. The draft exported is the
 best one scored among those that forget nothing: a step whose score on any group
 (the replayed older traffic, a segment) fell more than ``forgetting_tolerance``
 below the parent's is never kept, whatever it gains on the window, since the gate
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,8 @@ from tide_lib.config import TrainConfig
 from tide_lib.evaluation.offline import (
     ReplaySample,
     acceptance_counts,
+    content_digest,
+    content_fraction,
     replay_sample,
     significant_drop,
 )
@@ -68,43 +69,46 @@ def sample_group(data_dir: Path, path: Path, raw: dict[str, Any] | None = None) 
     return segment if isinstance(segment, str) else sample_split(data_dir, path)
 
 
-def _hash_fraction(data_dir: Path, path: Path) -> float:
-    digest = hashlib.sha256(path.relative_to(data_dir).as_posix().encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
 def split_held_out(
     data_dir: Path, samples: list[Path], config: TrainConfig
 ) -> tuple[list[Path], list[Path]]:
-    """``(train, held_out)``, stratified by group (segment, else split).
+    """``(train, held_out)``, by request content and stratified by group (segment, else split).
 
-    Each group holds out its samples whose path hash is below ``validation_fraction``,
-    and at least :data:`MIN_HELD_OUT_PER_GROUP` of them (never its last sample): the
-    forgetting check can only protect a segment it scores. The total is capped at
-    ``validation_max_samples``, taken from the largest quotas first. None are held out
-    when ``validation_fraction`` is 0 or there is a single sample.
+    Samples are ranked by a hash of their tokens (:func:`content_fraction`), so copies
+    of one request fall together: held out, or trained on, never both. Each group holds
+    out its distinct requests that hash below ``validation_fraction``, and at least
+    :data:`MIN_HELD_OUT_PER_GROUP` of them (never its last): the forgetting check can
+    only protect a segment it scores. The total is capped at ``validation_max_samples``
+    distinct requests, taken from the largest quotas first. None are held out when
+    ``validation_fraction`` is 0 or there is a single sample.
     """
     if config.validation_fraction == 0 or len(samples) < 2:
         return samples, []
-    groups: dict[str, list[Path]] = {}
-    for path in sorted(samples, key=lambda path: _hash_fraction(data_dir, path)):
-        groups.setdefault(sample_group(data_dir, path), []).append(path)
+    keys: dict[Path, tuple[float, str]] = {}
+    for path in samples:  # memory-mapped: the tokens and the label, not the states
+        raw = torch.load(path, weights_only=True, mmap=True)
+        keys[path] = (content_fraction(raw["input_ids"]), sample_group(data_dir, path, raw))
+    groups: dict[str, list[float]] = {}  # each group's distinct requests, by hash
+    for fraction, group in sorted(set(keys.values())):
+        groups.setdefault(group, []).append(fraction)
     quota = {
         name: min(
-            len(members) - 1,
+            len(requests) - 1,
             max(
                 MIN_HELD_OUT_PER_GROUP,
-                sum(_hash_fraction(data_dir, p) < config.validation_fraction for p in members),
+                sum(fraction < config.validation_fraction for fraction in requests),
             ),
         )
-        for name, members in groups.items()
+        for name, requests in groups.items()
     }
-    if not any(quota.values()):  # every group a single sample: hold out one of them
+    if not any(quota.values()):  # every group a single request: hold out one of them
         quota[next(iter(groups))] = 1
     while sum(quota.values()) > config.validation_max_samples:
         largest = max(quota, key=lambda name: (quota[name], name))
         quota[largest] -= 1
-    held = {path for name, members in groups.items() for path in members[: quota[name]]}
+    # by content alone: a copy labelled otherwise goes with the request it copies
+    chosen = {f for name, requests in groups.items() for f in requests[: quota[name]]}
+    held = {path for path, (fraction, _group) in keys.items() if fraction in chosen}
     return [p for p in samples if p not in held], [p for p in samples if p in held]
 
 
@@ -137,8 +141,13 @@ class HeldOut:
     ) -> None:
         self.groups: dict[str, list[ReplaySample]] = {}
         self.output_tokens: dict[str, int] = {}  # what each group's figure rests on
+        seen: set[bytes] = set()
         for path in paths:
             raw = load(path)
+            digest = content_digest(raw["input_ids"])
+            if digest in seen:  # a copy of a request already held out: no new evidence
+                continue
+            seen.add(digest)
             group = sample_group(data_dir, path, raw)
             self.groups.setdefault(group, []).append(replay_sample(raw))
             tokens = int(raw["loss_mask"].sum())
@@ -272,6 +281,12 @@ class Selection:
                 drop = fell if fell > self.forgetting_tolerance else None
             if drop is not None:
                 forgot[group] = drop
+                logger.debug(
+                    "group %s: requests %s at step 0, %s now",
+                    group,
+                    start.requests.get(group),
+                    evaluation.requests.get(group),
+                )
         return forgot
 
     def _record(self, evaluation: Evaluation) -> None:
