@@ -204,5 +204,23 @@ def test_a_drop_within_its_noise_does_not_reject() -> None:
     assert not sure.promote and "margin of error 0.050" in sure.reason
     from tide_lib.evaluation.gate import t95
 
-    assert t95(1) > t95(2) > t95(9) > t95(25) > t95(1000) == pytest.approx(1.645)
+    assert t95(1) > t95(2) > t95(9) > t95(25) > t95(1000) == pytest.approx(1.658)
+    assert t95(11) == t95(10)  # between tabulated points: the stricter quantile
     assert t95(0) == float("inf")
+
+
+def test_a_baseline_holds_only_figures_the_gate_had_evidence_for() -> None:
+    """The drift check compares the champion with its figures at the gate: a segment the
+    gate saw on too few held-out tokens (a one-request 4.0) is no baseline to drift from."""
+    from tide_lib.orchestration.cycle import _evidenced
+
+    tokens = {"korean": 400, "english": 300, "tiny": 3}
+    decision = decide(
+        {"korean": 3.5, "english": 3.0, "tiny": 4.0},
+        {**CHAMPION, "tiny": 4.0},
+        CONFIG,
+        held_out_tokens=tokens,
+    )
+    judged = decision_from_tags(decision_tags(decision, k=4), k=4)
+    assert judged is not None
+    assert _evidenced(judged.challenger, judged.protected) == {"korean": 3.5, "english": 3.0}

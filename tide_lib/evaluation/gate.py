@@ -48,21 +48,18 @@ __all__ = [
 
 # One-sided 95% quantiles of Student's t by degrees of freedom (held-out requests - 1):
 # a drop rejects (or, in the trainer, counts as forgetting) only beyond its margin.
-_T95: Final = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860}
-_T95_FAR: Final = ((10, 1.812), (15, 1.753), (20, 1.725), (30, 1.697))
-_Z95: Final = 1.645
+_T95: Final = {
+    1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860,
+    9: 1.833, 10: 1.812, 15: 1.753, 20: 1.725, 30: 1.697, 60: 1.671, 120: 1.658,
+}  # fmt: skip
 
 
 def t95(degrees: int) -> float:
-    """Student's t one-sided 95% quantile (conservative between tabulated points)."""
+    """Student's t one-sided 95% quantile; between tabulated points, that of the
+    fewer degrees (the larger, stricter margin)."""
     if degrees < 1:
         return math.inf
-    if degrees in _T95:
-        return _T95[degrees]
-    for limit, quantile in _T95_FAR:
-        if degrees <= limit:
-            return quantile
-    return _Z95
+    return _T95[max(df for df in _T95 if df <= degrees)]
 
 
 _EPSILON = 1e-9  # figures at a threshold pass it, whatever float rounding did to them

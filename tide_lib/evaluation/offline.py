@@ -75,9 +75,17 @@ def content_digest(input_ids: torch.Tensor) -> bytes:
     return hashlib.sha256(input_ids.reshape(-1).to(torch.int64).numpy().tobytes()).digest()
 
 
-def content_fraction(input_ids: torch.Tensor) -> float:
-    """Where a request falls in [0, 1) for a held-out split (see :func:`content_digest`)."""
-    return int.from_bytes(content_digest(input_ids)[:8], "big") / 2**64
+def content_fraction(input_ids: torch.Tensor, salt: bytes = b"") -> float:
+    """Where a request falls in [0, 1) for a held-out split (see :func:`content_digest`).
+
+    Splits made one after the other (the cycle's, then the trainer's validation split
+    of what the cycle kept) need different ``salt``: the same hash would put every
+    survivor of the first split above the second's threshold.
+    """
+    digest = content_digest(input_ids)
+    if salt:
+        digest = hashlib.sha256(salt + digest).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 def replay_sample(raw: Mapping[str, Any]) -> ReplaySample:

@@ -47,6 +47,7 @@ from tide_lib.lake.schema import (
     LEGACY_RECORD_SCHEMAS,
     NUM_AUX_LAYERS,
     RECORD_SCHEMA,
+    reserved_segment,
     segment_problem,
     values_problem,
 )
@@ -353,6 +354,9 @@ class LakeReader:
     def _checked_sample(self, row: dict[str, Any], marker: CommitMarker) -> TrainingSample | None:
         """The row as a sample, or None (counted, logged) if its values must not train."""
         sample = _to_sample(row, marker)
+        if sample.segment is not None and reserved_segment(sample.segment):
+            # written before these names were reserved: the request still trains, unlabelled
+            sample = dataclasses.replace(sample, segment=None)
         problem = segment_problem(sample.segment) or values_problem(
             sample.input_ids,
             sample.hidden_state,

@@ -43,6 +43,7 @@ __all__ = [
     "InvalidRecordError",
     "record_nbytes",
     "records_to_table",
+    "reserved_segment",
     "segment_problem",
     "target_limits",
     "validate_record",
@@ -125,6 +126,12 @@ class CapturedRecord:
     segment: str | None = None
 
 
+def reserved_segment(segment: str) -> bool:
+    """Is ``segment`` one of TIDE's own names (``all``, ``cluster-*``, any case)?"""
+    folded = segment.casefold()
+    return folded == UNSEGMENTED or folded.startswith(CLUSTER_PREFIX)
+
+
 def segment_problem(segment: object) -> str | None:
     """Why ``segment`` cannot label a record, or None if it can (None itself can).
 
@@ -144,8 +151,7 @@ def segment_problem(segment: object) -> str | None:
             f"segment label {segment!r} is not a short name (letters, digits, '_', '-', '.', "
             "spaces; starting with a letter, digit or '_')"
         )
-    folded = segment.casefold()
-    if folded == UNSEGMENTED or folded.startswith(CLUSTER_PREFIX):
+    if reserved_segment(segment):
         return (
             f"segment label {segment!r} is reserved ({UNSEGMENTED!r} and {CLUSTER_PREFIX}* name "
             "TIDE's own segments of unlabelled traffic); choose another name"

@@ -615,10 +615,17 @@ def _champion_baseline(
         if stored.get("version") == champion.version and stored.get("k") == config.gate.k:
             return {str(s): float(v) for s, v in stored["accept_length"].items()}
     judged = decision_from_tags(dict(champion.tags or {}), config.gate.k)
-    if judged is None or not judged.challenger:
+    baseline = _evidenced(judged.challenger, judged.protected) if judged is not None else {}
+    if not baseline:
         return {}
-    _store_baseline(config, champion.version, judged.challenger, "gate")
-    return judged.challenger
+    _store_baseline(config, champion.version, baseline, "gate")
+    return baseline
+
+
+def _evidenced(figures: dict[str, float], protected: tuple[str, ...]) -> dict[str, float]:
+    """The figures a baseline may hold: those of segments the gate protected, i.e. measured
+    on enough held-out requests (a one-request figure of 4.0 is no baseline to drift from)."""
+    return {segment: value for segment, value in figures.items() if segment in protected}
 
 
 def _store_baseline(
@@ -872,7 +879,9 @@ def _keep_champion_baseline(
     if decision.promote or not decision.champion or champion is None:
         return
     if champion.version != version and not _champion_baseline(config, registry, champion):
-        _store_baseline(config, champion.version, decision.champion, "gate: held its place")
+        baseline = _evidenced(decision.champion, decision.protected)
+        if baseline:
+            _store_baseline(config, champion.version, baseline, "gate: held its place")
 
 
 def _judge(

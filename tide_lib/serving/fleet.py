@@ -272,6 +272,7 @@ class RestartLauncher:
                     f"placeholders are {sorted(allowed)} (double a literal brace: {{{{ }}}})"
                 )
         self.uses_num_steps = any("{num_steps}" in part for part in self.argv)
+        self._last_k: dict[str, int] = {}
         self.timeout_s, self.poll_s = timeout_s, poll_s
 
     def __call__(
@@ -280,7 +281,8 @@ class RestartLauncher:
         """Relaunch ``client``'s server; ``num_steps`` None keeps the k it runs with."""
         keep = num_steps is None
         if keep and self.uses_num_steps:
-            num_steps = client.state().speculative_num_steps
+            # a server that failed to come back (a rollback) keeps the k it last reported
+            num_steps = client.state().speculative_num_steps or self._last_k.get(client.url)
             if num_steps is None:
                 raise FleetError(
                     f"{client.url}: /server_info reports no speculative_num_steps to keep for "
@@ -296,6 +298,8 @@ class RestartLauncher:
             "num_steps": str(num_steps if num_steps is not None else ""),
         }
         argv = [part.format(**fields) for part in self.argv]
+        if num_steps is not None:
+            self._last_k[client.url] = num_steps
         logger.info(
             "relaunching %s with draft %s (%s), k %s", client.url, draft, weight_version, num_steps
         )

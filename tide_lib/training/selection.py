@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 WINDOW, REPLAY = "window", "replay"
 
 
+_VALIDATION_SALT = b"tide-validation"  # independent of the cycle's held-out split
 MIN_HELD_OUT_PER_GROUP = 2  # a group with fewer held-out samples could forget unseen
 
 
@@ -87,7 +88,8 @@ def split_held_out(
     keys: dict[Path, tuple[float, str]] = {}
     for path in samples:  # memory-mapped: the tokens and the label, not the states
         raw = torch.load(path, weights_only=True, mmap=True)
-        keys[path] = (content_fraction(raw["input_ids"]), sample_group(data_dir, path, raw))
+        fraction = content_fraction(raw["input_ids"], salt=_VALIDATION_SALT)
+        keys[path] = (fraction, sample_group(data_dir, path, raw))
     groups: dict[str, list[float]] = {}  # each group's distinct requests, by hash
     for fraction, group in sorted(set(keys.values())):
         groups.setdefault(group, []).append(fraction)
@@ -102,6 +104,8 @@ def split_held_out(
         for name, requests in groups.items()
     }
     if not any(quota.values()):  # every group a single request: hold out one of them
+        if len({fraction for fraction, _group in keys.values()}) < 2:
+            return samples, []  # copies of one request: nothing to train on if held out
         quota[next(iter(groups))] = 1
     while sum(quota.values()) > config.validation_max_samples:
         largest = max(quota, key=lambda name: (quota[name], name))
