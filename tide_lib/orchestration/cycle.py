@@ -303,11 +303,16 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
         torch.save(payload, folder / f"data_{counts[part]:08d}.ckpt")
         counts[part] += 1
 
+    judged: set[bytes] = set()  # copies of the window's first request (held out by position)
     for held, sample in _window_split(config, snapshot, reader):
-        if not held:
+        digest = content_digest(sample.input_ids)
+        if held:
+            judged.add(digest)
+        elif digest not in judged:
             save(sample, window=True)
     for sample in reader.iter_samples(_markers(reader, snapshot.replay)):
-        if not _held_out(sample, config.cycle.held_out_percent):
+        held = _held_out(sample, config.cycle.held_out_percent)
+        if not held and content_digest(sample.input_ids) not in judged:
             save(sample, window=False)
     logger.info(
         "cycle %s: %d window and %d replay training samples",
