@@ -99,6 +99,7 @@ def test_a_segment_measured_on_too_few_tokens_cannot_block_a_promotion() -> None
     tokens = {"korean": 400, "english": 300, "cluster-2": CONFIG.min_segment_tokens - 1}
     decision = decide(challenger, champion, CONFIG, weights=shares, held_out_tokens=tokens)
     assert decision.promote and decision.protected == ("english", "korean")
+    assert decision.reason.endswith("too little held-out traffic to protect: cluster-2")
     enough = {**tokens, "cluster-2": CONFIG.min_segment_tokens}
     blocked = decide(challenger, champion, CONFIG, weights=shares, held_out_tokens=enough)
     assert not blocked.promote and "'cluster-2'" in blocked.reason

@@ -203,12 +203,15 @@ def decide(
             f"{weighted_champion:.3f} (gain {gain:+.3f} < margin {config.margin:.3f})",
             weighted_champion,
         )
+    shared = protected_segments(list(challenger), shares, older, config.min_segment_share)
+    thin = [segment for segment in shared if segment not in protected]
+    unjudged = f"; too little held-out traffic to protect: {', '.join(thin)}" if thin else ""
     return verdict(
         True,
         f"window-weighted acceptance length {weighted_common:.3f} vs champion "
         f"{weighted_champion:.3f} (gain {gain:+.3f} >= margin {config.margin:.3f}); no "
         f"protected segment ({', '.join(protected) or 'none'}) drops by more than "
-        f"{config.tolerance:.3f}",
+        f"{config.tolerance:.3f}{unjudged}",
         weighted_champion,
     )
 
