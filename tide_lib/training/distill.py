@@ -23,18 +23,15 @@ from typing import Any
 
 import torch
 
+from tide_lib.training.draft import draft_tokens
+
 __all__ = ["LogitTap", "LossMaskTap", "distill_kl", "teacher_columns"]
-
-
-def _draft_targets(d2t: torch.Tensor) -> torch.Tensor:
-    """Target token id of each draft token."""
-    return torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
 
 
 def teacher_columns(student_d2t: torch.Tensor, teacher_d2t: torch.Tensor) -> torch.Tensor:
     """For each student draft token, the teacher's draft row of the same target token, or -1."""
-    teacher_row = {int(t): row for row, t in enumerate(_draft_targets(teacher_d2t.cpu()).tolist())}
-    columns = [teacher_row.get(int(t), -1) for t in _draft_targets(student_d2t.cpu()).tolist()]
+    teacher_row = {int(t): row for row, t in enumerate(draft_tokens(teacher_d2t.cpu()).tolist())}
+    columns = [teacher_row.get(int(t), -1) for t in draft_tokens(student_d2t.cpu()).tolist()]
     return torch.tensor(columns, dtype=torch.int64, device=student_d2t.device)
 
 

@@ -146,8 +146,8 @@ def build_vocab_mapping(
 
 
 def draft_tokens(d2t: torch.Tensor) -> torch.Tensor:
-    """The target token id of each draft token (``d2t`` stores offsets)."""
-    return torch.arange(d2t.numel()) + d2t.cpu()
+    """The target token id of each draft token (``d2t`` stores offsets), on its device."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
 
 
 def count_output_tokens(
@@ -373,7 +373,7 @@ def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: 
         raise InvalidCheckpointError(
             f"t2d selects {int(t2d.sum())} tokens, draft_vocab_size is {draft_vocab_size}"
         )
-    targets = torch.arange(d2t.numel()) + d2t.to(torch.int64)
+    targets = draft_tokens(d2t)
     if int(targets.min()) < 0 or int(targets.max()) >= t2d.numel():
         raise InvalidCheckpointError(
             f"d2t maps draft tokens to target ids outside the vocabulary [0, {t2d.numel()})"
