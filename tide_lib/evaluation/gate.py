@@ -109,24 +109,22 @@ def protected_segments(
     weights: dict[str, float],
     older_shares: dict[str, float],
     min_share: float,
-    *,
-    held_out_tokens: dict[str, int] | None = None,
-    min_tokens: int = 0,
 ) -> tuple[str, ...]:
-    """Segments the tolerance protects: share of window or of older traffic >= ``min_share``
-    (without older traffic, a first cycle: every segment with figures), and at least
-    ``min_tokens`` held-out output tokens when ``held_out_tokens`` counts them."""
+    """Segments whose share the tolerance protects: share of window or of older traffic
+    >= ``min_share``. Without older traffic (a first cycle) every segment with figures.
 
-    def measured(segment: str) -> bool:
-        return held_out_tokens is None or held_out_tokens.get(segment, 0) >= min_tokens
-
-    def shared(segment: str) -> bool:
-        if not older_shares:
-            return True
-        share = max(weights.get(segment, 0.0), older_shares.get(segment, 0.0))
-        return share >= min_share - _EPSILON
-
-    return tuple(sorted(s for s in segments if shared(s) and measured(s)))
+    :func:`decide` then keeps those measured on enough held-out traffic.
+    """
+    if not older_shares:
+        return tuple(sorted(segments))
+    return tuple(
+        sorted(
+            segment
+            for segment in segments
+            if max(weights.get(segment, 0.0), older_shares.get(segment, 0.0))
+            >= min_share - _EPSILON
+        )
+    )
 
 
 def decide(
@@ -154,14 +152,12 @@ def decide(
     shares = dict(weights) if weights else dict.fromkeys(challenger, 1.0)
     older = dict(older_shares or {})
     weighted_challenger = _weighted(challenger, shares)
-    protected = protected_segments(
-        list(challenger),
-        shares,
-        older,
-        config.min_segment_share,
-        held_out_tokens=held_out_tokens,
-        min_tokens=config.min_segment_tokens,
+    shared = protected_segments(list(challenger), shares, older, config.min_segment_share)
+    tokens = held_out_tokens
+    protected = tuple(
+        s for s in shared if tokens is None or tokens.get(s, 0) >= config.min_segment_tokens
     )
+    thin = [segment for segment in shared if segment not in protected]
 
     def verdict(promote: bool, reason: str, weighted_champion: float | None = None) -> GateDecision:
         return GateDecision(
@@ -203,8 +199,6 @@ def decide(
             f"{weighted_champion:.3f} (gain {gain:+.3f} < margin {config.margin:.3f})",
             weighted_champion,
         )
-    shared = protected_segments(list(challenger), shares, older, config.min_segment_share)
-    thin = [segment for segment in shared if segment not in protected]
     unjudged = f"; too little held-out traffic to protect: {', '.join(thin)}" if thin else ""
     return verdict(
         True,
