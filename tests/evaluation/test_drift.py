@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tide_lib.evaluation.drift import judge_drift
+from tide_lib.evaluation.offline import length_margin
 
 
 def judge(measured: dict[str, float], shares: dict[str, float], baseline: dict[str, float]):
@@ -37,3 +40,28 @@ def test_a_new_segment_drifts_only_if_served_below_the_baseline_average() -> Non
 def test_without_a_baseline_or_a_meaningful_segment_the_cycle_trains() -> None:
     assert judge({"en": 3.0}, {"en": 1.0}, {}).drift
     assert judge({"en": 3.0}, {"en": 0.05}, {"en": 3.0}).drift
+
+
+def test_a_fall_within_its_margin_of_error_is_not_drift() -> None:
+    """The no-shift case: a cluster of three sampled requests served at 2.0 against
+    a baseline average of 2.2 is noise; the same fall measured tightly is drift."""
+    few = [(8, 4), (4, 4), (12, 4)]  # 2.0 pooled, per-request 1..3
+    margin = length_margin(few)
+    assert margin > 0.5
+    kwargs = {"tolerance": 0.15, "min_share": 0.1}
+    noisy = judge_drift({"c2": 2.0}, {"c2": 1.0}, {"c0": 2.2}, margins={"c2": margin}, **kwargs)
+    assert not noisy.drift and "+/-" in noisy.reason
+    many = [(8, 4)] * 40 + [(9, 4), (7, 4)]  # 2.0 pooled, tight
+    tight = length_margin(many)
+    assert tight < 0.05
+    drift = judge_drift({"c2": 2.0}, {"c2": 1.0}, {"c0": 2.2}, margins={"c2": tight}, **kwargs)
+    assert drift.drift and "margin of error" in drift.reason
+
+
+def test_the_margin_of_one_figure_shrinks_with_requests_and_is_infinite_for_one() -> None:
+    assert math.isinf(length_margin([(6, 3)]))
+    spread = [(6, 3), (3, 3), (9, 3), (4, 3)]
+    assert length_margin(spread * 8) < length_margin(spread) / 3
+    assert length_margin([(6, 3)] * 5) == 0.0
+    verdict = judge({"ko": 1.0}, {"ko": 1.0}, {"en": 3.0})
+    assert verdict.drift  # no margins given: figures are taken as exact

@@ -14,13 +14,18 @@ The rule (:func:`judge_drift`, a pure function): only segments holding at least
 ``min_share`` of the window's tokens count. A known segment has drifted when it
 fell more than ``tolerance`` below its baseline; a segment the baseline does
 not know (new traffic) has drifted when the champion serves it more than
-``tolerance`` below the average of the baseline's segments. No drifted segment:
+``tolerance`` below the average of the baseline's segments. The champion is
+measured on a sample of the window, so a fall counts only beyond its margin of
+error (``margins``, one-sided 95%): a segment of three requests that the champion
+serves at 2.0 against a baseline of 2.2 is noise, not drift. No drifted segment:
 the cycle records "no drift", moves the watermark and trains nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 
 __all__ = ["DriftVerdict", "judge_drift"]
 
@@ -43,8 +48,10 @@ def judge_drift(
     *,
     tolerance: float,
     min_share: float,
+    margins: Mapping[str, float] | None = None,
 ) -> DriftVerdict:
-    """Drift or not; ``measured``/``baseline`` map segment -> acceptance length at one k."""
+    """Drift or not; ``measured``/``baseline`` map segment -> acceptance length at one k,
+    ``margins`` segment -> margin of error of its measured figure (none: exact)."""
     if not baseline:
         return DriftVerdict(True, "the champion has no baseline to compare with", {})
     counted = {s: v for s, v in measured.items() if shares.get(s, 0.0) >= min_share}
@@ -58,18 +65,26 @@ def judge_drift(
         known = segment in baseline
         reference = baseline[segment] if known else _reference_of_new_segments(baseline)
         fall = reference - value
+        margin = (margins or {}).get(segment, 0.0)
         what = "baseline" if known else "baseline average (new segment)"
-        notes.append(f"{segment} {value:.3f} vs {what} {reference:.3f}")
-        if fall > tolerance:
+        notes.append(f"{segment} {value:.3f}{_plus_minus(margin)} vs {what} {reference:.3f}")
+        if fall - margin > tolerance:
             drifted[segment] = fall
     if drifted:
         worst = max(drifted, key=drifted.__getitem__)
         return DriftVerdict(
             True,
             f"drift: {', '.join(sorted(drifted))} fell by more than {tolerance:.3f} "
+            "beyond the margin of error "
             f"(worst {worst}, {drifted[worst]:.3f}); " + "; ".join(notes),
             drifted,
         )
     return DriftVerdict(
         False, f"no drift: every segment within {tolerance:.3f}; " + "; ".join(notes), {}
     )
+
+
+def _plus_minus(margin: float) -> str:
+    if not margin:
+        return ""
+    return " (+/- inf: too few requests)" if math.isinf(margin) else f" (+/- {margin:.3f})"

@@ -39,6 +39,7 @@ __all__ = [
     "content_digest",
     "content_fraction",
     "drop_margin",
+    "length_margin",
     "offline_acceptance",
     "paired_drop",
     "replay_request",
@@ -134,6 +135,19 @@ def drop_margin(
     Student's t for the number of requests (two requests: 6.3 errors; thirty: 1.7)."""
     drop, error = paired_drop(before, after)
     return drop, (t95(len(before) - 1) * error if error else 0.0)
+
+
+def length_margin(per_request: Sequence[tuple[int, int]]) -> float:
+    """One-sided 95% margin of error of one pooled acceptance length (``(emitted,
+    verify)`` per request): the delta-method standard error of a ratio of sums times
+    Student's t. What a figure measured on a sample of requests can be trusted to."""
+    verify = sum(v for _, v in per_request)
+    if len(per_request) < 2 or not verify:
+        return math.inf
+    length = sum(e for e, _ in per_request) / verify
+    residuals = [(e - length * v) / verify for e, v in per_request]
+    variance = len(residuals) / (len(residuals) - 1) * sum(r * r for r in residuals)
+    return t95(len(per_request) - 1) * math.sqrt(variance)
 
 
 def paired_drop(

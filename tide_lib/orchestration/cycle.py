@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import random
 import tempfile
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ from tide_lib.evaluation.offline import (
     content_digest,
     content_fraction,
     drop_margin,
+    length_margin,
 )
 from tide_lib.evaluation.segments import Segmenter, fit_segmenter, segment_of
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
@@ -517,7 +519,9 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         )
     baseline = _champion_baseline(config, registry, champion)
     samples, shares = _window_sample(config, snapshot)
-    measured = _accept_lengths(config, registry, champion.version, samples)
+    counts = _champion_counts(config, registry, champion.version, samples)
+    measured = {segment: count.accept_length for segment, count in counts.items()}
+    margins = {segment: length_margin(count.per_request) for segment, count in counts.items()}
     if not baseline:
         best = max(measured.values(), default=0.0)
         return Drift(
@@ -537,6 +541,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         baseline,
         tolerance=config.cycle.drift_tolerance,
         min_share=config.gate.min_segment_share,
+        margins=margins,
     )
     if not verdict.drift:  # segments it serves well from now on are part of its baseline
         _store_baseline(config, champion.version, {**measured, **baseline}, "measured")
@@ -545,6 +550,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         reason=f"champion v{champion.version}: {verdict.reason}",
         champion_version=champion.version,
         measured=measured,
+        margins={segment: m for segment, m in margins.items() if math.isfinite(m)},
         baseline=baseline,
         drifted=sorted(verdict.drifted),
         saved_train_seconds=None if verdict.drift else _last_training_seconds(registry),
@@ -571,20 +577,19 @@ def _window_sample(
     return samples, {segment: count / total for segment, count in tokens.items()}
 
 
-def _accept_lengths(
+def _champion_counts(
     config: TideConfig,
     registry: DraftRegistry,
     version: str,
     samples: dict[str, list[TrainingSample]],
-) -> dict[str, float]:
-    """Offline acceptance length of ``version`` per segment at ``gate.k``."""
+) -> dict[str, AcceptanceCount]:
+    """Offline acceptance counts of ``version`` per segment at ``gate.k``."""
     from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
 
     prepare_specforge("cpu")
     k = config.gate.k
     with task_scratch(config, f"drift-v{version}") as work:
-        counts = _version_acceptance(config, registry, version, samples, ks=[k], work=work)
-        return {segment: count.accept_length for segment, count in counts[k].items()}
+        return _version_acceptance(config, registry, version, samples, ks=[k], work=work)[k]
 
 
 def _version_acceptance(

@@ -87,6 +87,11 @@ class Drift(HandOff):
     reason: str
     champion_version: str | None
     measured: dict[str, float] = Field(description="champion's acceptance length per segment")
+    margins: dict[str, float] = Field(
+        default_factory=dict,
+        description="one-sided 95% margin of error of each measured figure "
+        "(absent: too few requests to estimate one, so its fall cannot count)",
+    )
     baseline: dict[str, float] = Field(description="its acceptance length at promotion")
     drifted: list[str] = Field(
         default_factory=list,
