@@ -12,8 +12,10 @@ Wiring only: every task calls one function of tide_lib.orchestration.cycle.
 Tasks run on different hosts (train on the mi250 queue); what they pass each
 other through XCom are the typed hand-offs of tide_lib.orchestration.handoff:
 lake keys, MLflow ids and URIs, never a local path.
-Trigger it from the UI with the form (params mirror tide_lib.config.CycleConfig),
-or let the schedule start a cycle that waits for new data.
+Trigger it from the UI with the form (params are tide_lib.config.CycleConfig's
+schema; an empty field is the deployment's setting when the run starts), or let
+the schedule start a cycle that waits for new data; a window that stays quiet
+for six hours skips the run rather than failing it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import pendulum
 from airflow.sdk import dag, get_current_context, task
 
+from tide_lib.orchestration.assets import champion_asset, draft_asset, lake_asset
 from tide_lib.orchestration.params import adaptation_schedule, cycle_params
 from tide_lib.orchestration.sensors import LakeTokensSensor
 
@@ -47,15 +50,24 @@ def _config() -> Any:
     doc_md=__doc__,
 )
 def tide_adaptation() -> None:
+    # A quiet window skips the run (soft fail): nothing to train is not an error.
     wait = LakeTokensSensor(
-        task_id="wait_for_new_tokens", poke_interval=30, timeout=6 * 3600, mode="reschedule"
+        task_id="wait_for_new_tokens",
+        poke_interval=30,
+        timeout=6 * 3600,
+        mode="reschedule",
+        soft_fail=True,
     )
 
-    @task
+    @task(outlets=[lake_asset()])
     def snapshot() -> dict[str, Any]:
+        from tide_lib.orchestration.assets import emit
         from tide_lib.orchestration.cycle import snapshot_window
 
-        return snapshot_window(_config(), get_current_context()["run_id"]).to_xcom()
+        context = get_current_context()
+        window = snapshot_window(_config(), context["run_id"])
+        emit(context, lake_asset(), window.asset_extra())
+        return window.to_xcom()
 
     @task.short_circuit(ignore_downstream_trigger_rules=False)
     def check_drift(window: dict[str, Any]) -> bool:
@@ -64,7 +76,13 @@ def tide_adaptation() -> None:
 
         return check(_config(), Snapshot.from_xcom(window)).drift
 
-    @task(queue="mi250", pool="mi250", retries=1, execution_timeout=timedelta(hours=6))
+    @task(
+        queue="mi250",
+        pool="mi250",
+        retries=1,
+        execution_timeout=timedelta(hours=6),
+        inlets=[lake_asset(), champion_asset()],  # the window, warm-started from the champion
+    )
     def train(window: dict[str, Any]) -> dict[str, Any]:
         from tide_lib.orchestration.cycle import train as train_cycle
         from tide_lib.orchestration.handoff import Snapshot
@@ -77,12 +95,17 @@ def tide_adaptation() -> None:
 
         return Trained.from_xcom(trained).improved
 
-    @task
+    @task(outlets=[draft_asset()])
     def register(window: dict[str, Any], trained: dict[str, Any]) -> str:
+        from tide_lib.orchestration.assets import emit
         from tide_lib.orchestration.cycle import register as register_cycle
         from tide_lib.orchestration.handoff import Snapshot, Trained
 
-        return register_cycle(_config(), Snapshot.from_xcom(window), Trained.from_xcom(trained))
+        snap, run = Snapshot.from_xcom(window), Trained.from_xcom(trained)
+        version = register_cycle(_config(), snap, run)
+        extra = {"version": version, "run_id": run.run_id, "cycle_id": snap.cycle_id}
+        emit(get_current_context(), draft_asset(), extra)
+        return version
 
     @task
     def evaluate(window: dict[str, Any], trained: dict[str, Any], version: str) -> dict[str, Any]:
@@ -92,14 +115,26 @@ def tide_adaptation() -> None:
         config, snap = _config(), Snapshot.from_xcom(window)
         return evaluate_and_gate(config, snap, Trained.from_xcom(trained), version).to_xcom()
 
-    @task(retries=0)
+    # A new champion is an event on its asset; a rejected challenger skips the task
+    # (no event: DAGs scheduled on the champion run only when it changed).
+    @task(retries=0, outlets=[champion_asset()])
     def promote(version: str, decision: dict[str, Any]) -> dict[str, Any]:
+        from airflow.exceptions import AirflowSkipException
+
+        from tide_lib.orchestration.assets import emit
         from tide_lib.orchestration.cycle import promote as promote_cycle
         from tide_lib.orchestration.handoff import Decision
 
-        return promote_cycle(_config(), version, Decision.from_xcom(decision)).to_xcom()
+        judged = Decision.from_xcom(decision)
+        promotion = promote_cycle(_config(), version, judged)
+        if not promotion.promoted:
+            raise AirflowSkipException(f"v{version} not promoted: {promotion.reason}")
+        extra = {"version": version, "accept_length": judged.challenger}
+        emit(get_current_context(), champion_asset(), extra)
+        return promotion.to_xcom()
 
-    @task(trigger_rule="none_failed")  # also after a skipped (no drift, no gain) cycle
+    # Also after a skipped (no drift, no gain) cycle; not after a quiet window (no snapshot).
+    @task(trigger_rule="none_failed_min_one_success")
     def advance_watermark(window: dict[str, Any], _promotion: dict[str, Any] | None) -> str:
         from tide_lib.orchestration.cycle import advance_watermark as advance
         from tide_lib.orchestration.handoff import Snapshot

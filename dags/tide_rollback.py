@@ -12,6 +12,7 @@ from typing import Any
 import pendulum
 from airflow.sdk import Param, dag, get_current_context, task
 
+from tide_lib.orchestration.assets import champion_asset
 from tide_lib.orchestration.params import cycle_params
 
 
@@ -35,15 +36,18 @@ from tide_lib.orchestration.params import cycle_params
     doc_md=__doc__,
 )
 def tide_rollback() -> None:
-    @task
+    @task(outlets=[champion_asset()])  # a rollback changes the champion too
     def roll_back() -> dict[str, Any]:
+        from tide_lib.orchestration.assets import emit
         from tide_lib.orchestration.cycle import rollback
         from tide_lib.orchestration.params import config_from_params
 
         context = get_current_context()
         params = dict(context["params"])
         # the run id: a retry of this run rolls back to what its first attempt chose
-        return rollback(config_from_params(params), str(params["version"]), context["run_id"])
+        done = rollback(config_from_params(params), str(params["version"]), context["run_id"])
+        emit(context, champion_asset(), {"version": done["version"], "rollback": True})
+        return done
 
     roll_back()
 

@@ -25,8 +25,11 @@ from airflow.dag_processing.dagbag import DagBag
 bag = DagBag(dag_folder=sys.argv[1])
 HEAVY = {"torch", "transformers", "specforge", "mlflow", "minio", "pyarrow"}
 heavy = sorted({m.split(".")[0] for m in sys.modules} & HEAVY)
+from airflow.serialization.serialized_objects import DagSerialization
 dags = {}
 for dag_id, dag in bag.dags.items():
+    # what the dag-processor stores and the API server reads back (trigger, grid)
+    DagSerialization.from_dict(DagSerialization.to_dict(dag))
     dags[dag_id] = {
         "tags": sorted(dag.tags),
         "max_active_runs": dag.max_active_runs,
@@ -41,6 +44,9 @@ for dag_id, dag in bag.dags.items():
                 "ignore_downstream_trigger_rules": getattr(
                     t, "ignore_downstream_trigger_rules", None
                 ),
+                "soft_fail": getattr(t, "soft_fail", None),
+                "inlets": sorted(a.name for a in t.inlets),
+                "outlets": sorted(a.name for a in t.outlets),
             }
             for t in dag.tasks
         },
@@ -103,5 +109,20 @@ def test_a_cycle_without_drift_or_gain_skips_to_the_watermark(parsed: dict) -> N
     for gate in ("check_drift", "challenger_improved"):
         # Only the next task is skipped; the rest follow their trigger rules.
         assert tasks[gate]["ignore_downstream_trigger_rules"] is False
-    assert tasks["advance_watermark"]["trigger_rule"] == "none_failed"
+    assert tasks["advance_watermark"]["trigger_rule"] == "none_failed_min_one_success"
     assert {"snapshot", "promote"} <= set(tasks["advance_watermark"]["upstream"])
+    # A quiet window skips the run instead of failing it (issue 15).
+    assert tasks["wait_for_new_tokens"]["soft_fail"] is True
+
+
+def test_the_loop_declares_its_assets(parsed: dict) -> None:
+    """Issue 15: the lake window, the registered drafts and the champion are Assets:
+    the adaptation DAG consumes and produces them, the rollback DAG moves the champion."""
+    lake, drafts = "tide_lake_demo", "tide_draft_demo"
+    champion = "tide_draft_demo_champion"
+    tasks = parsed["dags"]["tide_adaptation"]["tasks"]
+    assert tasks["snapshot"]["outlets"] == [lake]
+    assert tasks["train"]["inlets"] == sorted([lake, champion])
+    assert tasks["register"]["outlets"] == [drafts]
+    assert tasks["promote"]["outlets"] == [champion]
+    assert parsed["dags"]["tide_rollback"]["tasks"]["roll_back"]["outlets"] == [champion]

@@ -52,6 +52,37 @@ def xcoms(env: dict[str, str], dag_id: str, run_id: str) -> dict[str, object]:
     return values
 
 
+_ASSET_EVENTS = """
+import json, sys
+from airflow.models.asset import AssetEvent, AssetModel
+from airflow.utils.session import create_session
+with create_session() as session:
+    rows = (
+        session.query(AssetEvent, AssetModel)
+        .join(AssetModel, AssetModel.id == AssetEvent.asset_id)
+        .filter(AssetEvent.source_dag_id == sys.argv[1], AssetEvent.source_run_id == sys.argv[2])
+    )
+    print(json.dumps([
+        {"asset": asset.name, "uri": asset.uri, "task": event.source_task_id, "extra": event.extra}
+        for event, asset in rows
+    ]))
+"""
+
+
+def asset_events(env: dict[str, str], dag_id: str, run_id: str) -> list[dict[str, object]]:
+    """The asset events a run emitted, as the API's ``/assets/events`` lists them (its table)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _ASSET_EVENTS, dag_id, run_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    events: list[dict[str, object]] = json.loads(result.stdout.strip().splitlines()[-1])
+    return events
+
+
 def airflow(env: dict[str, str], *args: str) -> None:
     command = [str(Path(sys.executable).parent / "airflow"), *args]
     subprocess.run(command, env=env, check=True, capture_output=True, timeout=600)
@@ -68,7 +99,7 @@ def airflow_env(stack: TideConfig, tmp_path_factory: pytest.TempPathFactory) -> 
         "TIDE_MLFLOW__TRACKING_URI": stack.mlflow.tracking_uri,
     }
     airflow(env, "db", "migrate")
-    airflow(env, "pools", "set", "mi250", "1", "training hosts")
+    airflow(env, "pools", "import", str(DAGS.parent / "docker" / "pools.json"))
     return env
 
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import TEST_SECRETS
-from tests.e2e.conftest import dag_test, xcoms
+from tests.e2e.conftest import asset_events, dag_test, xcoms
 from tests.serving.conftest import engine_metric, start_engine
 from tide_lib.config import LakeConfig, TideConfig, load_config
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
@@ -193,6 +193,15 @@ def test_adaptation_cycle_promotes_a_new_champion(
             assert served == f"{registry.name}-v{champion.version}"
         snapshot = cycle.snapshot_window(config, outcome["run_id"])
         assert cycle.read_watermark(config) == snapshot.watermark_after
+        # Issue 15: the window, the new version and the champion are asset events.
+        events = {
+            e["asset"]: e for e in asset_events(airflow_env, "tide_adaptation", outcome["run_id"])
+        }
+        assert set(events) == {"tide_lake_tiny", "tide_draft_tiny", "tide_draft_tiny_champion"}
+        assert events["tide_lake_tiny"]["extra"]["window_tokens"] == snapshot.window_tokens
+        assert events["tide_draft_tiny"]["extra"]["version"] == champion.version
+        assert events["tide_draft_tiny_champion"]["extra"]["version"] == champion.version
+        assert events["tide_draft_tiny_champion"]["uri"] == "models:/tide-draft-tiny@champion"
         _assert_no_local_path(
             xcoms(airflow_env, "tide_adaptation", outcome["run_id"]), [tmp_path, tiny_target]
         )

@@ -33,6 +33,12 @@ def test_decision_and_plot_reach_mlflow(stack: TideConfig, tmp_path: Path) -> No
     )
     tags = client.get_model_version("tide-draft-eval-test", version.version).tags
     assert tags["tide.gate.decision"] == "promote" and tags["tide.al.recent.k4"] == "2.5000"
+    metrics = client.get_run(run.info.run_id).data.metrics  # charts in the MLflow UI
+    assert metrics["eval.accept_length.recent.k4"] == 2.5
+    assert metrics["eval.champion_accept_length.older.k4"] == 3.1
+    assert metrics["eval.weighted_accept_length.k4"] == pytest.approx(decision.weighted_challenger)
+    history = client.get_metric_history(run.info.run_id, "eval.accept_length.older.k4")
+    assert [(m.value, m.step) for m in history] == [(3.05, int(version.version))]
     log_acceptance_plot(stack.mlflow.tracking_uri, run.info.run_id, {"v1": {"recent": 2.5}}, k=4)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
     assert artifacts == {"evaluation/acceptance_length_k4.png"}

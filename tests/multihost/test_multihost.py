@@ -43,6 +43,7 @@ import redis
 from pydantic import SecretStr
 
 from tests.multihost import netns
+from tests.prometheus import metric_value
 from tide_lib.config import TideConfig, load_config
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.registry import CHAMPION, DraftRegistry
@@ -283,10 +284,7 @@ def _send_traffic(top: Topology, engines: list[str], count: int) -> None:
 
 
 def _metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(f"{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{url}/metrics has no {name}")
+    return metric_value(httpx.get(f"{url}/metrics", timeout=30).text, name)
 
 
 def _lake_records(top: Topology) -> list[str]:

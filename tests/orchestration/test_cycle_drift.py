@@ -9,6 +9,7 @@ once per cycle and read back on a rerun.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,13 @@ def test_a_cycle_whose_best_checkpoint_is_its_parent_registers_nothing(
     assert cycle.train(config, snapshot) == trained  # a retry reads the outcome back
     run = registry.client.get_run(trained.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["tide.best_is_parent"] == "true"
+    # Issue 15: the lake window it read is the run's MLflow dataset input.
+    (dataset_input,) = run.inputs.dataset_inputs
+    dataset = dataset_input.dataset
+    assert dataset.name == f"lake-{config.cycle.target_id}-c1" and len(dataset.digest) == 16
+    assert json.loads(dataset.source)["uri"].endswith("cycles/c1.json")
+    assert json.loads(dataset.profile)["window_tokens"] == snapshot.window_tokens > 0
+    assert {(t.key, t.value) for t in dataset_input.tags} == {("mlflow.data.context", "training")}
     assert [
         v.version for v in registry.client.search_model_versions(f"name = '{registry.name}'")
     ] == [parent]

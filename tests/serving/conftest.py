@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import ENGINE_PORTS
+from tests.prometheus import metric_value
 from tide_lib.config import TideConfig
 from tide_lib.serving.process import EngineProcess
 from tide_lib.stack import free_ports
@@ -38,10 +39,7 @@ def watch_health(url: str) -> tuple[threading.Event, list[float]]:
 
 def engine_metric(engine: EngineProcess, name: str) -> float:
     """The value of one metric in the engine's Prometheus ``/metrics``."""
-    for line in httpx.get(f"{engine.url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(f"{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{engine.url}/metrics has no {name}")
+    return metric_value(httpx.get(f"{engine.url}/metrics", timeout=30).text, name)
 
 
 def start_engine(

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import ADMIN_AUTH
+from tests.prometheus import metric_value, samples
 from tests.serving.conftest import engine_metric, start_engine
 from tide_lib.config import TideConfig
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
@@ -89,8 +90,24 @@ def test_captured_requests_read_back_equal_to_the_engine_states(
         final, aux = capture.take()
         assert torch.allclose(sample.hidden_state.float(), final[0], atol=2e-2)
         assert torch.allclose(sample.aux_hidden_state.float(), aux[0], atol=2e-2)
-    metrics = httpx.get(f"{engines['spec'].url}/metrics").text
-    assert "tide:capture_records_total" in metrics and "sglang:spec_accept_length" in metrics
+    _metrics_parse_and_carry_the_capture(engines["spec"], captured=len(results))
+
+
+def _metrics_parse_and_carry_the_capture(engine: EngineProcess, captured: int) -> None:
+    """Issue 15: ``/metrics`` is valid Prometheus text (prometheus_client's parser reads
+    it) with the capture counters and the per-version acceptance histogram."""
+    metrics = httpx.get(f"{engine.url}/metrics").text
+    assert metric_value(metrics, "tide:capture_records_total") >= captured
+    assert metric_value(metrics, "tide:capture_dropped_records_total") == 0
+    assert metric_value(metrics, "tide:capture_latency_seconds_count") >= captured
+    assert metric_value(metrics, "sglang:spec_accept_length") >= 1.0
+    per_version = [
+        s for s in samples(metrics) if s.name == "tide:spec_accept_length_per_request_count"
+    ]
+    assert per_version and all(s.labels["weight_version"] for s in per_version)
+    assert sum(s.value for s in per_version) >= captured
+    requests = metric_value(metrics, "sglang:num_requests_total")
+    assert metric_value(metrics, "sglang:e2e_request_latency_seconds_count") == requests
 
 
 def test_swap_under_load_fails_no_request(

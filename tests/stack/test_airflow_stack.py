@@ -3,6 +3,7 @@ with the project's airflow.cfg, parse TIDE's DAGs and serve the TIDE plugin view
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from tide_lib.config import TideConfig
 from tide_lib.stack import SERVICES, StackManager
 from tide_lib.stack.airflow_api import AirflowAPI
+from tide_lib.stack.services import repo_root
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -44,6 +46,24 @@ def test_airflow_services_start_and_parse_the_dags(stack: TideConfig, tmp_path: 
                 break
             time.sleep(2)
         assert {"tide_adaptation", "tide_rollback", "tide_lake_retention"} <= dag_ids
+        # The trigger form is CycleConfig's schema: a value outside a field's limits is
+        # refused by the API before a run exists (held_out_percent: 1..50).
+        runs = "/api/v2/dags/tide_adaptation/dagRuns"
+        bad = {"logical_date": None, "conf": {"held_out_percent": 80}}
+        refused = api.post(runs, json=bad)
+        while refused.status_code in (404, 500) and time.monotonic() < deadline + 120:
+            # 404: listed (the database) before this parse is serialized; 500: the
+            # audit-log insert met SQLite's lock while the retention DAG runs
+            time.sleep(2)
+            refused = api.post(runs, json=bad)
+        assert refused.status_code == 400, refused.text
+        assert "held_out_percent" in refused.text or "50" in refused.text
+        listed = api.get(runs).json()["dag_runs"]  # the schedule may have started one
+        assert not [run for run in listed if run["run_type"] == "manual"]
+        # The training pool comes from docker/pools.json, as in compose and Helm.
+        pool = api.get("/api/v2/pools/mi250").json()
+        declared = json.loads((repo_root() / "docker" / "pools.json").read_text())["mi250"]
+        assert (pool["slots"], pool["description"]) == (declared["slots"], declared["description"])
         page = api.get("/tide/")
         assert page.status_code == 200 and "Recent cycles" in page.text
         # Logins are on by default: anonymous callers get nothing.

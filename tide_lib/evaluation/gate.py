@@ -40,6 +40,7 @@ __all__ = [
     "GateDecision",
     "decide",
     "decision_from_tags",
+    "decision_metrics",
     "decision_report",
     "decision_tags",
     "protected_segments",
@@ -241,6 +242,32 @@ def decision_tags(decision: GateDecision, k: int) -> dict[str, str]:
         tags[_OLDER_SHARE_TAG.format(segment=segment)] = f"{share:.4f}"
     tags[DECISION_TAG] = "promote" if decision.promote else "reject"  # last: it marks
     return tags  # the record complete for decision_from_tags
+
+
+# MLflow metrics of a decision, on the version's run: charts across runs and versions.
+_AL_METRIC: Final = "eval.accept_length.{segment}.k{k}"
+_CHAMPION_AL_METRIC: Final = "eval.champion_accept_length.{segment}.k{k}"
+_WEIGHTED_METRIC: Final = "eval.weighted_accept_length.k{k}"
+_WEIGHTED_CHAMPION_METRIC: Final = "eval.weighted_champion_accept_length.k{k}"
+
+
+def decision_metrics(decision: GateDecision, k: int) -> dict[str, float]:
+    """MLflow metrics of a decision: acceptance length per segment and k, challenger and
+    champion, and the window-weighted figures at the gate's k."""
+    metrics = {_WEIGHTED_METRIC.format(k=k): decision.weighted_challenger}
+    if decision.weighted_champion is not None:
+        metrics[_WEIGHTED_CHAMPION_METRIC.format(k=k)] = decision.weighted_champion
+    champion_by_k = dict(decision.champion_by_k)
+    if decision.champion:
+        champion_by_k[k] = decision.champion
+    for template, by_k in (
+        (_AL_METRIC, {**decision.challenger_by_k, k: decision.challenger}),
+        (_CHAMPION_AL_METRIC, champion_by_k),
+    ):
+        for at_k, figures in by_k.items():
+            for segment, value in figures.items():
+                metrics[template.format(segment=segment, k=at_k)] = value
+    return metrics
 
 
 def _pattern(template: str) -> re.Pattern[str]:

@@ -1,12 +1,23 @@
-"""Gate decisions and acceptance plots, written where MLflow users look for them."""
+"""Gate decisions and acceptance plots, written where MLflow users look for them.
+
+A decision is version tags (what the Airflow view and the drift baseline read), a
+report on the version's run, and metrics on that run (``eval.accept_length.*``,
+step = version) so the MLflow UI charts acceptance length across versions.
+"""
 
 from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from pathlib import Path
 
-from tide_lib.evaluation.gate import GateDecision, decision_report, decision_tags
+from tide_lib.evaluation.gate import (
+    GateDecision,
+    decision_metrics,
+    decision_report,
+    decision_tags,
+)
 from tide_lib.evaluation.plot import plot_acceptance
 
 __all__ = ["log_acceptance_plot", "log_decision"]
@@ -19,6 +30,7 @@ def log_decision(
 ) -> str:
     """Tag the registered version with the decision; attach the report to its run. Returns it."""
     from mlflow import MlflowClient  # noqa: PLC0415
+    from mlflow.entities import Metric  # noqa: PLC0415
 
     client = MlflowClient(tracking_uri)
     for key, value in decision_tags(decision, k).items():
@@ -27,6 +39,12 @@ def log_decision(
     run_id = client.get_model_version(model_name, version).run_id
     if run_id:
         client.log_text(run_id, report, f"gate/decision-v{version}.md")
+        now = int(time.time() * 1000)
+        metrics = [
+            Metric(key, value, now, int(version))
+            for key, value in decision_metrics(decision, k).items()
+        ]
+        client.log_batch(run_id, metrics=metrics)
     logger.info("gate on %s v%s: %s", model_name, version, decision.reason)
     return report
 

@@ -28,6 +28,8 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
+from tide_lib.names import target_slug
+
 __all__ = [
     "CommitMarker",
     "InvalidMarkerError",
@@ -45,7 +47,6 @@ __all__ = [
 ]
 
 MARKER_VERSION: Final = 1
-_SLUG_UNSAFE = re.compile(r"[^a-z0-9._-]+")
 _MARKER_NAME = re.compile(
     r"(?P<stamp>\d{8}T\d{12})Z-(?P<shard_id>[A-Za-z0-9_-][A-Za-z0-9._-]*)\.json"
 )
@@ -59,17 +60,6 @@ LAST_MODIFIED_RESOLUTION: Final = timedelta(seconds=1)
 
 class InvalidMarkerError(ValueError):
     """A commit marker (or an object where one should be) cannot be trusted; says why."""
-
-
-def target_slug(target_id: str) -> str:
-    """A path- and registry-safe name.
-
-    ``meta-llama/Llama-3.1-8B`` becomes ``meta-llama--llama-3.1-8b``.
-    """
-    slug = _SLUG_UNSAFE.sub("-", target_id.strip().lower().replace("/", "--")).strip("-.")
-    if not slug:
-        raise ValueError(f"target id {target_id!r} has no characters usable in a slug")
-    return slug
 
 
 def new_shard_id(now: datetime | None = None) -> str:

@@ -759,6 +759,29 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
 _NOT_IMPROVED_TAG = "tide.best_is_parent"  # on the run: its best checkpoint was the parent
 
 
+def _log_window_dataset(
+    config: TideConfig, registry: DraftRegistry, snapshot: Snapshot, run_id: str
+) -> None:
+    """The lake window the run trains on, as its MLflow dataset input: the snapshot's
+    object (which lists every commit read), a digest of those commits and token counts."""
+    commits = sorted(snapshot.window + snapshot.replay)
+    digest = hashlib.sha256("\n".join(commits).encode()).hexdigest()[:16]
+    registry.log_dataset(
+        run_id,
+        name=f"lake-{snapshot.target_id}-{snapshot.cycle_id}",
+        uri=f"s3://{config.store.lake_bucket}/{_snapshot_key(config, snapshot.cycle_id)}",
+        digest=digest,
+        profile={
+            "window_tokens": snapshot.window_tokens,
+            "replay_tokens": snapshot.replay_tokens,
+            "window_commits": len(snapshot.window),
+            "replay_commits": len(snapshot.replay),
+            "watermark_before": snapshot.watermark_before,
+            "watermark_after": snapshot.watermark_after,
+        },
+    )
+
+
 def _train_in_run(
     config: TideConfig,
     registry: DraftRegistry,
@@ -774,6 +797,7 @@ def _train_in_run(
     from tide_lib.training.launch import TrainJob, run_training  # noqa: PLC0415
 
     cycle_id = snapshot.cycle_id
+    _log_window_dataset(config, registry, snapshot, run_id)
     with task_scratch(config, f"train-{cycle_id}") as work:
         export_training_data(config, snapshot, work / "data")
         parent = registry.download(parent_version, work / "parent") if parent_version else None

@@ -54,6 +54,16 @@ class Snapshot(HandOff):
     replay_tokens: int = Field(ge=0)
     older_listed: int = Field(ge=0, description="older commit keys listed to choose from")
 
+    def asset_extra(self) -> dict[str, Any]:
+        """What the lake asset's event says about this window (no keys, just figures)."""
+        return {
+            "cycle_id": self.cycle_id,
+            "window_tokens": self.window_tokens,
+            "replay_tokens": self.replay_tokens,
+            "window_commits": len(self.window),
+            "watermark_after": self.watermark_after,
+        }
+
 
 class Trained(HandOff):
     """The challenger a trainer host produced, stored where every host can read it."""

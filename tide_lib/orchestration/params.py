@@ -1,54 +1,77 @@
-"""Airflow ``Param``s that mirror :class:`~tide_lib.config.CycleConfig`, and back again.
+"""Airflow ``Param``s generated from :class:`~tide_lib.config.CycleConfig`'s JSON schema.
 
-The form a user fills in the Airflow UI is generated from the typed configuration,
-so the two cannot drift; what comes back is validated by the same model.
+The trigger form a user fills in the Airflow UI is the typed configuration's own
+schema (titles, descriptions, ``ge``/``le`` limits, enums), so the form refuses what
+the model would refuse, before a run exists. Every field defaults to empty, which
+means "the deployment's setting when the run starts": defaults are resolved by
+:func:`config_from_params` inside the run, never frozen from the environment of
+the dag-processor that parsed the file.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any
+
+from pydantic import BaseModel
 
 from tide_lib.config import CycleConfig, GateConfig, TideConfig, load_config
 
-__all__ = ["adaptation_schedule", "config_from_params", "cycle_params"]
+__all__ = ["adaptation_schedule", "config_from_params", "cycle_params", "param_schema"]
 
-_JSON_TYPES: dict[object, str] = {int: "integer", float: "number", str: "string", bool: "boolean"}
 _GATE_FIELDS = ("margin", "tolerance")
 _PARSE_TIME_FIELDS = frozenset({"schedule_minutes"})  # DAG settings, not per-run ones
+# JSON-schema keywords the form keeps; "format: path" and pydantic's extras are dropped.
+_KEPT = (
+    "type",
+    "title",
+    "description",
+    "enum",
+    "items",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+)
 
 
-def _schema(annotation: Any) -> dict[str, Any]:
-    if get_origin(annotation) in (Union, UnionType):
-        annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
-    if get_origin(annotation) is Literal:
-        return {"type": "string", "enum": list(get_args(annotation))}
-    if get_origin(annotation) is list:
-        return {"type": "array"}
-    return {"type": _JSON_TYPES.get(annotation, "string")}
+def param_schema(model: type[BaseModel], name: str, env_prefix: str) -> dict[str, Any]:
+    """The Param schema of ``model.name``: its JSON schema, nullable (empty = deployment
+    setting), with the environment variable and the model's default in the description."""
+    prop = dict(model.model_json_schema()["properties"][name])
+    variants = prop.pop("anyOf", None)
+    if variants:  # Optional[X]: X's schema; null is added below for every field anyway
+        prop.update(next(v for v in variants if v.get("type") != "null"))
+    schema = {key: prop[key] for key in _KEPT if key in prop}
+    kind = schema.get("type", "string")
+    schema["type"] = [kind, "null"] if isinstance(kind, str) else [*kind, "null"]
+    default = model.model_fields[name].get_default(call_default_factory=True)
+    schema["description"] = (
+        f"{schema.get('description', name)}. Empty: the deployment's setting "
+        f"({env_prefix}{name.upper()}) when the run starts; built-in default {default!r}."
+    )
+    return schema
 
 
 def cycle_params() -> dict[str, Any]:
     """``Param`` objects for the adaptation DAG's trigger form (cycle and gate fields)."""
     from airflow.sdk import Param  # noqa: PLC0415
 
-    defaults = load_config()
-    params: dict[str, Any] = {}
-    for name, field in CycleConfig.model_fields.items():
-        if name in _PARSE_TIME_FIELDS:
-            continue
-        value = getattr(defaults.cycle, name)
-        params[name] = Param(
-            str(value) if not isinstance(value, int | float | bool | list) else value,
-            description=field.description or name,
-            **_schema(field.annotation),
-        )
+    def param(model: type[BaseModel], name: str, env_prefix: str) -> Any:
+        # Airflow keeps the description beside the schema (in it, deserialising fails)
+        schema = param_schema(model, name, env_prefix)
+        return Param(None, description=schema.pop("description"), **schema)
+
+    params = {
+        name: param(CycleConfig, name, "TIDE_CYCLE__")
+        for name in CycleConfig.model_fields
+        if name not in _PARSE_TIME_FIELDS
+    }
     for name in _GATE_FIELDS:
-        field = GateConfig.model_fields[name]
-        params[f"gate_{name}"] = Param(
-            getattr(defaults.gate, name), description=field.description or name, type="number"
-        )
+        params[f"gate_{name}"] = param(GateConfig, name, "TIDE_GATE__")
     return params
 
 
@@ -59,14 +82,19 @@ def adaptation_schedule() -> timedelta | None:
 
 
 def config_from_params(params: dict[str, Any]) -> TideConfig:
-    """The run's configuration: environment defaults overridden by the form, validated."""
+    """The run's configuration: the environment's settings, read now, overridden by what
+    the form filled in (empty fields keep the setting), validated by the same models."""
     base = load_config()
     cycle = {
         name: params[name]
         for name in CycleConfig.model_fields
-        if name in params and name not in _PARSE_TIME_FIELDS
+        if params.get(name) is not None and name not in _PARSE_TIME_FIELDS
     }
-    gate = {name: params[f"gate_{name}"] for name in _GATE_FIELDS if f"gate_{name}" in params}
+    gate = {
+        name: params[f"gate_{name}"]
+        for name in _GATE_FIELDS
+        if params.get(f"gate_{name}") is not None
+    }
     return base.model_copy(
         update={
             "cycle": CycleConfig.model_validate({**base.cycle.model_dump(), **cycle}),

@@ -27,6 +27,13 @@ def _count(params: dict[str, Any], run_id: str) -> int:
     return cycle_tokens(config_from_params(params), run_id)
 
 
+def _min_tokens(params: dict[str, Any]) -> int:
+    """``cycle.min_new_tokens`` of this run: the form's value, else the deployment's."""
+    from tide_lib.orchestration.params import config_from_params  # noqa: PLC0415
+
+    return config_from_params(params).cycle.min_new_tokens
+
+
 class LakeTokensTrigger(BaseTrigger):  # type: ignore[misc]  # untyped base class
     def __init__(
         self, params: dict[str, Any], run_id: str, min_tokens: int, poke_interval: float
@@ -70,20 +77,18 @@ class LakeTokensSensor(BaseSensorOperator):
         self.deferrable = deferrable
 
     def poke(self, context: Any) -> bool:
-        tokens = _count(dict(context["params"]), context["run_id"])
-        return tokens >= int(context["params"]["min_new_tokens"])
+        params = dict(context["params"])
+        return _count(params, context["run_id"]) >= _min_tokens(params)
 
     def execute(self, context: Any) -> Any:
         params = dict(context["params"])
-        tokens = _count(params, context["run_id"])
-        if tokens >= int(params["min_new_tokens"]):
+        tokens, needed = _count(params, context["run_id"]), _min_tokens(params)
+        if tokens >= needed:
             return tokens
         if not self.deferrable:
             return super().execute(context)
         self.defer(
-            trigger=LakeTokensTrigger(
-                params, context["run_id"], int(params["min_new_tokens"]), self.poke_interval
-            ),
+            trigger=LakeTokensTrigger(params, context["run_id"], needed, self.poke_interval),
             method_name="execute_complete",
             timeout=timedelta(seconds=self.timeout),
         )

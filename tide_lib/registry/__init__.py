@@ -13,11 +13,12 @@ version it registered before instead of adding a second one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from tide_lib.lake.layout import target_slug
+from tide_lib.names import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, registered_model_name
 from tide_lib.registry.uris import is_portable
 from tide_lib.training.draft import validate_draft_dir
 
@@ -32,14 +33,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CHAMPION = "champion"
-CHALLENGER = "challenger"
-PREVIOUS_CHAMPION = "previous-champion"
 DRAFT_ARTIFACT_PATH = "draft"
-
-
-def registered_model_name(target_id: str) -> str:
-    return f"tide-draft-{target_slug(target_id)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +80,31 @@ class DraftRegistry:
         )
 
     def find_by_tag(self, key: str, value: str) -> DraftVersion | None:
-        for raw in self.client.search_model_versions(f"name = '{self.name}'"):
-            if (raw.tags or {}).get(key) == value:
-                return self.get(raw.version)
-        return None
+        """The version tagged ``key=value``, found by the server's filter (not client-side)."""
+        quote = "'" if "'" not in value else '"'
+        if quote in value or "`" in key:
+            raise ValueError(f"cannot search for tag {key}={value!r}: it holds both quotes")
+        found = self.client.search_model_versions(
+            f"name = '{self.name}' and tags.`{key}` = {quote}{value}{quote}"
+        )
+        return self._version(found[0]) if found else None
+
+    def log_dataset(
+        self, run_id: str, *, name: str, uri: str, digest: str, profile: dict[str, Any]
+    ) -> None:
+        """Record what a training run read as its MLflow dataset input (context
+        ``training``): the lake's object URI, a digest and figures such as token counts."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag  # noqa: PLC0415
+
+        dataset = Dataset(
+            name=name,
+            digest=digest,
+            source_type="s3",
+            source=json.dumps({"uri": uri}),
+            profile=json.dumps(profile),
+        )
+        context = InputTag("mlflow.data.context", "training")
+        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, [context])])
 
     def log_draft(self, run_id: str, draft_dir: Path) -> str:
         """Validate ``draft_dir`` and store it as the run's ``draft`` artifact; returns its URI.

@@ -45,6 +45,7 @@ from tide_lib.registry.uris import DraftFetchError
 from tide_lib.serving.capture import capture_wanted
 from tide_lib.serving.draft_sources import DraftCache, DraftSources, local_draft
 from tide_lib.serving.k_policy import KController
+from tide_lib.serving.metrics import EngineMetrics
 from tide_lib.serving.speculative import DraftRunner, Generation, SpeculativeDecoder
 from tide_lib.training.draft import DraftTarget, InvalidCheckpointError, load_draft
 from tide_lib.training.specforge_runtime import prepare_specforge
@@ -149,6 +150,7 @@ class Engine:
         )
         self.writer = self._capture_writer(config) if serve.capture else None
         self.counters = _Counters()
+        self.metrics = EngineMetrics(self)
         self._lock = threading.Lock()
         self._queue: queue.Queue[Any] = queue.Queue()
         self._running = 0
@@ -257,7 +259,14 @@ class Engine:
             self.counters.emitted_by_verify += (
                 generation.accepted_draft_tokens + generation.verify_steps
             )
-        self._capture(request, generation, started_at, version)
+        if generation.verify_steps:
+            self.metrics.accept_length.labels(self.target_id, version).observe(
+                generation.accept_length
+            )
+        if self.writer is not None:
+            with self.metrics.capture_latency.labels(self.target_id).time():
+                self._capture(request, generation, started_at, version)
+        self.metrics.e2e_latency.labels(self.target_id).observe(time.perf_counter() - started)
         return EngineResult(
             rid=request.rid,
             output_ids=generation.output_ids,

@@ -34,7 +34,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -50,6 +50,7 @@ from tide_lib.serving.engine import (
     EngineResult,
     RequestError,
 )
+from tide_lib.serving.metrics import CONTENT_TYPE
 from tide_lib.serving.sglang_swap import is_draft_reference
 from tide_lib.training.draft import InvalidCheckpointError
 
@@ -355,84 +356,10 @@ def create_app(engine: Engine) -> FastAPI:
         return {"success": True, "message": f"serving {body.model_path}", "weight_version": version}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(_prometheus(engine), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
-
-
-def _prometheus(engine: Engine) -> str:
-    counters = engine.counters
-    writer = engine.writer.stats() if engine.writer is not None else None
-    labels = f'model_name="{engine.target_id}"'
-    rows = [
-        ("sglang:prompt_tokens_total", "counter", counters.prompt_tokens),
-        ("sglang:generation_tokens_total", "counter", counters.generation_tokens),
-        ("sglang:num_requests_total", "counter", counters.requests),
-        ("sglang:num_running_reqs", "gauge", engine.running()),
-        ("sglang:num_queue_reqs", "gauge", engine.queue_depth()),
-        ("sglang:spec_accept_length", "gauge", engine.avg_accept_length()),
-        ("tide:speculative_enabled", "gauge", int(engine.speculative)),
-        ("tide:capture_records_total", "counter", counters.captured),
-        ("tide:capture_skipped_total", "counter", counters.capture_skipped),
-        ("tide:capture_dropped_records_total", "counter", writer.dropped_records if writer else 0),
-        ("tide:capture_spooled_shards", "gauge", writer.spooled_shards if writer else 0),
-        ("tide:draft_swaps_total", "counter", counters.swaps),
-    ]
-    lines = []
-    for name, kind, value in rows:
-        lines += [f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
-    lines += _speculation_metrics(engine.k_controller.snapshot(), labels)
-    return "\n".join(lines) + "\n"
-
-
-def _label_value(value: str) -> str:
-    """A Prometheus label value: backslash, double quote and newline escaped."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _speculation_metrics(choice: dict[str, Any], labels: str) -> list[str]:
-    """The k the engine serves with (SGLang's ``sglang:spec_num_steps``) and why.
-
-    Per k: expected tokens/s and verify cost; per segment label: its chosen k.
-    Unknown figures (nothing measured yet) are left out.
-    """
-    costs = choice["costs"]
-    series: list[tuple[str, str, list[tuple[str, float | None]]]] = [
-        ("sglang:spec_num_steps", "gauge", [("", choice["chosen_k"])]),
-        ("tide:spec_adaptive", "gauge", [("", int(choice["adaptive"]))]),
-        ("tide:spec_draft_step_seconds", "gauge", [("", costs["draft_step_s"])]),
-        (
-            "tide:spec_verify_seconds",
-            "gauge",
-            [(f',k="{k}"', s) for k, s in (costs["verify_s"] or {}).items()],
-        ),
-        (
-            "tide:spec_expected_tokens_per_s",
-            "gauge",
-            [(f',k="{k}"', rate) for k, rate in (choice["expected_tokens_per_s"] or {}).items()],
-        ),
-        (
-            "tide:spec_requests_total",
-            "counter",
-            [(f',k="{k}"', count) for k, count in choice["requests_by_k"].items()],
-        ),
-        (
-            "tide:spec_segment_num_steps",
-            "gauge",
-            [
-                (f',segment="{_label_value(name)}"', segment["chosen_k"])
-                for name, segment in choice["segments"].items()
-            ],
-        ),
-    ]
-    lines = []
-    for name, kind, values in series:
-        lines.append(f"# TYPE {name} {kind}")
-        lines += [
-            f"{name}{{{labels}{extra}}} {value}" for extra, value in values if value is not None
-        ]
-    return lines
 
 
 def request_segment(body: GenerateRequest, headers: Headers) -> str | None:

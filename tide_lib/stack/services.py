@@ -356,7 +356,8 @@ def _airflow_migrate(config: TideConfig) -> None:
             + migrated.stderr[-2000:]
         )
     subprocess.run(
-        [airflow, "pools", "set", "mi250", "1", "EAGLE3 training hosts"],
+        # the pools file every deployment imports (compose, Helm): one home for `mi250`
+        [airflow, "pools", "import", str(repo_root() / "docker" / "pools.json")],
         env=env,
         check=True,
         capture_output=True,
