@@ -109,7 +109,7 @@ def _assert_no_local_path(values: dict[str, object], local_roots: list[Path]) ->
         if isinstance(values["train/return_value"], str)
         else values["train/return_value"]
     )
-    assert isinstance(train, dict) and train["draft_uri"].startswith("runs:/")
+    assert isinstance(train, dict) and train["draft_uri"].startswith("models:/m-")
 
 
 @pytest.mark.timeout(1800)  # first user of the session's stack: its setup counts here too

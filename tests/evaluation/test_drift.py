@@ -65,3 +65,19 @@ def test_the_margin_of_one_figure_shrinks_with_requests_and_is_infinite_for_one(
     assert length_margin([(6, 3)] * 5) == 0.0
     verdict = judge({"ko": 1.0}, {"ko": 1.0}, {"en": 3.0})
     assert verdict.drift  # no margins given: figures are taken as exact
+
+
+def test_a_baseline_measured_on_a_sample_widens_the_margin() -> None:
+    """Both figures are samples: the fall's margin is the root of their squares."""
+    kwargs = {"tolerance": 0.15, "min_share": 0.1}
+    exact = judge_drift({"en": 2.0}, {"en": 1.0}, {"en": 2.4}, margins={"en": 0.2}, **kwargs)
+    assert exact.drift  # 0.4 - 0.2 > 0.15
+    noisy = judge_drift(
+        {"en": 2.0},
+        {"en": 1.0},
+        {"en": 2.4},
+        margins={"en": 0.2},
+        baseline_margins={"en": 0.2},
+        **kwargs,
+    )
+    assert not noisy.drift  # 0.4 - 0.283 < 0.15

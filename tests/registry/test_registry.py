@@ -10,15 +10,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tide_lib.config import TideConfig
+from tide_lib.config import GateConfig, TideConfig
+from tide_lib.evaluation.gate import decide
+from tide_lib.evaluation.tracking import log_decision
 from tide_lib.lake import target_slug
 from tide_lib.registry import (
     CHALLENGER,
     CHAMPION,
+    DRAFT_MODEL_TYPE,
     PREVIOUS_CHAMPION,
     DraftRegistry,
     registered_model_name,
 )
+from tide_lib.registry.uris import logged_model_id
 from tide_lib.training.draft import InvalidCheckpointError
 
 pytestmark = pytest.mark.slow
@@ -50,6 +54,21 @@ def test_register_promote_and_download(
     assert registry.alias(CHAMPION).version == second.version
     assert registry.alias(PREVIOUS_CHAMPION).version == first.version
     assert registry.alias(CHAMPION).tags["tide.promoted"] == "true"
+
+    # Issue 15: each draft is an MLflow 3 logged model of its run, registered from it,
+    # and the gate's figures are metrics of that model.
+    model_id = logged_model_id(second.source)
+    assert model_id is not None
+    model = registry.client.get_logged_model(model_id)
+    assert (model.source_run_id, model.model_type) == (second.run_id, DRAFT_MODEL_TYPE)
+    assert str(model.status) in ("READY", "LoggedModelStatus.READY")
+    artifacts = {Path(a.path).name for a in registry.client.list_logged_model_artifacts(model_id)}
+    assert {"config.json", "model.safetensors"} <= artifacts
+    decision = decide({"ko": 2.5}, {"ko": 2.0}, GateConfig())
+    log_decision(stack.mlflow.tracking_uri, registry.name, second.version, decision, k=3)
+    model_metrics = {m.key: m.value for m in registry.client.get_logged_model(model_id).metrics}
+    assert model_metrics["eval.accept_length.ko.k3"] == 2.5
+    assert registry.find_by_tag("tide.cycle_id", "c2") == registry.get(second.version)
 
     downloaded = registry.download(second.version, tmp_path / "dl")
     original = load_file(tiny_drafts["ko"] / "model.safetensors")

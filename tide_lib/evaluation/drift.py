@@ -7,8 +7,9 @@ regresses). So before training, the cycle measures the champion's acceptance
 length on the window, per segment, and compares it with a *baseline*: the
 champion's acceptance as the gate last measured it: at its promotion (the
 gate's figures on its version), or, for a champion never promoted by a cycle (a
-seeded one), when a challenger failed to beat it. A champion the gate never
-judged has no baseline: the cycle trains, and its gate sets one.
+seeded one), when a challenger failed to beat it. A champion without either
+trains once, and the figures that first check measured (with their margins)
+become its baseline.
 
 The rule (:func:`judge_drift`, a pure function): only segments holding at least
 ``min_share`` of the window's tokens count. A known segment has drifted when it
@@ -16,8 +17,9 @@ fell more than ``tolerance`` below its baseline; a segment the baseline does
 not know (new traffic) has drifted when the champion serves it more than
 ``tolerance`` below the average of the baseline's segments. The champion is
 measured on a sample of the window, so a fall counts only beyond its margin of
-error (``margins``, one-sided 95%): a segment of three requests that the champion
-serves at 2.0 against a baseline of 2.2 is noise, not drift. No drifted segment:
+error (``margins``, one-sided 95%, combined with the baseline's own when it was
+measured on a sample too): a segment of three requests that the champion serves
+at 2.0 against a baseline of 2.2 is noise, not drift. No drifted segment:
 the cycle records "no drift", moves the watermark and trains nothing.
 """
 
@@ -49,9 +51,11 @@ def judge_drift(
     tolerance: float,
     min_share: float,
     margins: Mapping[str, float] | None = None,
+    baseline_margins: Mapping[str, float] | None = None,
 ) -> DriftVerdict:
     """Drift or not; ``measured``/``baseline`` map segment -> acceptance length at one k,
-    ``margins`` segment -> margin of error of its measured figure (none: exact)."""
+    ``margins``/``baseline_margins`` segment -> margin of error of each figure (none:
+    exact). Two independent samples: the fall's margin is the root of their squares."""
     if not baseline:
         return DriftVerdict(True, "the champion has no baseline to compare with", {})
     counted = {s: v for s, v in measured.items() if shares.get(s, 0.0) >= min_share}
@@ -65,7 +69,10 @@ def judge_drift(
         known = segment in baseline
         reference = baseline[segment] if known else _reference_of_new_segments(baseline)
         fall = reference - value
-        margin = (margins or {}).get(segment, 0.0)
+        margin = math.hypot(
+            (margins or {}).get(segment, 0.0),
+            (baseline_margins or {}).get(segment, 0.0) if known else 0.0,
+        )
         what = "baseline" if known else "baseline average (new segment)"
         notes.append(f"{segment} {value:.3f}{_plus_minus(margin)} vs {what} {reference:.3f}")
         if fall - margin > tolerance:

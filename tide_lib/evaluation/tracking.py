@@ -19,6 +19,7 @@ from tide_lib.evaluation.gate import (
     decision_tags,
 )
 from tide_lib.evaluation.plot import plot_acceptance
+from tide_lib.registry.uris import logged_model_id
 
 __all__ = ["log_acceptance_plot", "log_decision"]
 
@@ -36,12 +37,14 @@ def log_decision(
     for key, value in decision_tags(decision, k).items():
         client.set_model_version_tag(model_name, version, key, value[:5000])
     report = decision_report(decision, k, names={"challenger": f"{model_name} v{version}"})
-    run_id = client.get_model_version(model_name, version).run_id
+    registered = client.get_model_version(model_name, version)
+    run_id = registered.run_id
     if run_id:
         client.log_text(run_id, report, f"gate/decision-v{version}.md")
         now = int(time.time() * 1000)
+        model_id = logged_model_id(registered.source or "")  # the figures are the model's too
         metrics = [
-            Metric(key, value, now, int(version))
+            Metric(key, value, now, int(version), model_id=model_id)
             for key, value in decision_metrics(decision, k).items()
         ]
         client.log_batch(run_id, metrics=metrics)

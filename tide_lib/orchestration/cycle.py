@@ -517,19 +517,23 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         return Drift(
             drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
         )
-    baseline = _champion_baseline(config, registry, champion)
+    baseline, baseline_margins = _champion_baseline(config, registry, champion)
     samples, shares = _window_sample(config, snapshot)
     counts = _champion_counts(config, registry, champion.version, samples)
     measured = {segment: count.accept_length for segment, count in counts.items()}
     margins = {segment: length_margin(count.per_request) for segment, count in counts.items()}
-    if not baseline:
+    finite = {segment: m for segment, m in margins.items() if math.isfinite(m)}
+    if not baseline:  # its first measurement (segments of 2+ requests) is the baseline
+        first = {segment: measured[segment] for segment in finite}
+        _store_baseline(config, champion.version, first, "first measurement", finite)
         best = max(measured.values(), default=0.0)
         return Drift(
             drift=True,
-            reason=f"training: champion v{champion.version} was never judged by the gate "
-            "(its figures at promotion are the baseline)",
+            reason=f"training: champion v{champion.version} had no baseline (never judged on "
+            "enough held-out traffic); its figures on this window are its baseline from now on",
             champion_version=champion.version,
             measured=measured,
+            margins=finite,
             baseline={},
             drifted=sorted(
                 s for s, v in measured.items() if v < best - config.cycle.drift_tolerance
@@ -542,15 +546,23 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         tolerance=config.cycle.drift_tolerance,
         min_share=config.gate.min_segment_share,
         margins=margins,
+        baseline_margins=baseline_margins,
     )
     if not verdict.drift:  # segments it serves well from now on are part of its baseline
-        _store_baseline(config, champion.version, {**measured, **baseline}, "measured")
+        known = {s: measured[s] for s in finite if s not in baseline}
+        _store_baseline(
+            config,
+            champion.version,
+            {**baseline, **known},
+            "measured",
+            {**baseline_margins, **{s: finite[s] for s in known}},
+        )
     return Drift(
         drift=verdict.drift,
         reason=f"champion v{champion.version}: {verdict.reason}",
         champion_version=champion.version,
         measured=measured,
-        margins={segment: m for segment, m in margins.items() if math.isfinite(m)},
+        margins=finite,
         baseline=baseline,
         drifted=sorted(verdict.drifted),
         saved_train_seconds=None if verdict.drift else _last_training_seconds(registry),
@@ -613,23 +625,25 @@ def _version_acceptance(
 
 def _champion_baseline(
     config: TideConfig, registry: DraftRegistry, champion: Any
-) -> dict[str, float]:
-    """The champion's acceptance per segment as the gate last measured it: at its
-    promotion (the figures on its version), or as the champion a rejected challenger
-    could not beat (stored by :func:`evaluate_and_gate`). Empty if never judged."""
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The champion's acceptance per segment and each figure's margin of error: as the
+    gate measured it at its promotion (the figures on its version), as the champion a
+    rejected challenger could not beat (stored by :func:`evaluate_and_gate`), or as the
+    drift check first measured it. Empty if none of these happened yet."""
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
     store, key = _store(config), _state_key(config, "baseline.json")
     if store.exists(key):
         stored = json.loads(store.get_bytes(key))
         if stored.get("version") == champion.version and stored.get("k") == config.gate.k:
-            return {str(s): float(v) for s, v in stored["accept_length"].items()}
+            figures = {str(s): float(v) for s, v in stored["accept_length"].items()}
+            return figures, {str(s): float(v) for s, v in stored.get("margins", {}).items()}
     judged = decision_from_tags(dict(champion.tags or {}), config.gate.k)
     baseline = _evidenced(judged.challenger, judged.protected) if judged is not None else {}
     if not baseline:
-        return {}
+        return {}, {}
     _store_baseline(config, champion.version, baseline, "gate")
-    return baseline
+    return baseline, {}
 
 
 def _evidenced(figures: dict[str, float], protected: tuple[str, ...]) -> dict[str, float]:
@@ -639,9 +653,18 @@ def _evidenced(figures: dict[str, float], protected: tuple[str, ...]) -> dict[st
 
 
 def _store_baseline(
-    config: TideConfig, version: str, accept_length: dict[str, float], source: str
+    config: TideConfig,
+    version: str,
+    accept_length: dict[str, float],
+    source: str,
+    margins: dict[str, float] | None = None,
 ) -> None:
-    payload = {"version": version, "k": config.gate.k, "accept_length": accept_length}
+    payload = {
+        "version": version,
+        "k": config.gate.k,
+        "accept_length": accept_length,
+        "margins": margins or {},
+    }
     _store(config).put_bytes(
         _state_key(config, "baseline.json"),
         json.dumps({**payload, "source": source}).encode(),
@@ -912,7 +935,7 @@ def _keep_champion_baseline(
     champion = registry.alias(CHAMPION)
     if decision.promote or not decision.champion or champion is None:
         return
-    if champion.version != version and not _champion_baseline(config, registry, champion):
+    if champion.version != version and not _champion_baseline(config, registry, champion)[0]:
         baseline = _evidenced(decision.champion, decision.protected)
         if baseline:
             _store_baseline(config, champion.version, baseline, "gate: held its place")

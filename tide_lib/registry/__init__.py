@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from tide_lib.names import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, registered_model_name
-from tide_lib.registry.uris import is_portable
+from tide_lib.registry.uris import is_portable, logged_model_id, logged_model_uri
 from tide_lib.training.draft import validate_draft_dir
 
 __all__ = [
     "CHALLENGER",
     "CHAMPION",
+    "DRAFT_MODEL_TYPE",
     "PREVIOUS_CHAMPION",
     "DraftRegistry",
     "DraftVersion",
@@ -34,6 +35,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DRAFT_ARTIFACT_PATH = "draft"
+DRAFT_MODEL_TYPE = "eagle3-draft"  # the logged model's type: an SGLang EAGLE3 checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +45,7 @@ class DraftVersion:
     run_id: str | None
     tags: dict[str, str]
     aliases: list[str]
-    source: str = ""  # where MLflow keeps its artifacts, e.g. runs:/<run id>/draft
+    source: str = ""  # what it was registered from: models:/<logged model id>
 
 
 class DraftRegistry:
@@ -87,7 +89,7 @@ class DraftRegistry:
         found = self.client.search_model_versions(
             f"name = '{self.name}' and tags.`{key}` = {quote}{value}{quote}"
         )
-        return self._version(found[0]) if found else None
+        return self.get(found[0].version) if found else None  # with aliases (search omits)
 
     def log_dataset(
         self, run_id: str, *, name: str, uri: str, digest: str, profile: dict[str, Any]
@@ -107,14 +109,26 @@ class DraftRegistry:
         self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, [context])])
 
     def log_draft(self, run_id: str, draft_dir: Path) -> str:
-        """Validate ``draft_dir`` and store it as the run's ``draft`` artifact; returns its URI.
+        """Validate ``draft_dir`` and log it as an MLflow 3 logged model of the run (its
+        artifacts are the SGLang checkpoint as is); returns ``models:/<model id>``.
 
-        The artifact lands in the object store behind the MLflow server, so any host
+        The artifacts land in the object store behind the MLflow server, so any host
         resolves the URI; the caller's directory can go as soon as this returns.
         """
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus  # noqa: PLC0415
+
         validate_draft_dir(draft_dir)
-        self.client.log_artifacts(run_id, str(draft_dir), DRAFT_ARTIFACT_PATH)
-        return f"runs:/{run_id}/{DRAFT_ARTIFACT_PATH}"
+        experiment_id = self.client.get_run(run_id).info.experiment_id
+        model = self.client.create_logged_model(
+            experiment_id,
+            name=DRAFT_ARTIFACT_PATH,
+            source_run_id=run_id,
+            model_type=DRAFT_MODEL_TYPE,
+        )
+        self.client.log_model_artifacts(model.model_id, str(draft_dir))
+        self.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        self.client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
+        return logged_model_uri(model.model_id)
 
     def register(
         self,
@@ -145,7 +159,11 @@ class DraftRegistry:
             raise ValueError(f"register takes a draft directory or a draft URI, not {draft!r}")
         self._ensure_model()
         raw = self.client.create_model_version(
-            self.name, source, run_id=run_id, tags={"tide.cycle_id": cycle_id, **(tags or {})}
+            self.name,
+            source,
+            run_id=run_id,
+            tags={"tide.cycle_id": cycle_id, **(tags or {})},
+            model_id=logged_model_id(source),  # registered from the logged model, if one
         )
         self.client.set_registered_model_alias(self.name, CHALLENGER, raw.version)
         logger.info("registered %s v%s (challenger) from run %s", self.name, raw.version, run_id)
@@ -207,13 +225,14 @@ class DraftRegistry:
 
     def download(self, version: str, out_dir: Path) -> Path:
         """The version's validated draft directory, downloaded from the artifact store."""
-        raw = self.client.get_model_version(self.name, version)
         import mlflow.artifacts  # noqa: PLC0415
 
+        # the server resolves a logged model's source (models:/<id>) to its artifacts
+        location = self.client.get_model_version_download_uri(self.name, version)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = Path(
             mlflow.artifacts.download_artifacts(
-                artifact_uri=raw.source, dst_path=str(out_dir), tracking_uri=self.tracking_uri
+                artifact_uri=location, dst_path=str(out_dir), tracking_uri=self.tracking_uri
             )
         )
         validate_draft_dir(path)

@@ -2,15 +2,17 @@
 
 Hosts share only the network, so a draft travels between them as a URI, never as
 a local path: ``models:/tide-draft-<slug>/<version>`` (or an alias),
-``runs:/<run id>/draft`` and ``mlflow-artifacts:/...`` resolve through the MLflow
-server; ``s3://bucket/prefix`` through the object store with this host's
-credentials. :func:`fetch_draft` downloads one into a directory the caller owns
-(and removes), so a host keeps no copy it did not ask for.
+``models:/<logged model id>`` (what a training run logs), ``runs:/<run id>/draft``
+and ``mlflow-artifacts:/...`` resolve through the MLflow server;
+``s3://bucket/prefix`` through the object store with this host's credentials.
+:func:`fetch_draft` downloads one into a directory the caller owns (and removes),
+so a host keeps no copy it did not ask for.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Final
 
@@ -22,6 +24,8 @@ __all__ = [
     "DraftFetchError",
     "fetch_draft",
     "is_portable",
+    "logged_model_id",
+    "logged_model_uri",
     "object_destination",
 ]
 
@@ -67,8 +71,23 @@ def fetch_draft(uri: str, config: TideConfig, dest: Path) -> Path:
     )
 
 
+_LOGGED_MODEL = re.compile(r"models:/(m-[0-9a-f]{32})/?")
+
+
+def logged_model_uri(model_id: str) -> str:
+    """``models:/<model id>``: MLflow 3's URI of a logged model."""
+    return f"models:/{model_id}"
+
+
+def logged_model_id(uri: str) -> str | None:
+    """The logged model id in ``models:/m-<hex>``, else None (a registered model's URI)."""
+    match = _LOGGED_MODEL.fullmatch(uri)
+    return match[1] if match else None
+
+
 def _model_source(uri: str, tracking_uri: str) -> str:
-    """``models:/name/<version or alias>`` as the artifact URI behind it, from the server.
+    """``models:/name/<version or alias>`` (or ``models:/<logged model id>``) as the
+    artifact URI behind it, from the server.
 
     MLflow resolves ``models:/`` against its *registry* URI, a process-wide setting;
     asking the configured server directly keeps this host's setting out of it.
@@ -77,10 +96,13 @@ def _model_source(uri: str, tracking_uri: str) -> str:
         return uri
     from mlflow import MlflowClient  # noqa: PLC0415
 
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    model_id = logged_model_id(uri)
+    if model_id is not None:  # resolved here too: MLflow would ask its process-wide server
+        return str(client.get_logged_model(model_id).artifact_location)
     name, _, version = uri.removeprefix("models:/").rstrip("/").rpartition("/")
     if not name or not version:
         raise DraftFetchError(f"{uri!r} is not models:/<name>/<version or alias>")
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     if not version.isdigit():
         version = str(client.get_model_version_by_alias(name, version).version)
     return str(client.get_model_version_download_uri(name, version))
