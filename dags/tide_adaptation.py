@@ -66,7 +66,7 @@ def tide_adaptation() -> None:
 
         context = get_current_context()
         window = snapshot_window(_config(), context["run_id"])
-        emit(context, lake_asset(), window.asset_extra())
+        emit(context, window.target_id, window.asset_extra())
         return window.to_xcom()
 
     @task.short_circuit(ignore_downstream_trigger_rules=False)
@@ -104,7 +104,7 @@ def tide_adaptation() -> None:
         snap, run = Snapshot.from_xcom(window), Trained.from_xcom(trained)
         version = register_cycle(_config(), snap, run)
         extra = {"version": version, "run_id": run.run_id, "cycle_id": snap.cycle_id}
-        emit(get_current_context(), draft_asset(), extra)
+        emit(get_current_context(), snap.target_id, extra)
         return version
 
     @task
@@ -119,18 +119,18 @@ def tide_adaptation() -> None:
     # (no event: DAGs scheduled on the champion run only when it changed).
     @task(retries=0, outlets=[champion_asset()])
     def promote(version: str, decision: dict[str, Any]) -> dict[str, Any]:
-        from airflow.exceptions import AirflowSkipException
+        from airflow.sdk.exceptions import AirflowSkipException
 
         from tide_lib.orchestration.assets import emit
         from tide_lib.orchestration.cycle import promote as promote_cycle
         from tide_lib.orchestration.handoff import Decision
 
-        judged = Decision.from_xcom(decision)
-        promotion = promote_cycle(_config(), version, judged)
+        config, judged = _config(), Decision.from_xcom(decision)
+        promotion = promote_cycle(config, version, judged)
         if not promotion.promoted:
             raise AirflowSkipException(f"v{version} not promoted: {promotion.reason}")
         extra = {"version": version, "accept_length": judged.challenger}
-        emit(get_current_context(), champion_asset(), extra)
+        emit(get_current_context(), config.cycle.target_id, extra)
         return promotion.to_xcom()
 
     # Also after a skipped (no drift, no gain) cycle; not after a quiet window (no snapshot).

@@ -45,8 +45,9 @@ def tide_rollback() -> None:
         context = get_current_context()
         params = dict(context["params"])
         # the run id: a retry of this run rolls back to what its first attempt chose
-        done = rollback(config_from_params(params), str(params["version"]), context["run_id"])
-        emit(context, champion_asset(), {"version": done["version"], "rollback": True})
+        config = config_from_params(params)
+        done = rollback(config, str(params["version"]), context["run_id"])
+        emit(context, config.cycle.target_id, {"version": done["version"], "rollback": True})
         return done
 
     roll_back()

@@ -44,7 +44,7 @@ def _engine_series() -> set[str]:
         avg_accept_length=lambda: 2.5,
     )
     metrics = EngineMetrics(engine)  # type: ignore[arg-type]  # the attributes it reads
-    metrics.accept_length.labels("demo", "4").observe(2.5)
+    metrics.observe_accept_length("demo", "4", 2.5)
     metrics.capture_latency.labels("demo").observe(0.01)
     metrics.e2e_latency.labels("demo").observe(0.2)
     return {sample.name for sample in samples(metrics.render().decode())}
@@ -62,3 +62,18 @@ def test_every_series_on_the_dashboard_is_exported() -> None:
     assert {"Acceptance length per draft version", "Capture rate"} <= titles
     assert any("weight_version" in expr for expr in exprs)
     assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {"${datasource}"}
+
+
+def test_acceptance_series_of_old_versions_are_dropped() -> None:
+    """Versions are named by whoever swaps drafts: the series stay bounded."""
+    engine = SimpleNamespace(target_id="demo", counters=_Counters(), writer=None)
+    metrics = EngineMetrics(engine)  # type: ignore[arg-type]
+    for version in ["1", "2", "3", "4", "4", "5"]:
+        metrics.observe_accept_length("demo", version, 2.0)
+    counts = [
+        s
+        for family in metrics.accept_length.collect()
+        for s in family.samples
+        if s.name == "tide:spec_accept_length_per_request_count"
+    ]
+    assert {s.labels["weight_version"]: s.value for s in counts} == {"3": 1, "4": 2, "5": 1}

@@ -39,6 +39,9 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
     never_judged = cycle.check_drift(config, first)
     assert never_judged.drift and "had no baseline" in never_judged.reason
     assert never_judged.margins and set(never_judged.margins) <= set(never_judged.measured)
+    # A retry of that check (its record lost) must not compare the window with itself.
+    cycle._store(config).remove(cycle._drift_key(config, "c1"))
+    assert cycle.check_drift(config, first).drift
     cycle.advance_watermark(config, first)
 
     # Its first measurement (segments of two requests or more) is its baseline: the same

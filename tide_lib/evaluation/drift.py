@@ -9,7 +9,8 @@ champion's acceptance as the gate last measured it: at its promotion (the
 gate's figures on its version), or, for a champion never promoted by a cycle (a
 seeded one), when a challenger failed to beat it. A champion without either
 trains once, and the figures that first check measured (with their margins)
-become its baseline.
+become its baseline; they then stay (a sample of the whole window, with
+margins, is better evidence than the gate's held-out figures).
 
 The rule (:func:`judge_drift`, a pure function): only segments holding at least
 ``min_share`` of the window's tokens count. A known segment has drifted when it

@@ -10,7 +10,8 @@ whenever a new champion reaches the fleet::
     def after_promotion(): ...
 
 Assets are named per target: the deployment's ``cycle.target_id`` when the file
-is parsed (one deployment serves one target). Each event carries what
+is parsed (one deployment serves one target; a run whose form names another
+target still emits on these, with its ``target_id`` in the event). Each event carries what
 identifies it in ``extra``: the window's tokens and commits, the version number,
 the champion's acceptance length. The deferrable sensor still decides when a
 cycle starts: an asset watcher cannot count tokens.
@@ -63,6 +64,9 @@ def champion_asset(target_id: str | None = None) -> Asset:
     )
 
 
-def emit(context: Any, asset: Asset, extra: dict[str, Any]) -> None:
-    """Attach ``extra`` (JSON values) to the event this task emits on ``asset``."""
-    context["outlet_events"][asset].extra = extra
+def emit(context: Any, target_id: str, extra: dict[str, Any]) -> None:
+    """Attach ``extra`` (JSON values) and the run's target to the event of each asset
+    this task declares as an outlet: the declared objects themselves, so a worker whose
+    environment differs from the dag-processor's still fills in the right events."""
+    for asset in context["task"].outlets:
+        context["outlet_events"][asset].extra = {"target_id": target_id, **extra}

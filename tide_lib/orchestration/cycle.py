@@ -517,7 +517,9 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         return Drift(
             drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
         )
-    baseline, baseline_margins = _champion_baseline(config, registry, champion)
+    baseline, baseline_margins = _champion_baseline(
+        config, registry, champion, cycle_id=snapshot.cycle_id
+    )
     samples, shares = _window_sample(config, snapshot)
     counts = _champion_counts(config, registry, champion.version, samples)
     measured = {segment: count.accept_length for segment, count in counts.items()}
@@ -525,12 +527,20 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     finite = {segment: m for segment, m in margins.items() if math.isfinite(m)}
     if not baseline:  # its first measurement (segments of 2+ requests) is the baseline
         first = {segment: measured[segment] for segment in finite}
-        _store_baseline(config, champion.version, first, "first measurement", finite)
+        if first:
+            _store_baseline(
+                config, champion.version, first, _FIRST, finite, cycle_id=snapshot.cycle_id
+            )
         best = max(measured.values(), default=0.0)
         return Drift(
             drift=True,
             reason=f"training: champion v{champion.version} had no baseline (never judged on "
-            "enough held-out traffic); its figures on this window are its baseline from now on",
+            "enough held-out traffic); "
+            + (
+                "its figures on this window are its baseline from now on"
+                if first
+                else "no segment of this window has two requests to measure one on"
+            ),
             champion_version=champion.version,
             measured=measured,
             margins=finite,
@@ -623,19 +633,26 @@ def _version_acceptance(
     return {k: {segment: by_k[k] for segment, by_k in counts.items()} for k in ks}
 
 
+_FIRST = "first measurement"  # baseline.json's source when the drift check set it
+
+
 def _champion_baseline(
-    config: TideConfig, registry: DraftRegistry, champion: Any
+    config: TideConfig, registry: DraftRegistry, champion: Any, cycle_id: str | None = None
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The champion's acceptance per segment and each figure's margin of error: as the
     gate measured it at its promotion (the figures on its version), as the champion a
     rejected challenger could not beat (stored by :func:`evaluate_and_gate`), or as the
-    drift check first measured it. Empty if none of these happened yet."""
+    drift check first measured it (not in ``cycle_id`` itself: a retry of the check that
+    set it must not compare the window with itself). Empty if none happened yet."""
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
     store, key = _store(config), _state_key(config, "baseline.json")
     if store.exists(key):
         stored = json.loads(store.get_bytes(key))
+        own = stored.get("source") == _FIRST and stored.get("cycle_id") == cycle_id
         if stored.get("version") == champion.version and stored.get("k") == config.gate.k:
+            if own:
+                return {}, {}
             figures = {str(s): float(v) for s, v in stored["accept_length"].items()}
             return figures, {str(s): float(v) for s, v in stored.get("margins", {}).items()}
     judged = decision_from_tags(dict(champion.tags or {}), config.gate.k)
@@ -658,12 +675,15 @@ def _store_baseline(
     accept_length: dict[str, float],
     source: str,
     margins: dict[str, float] | None = None,
+    *,
+    cycle_id: str | None = None,
 ) -> None:
     payload = {
         "version": version,
         "k": config.gate.k,
         "accept_length": accept_length,
         "margins": margins or {},
+        "cycle_id": cycle_id,
     }
     _store(config).put_bytes(
         _state_key(config, "baseline.json"),
@@ -820,7 +840,10 @@ def _train_in_run(
     from tide_lib.training.launch import TrainJob, run_training  # noqa: PLC0415
 
     cycle_id = snapshot.cycle_id
-    _log_window_dataset(config, registry, snapshot, run_id)
+    try:
+        _log_window_dataset(config, registry, snapshot, run_id)
+    except Exception as error:  # lineage for the record, never a reason to fail training
+        logger.warning("cycle %s: could not log the window as a dataset input: %s", cycle_id, error)
     with task_scratch(config, f"train-{cycle_id}") as work:
         export_training_data(config, snapshot, work / "data")
         parent = registry.download(parent_version, work / "parent") if parent_version else None

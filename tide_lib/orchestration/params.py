@@ -46,6 +46,8 @@ def param_schema(model: type[BaseModel], name: str, env_prefix: str) -> dict[str
     if variants:  # Optional[X]: X's schema; null is added below for every field anyway
         prop.update(next(v for v in variants if v.get("type") != "null"))
     schema = {key: prop[key] for key in _KEPT if key in prop}
+    if "enum" in schema:  # empty (None) stays a choice
+        schema["enum"] = [*schema["enum"], None]
     kind = schema.get("type", "string")
     schema["type"] = [kind, "null"] if isinstance(kind, str) else [*kind, "null"]
     default = model.model_fields[name].get_default(call_default_factory=True)

@@ -15,7 +15,7 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-__all__ = ["LakeTokensSensor", "LakeTokensTrigger"]
+__all__ = ["LakeTokensSensor", "LakeTokensTrigger", "LakeUnreadableError"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,11 @@ class LakeTokensTrigger(BaseTrigger):  # type: ignore[misc]  # untyped base clas
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         while True:
-            tokens = await asyncio.to_thread(_count, self.params, self.run_id)
+            try:
+                tokens = await asyncio.to_thread(_count, self.params, self.run_id)
+            except Exception as error:  # the lake failed, not the wait: fail (and retry)
+                yield TriggerEvent({"error": f"{type(error).__name__}: {error}"})
+                return
             if tokens >= self.min_tokens:
                 yield TriggerEvent({"tokens": tokens})
                 return
@@ -95,4 +99,11 @@ class LakeTokensSensor(BaseSensorOperator):
         return None
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> int:
+        if "error" in event:  # not an AirflowException: soft_fail must not turn it into a skip
+            raise LakeUnreadableError(f"counting new tokens in the lake failed: {event['error']}")
         return int(event["tokens"])
+
+
+class LakeUnreadableError(RuntimeError):
+    """The sensor could not count the lake's new tokens (the task fails and is retried;
+    only a window that stays quiet until the timeout skips the run)."""

@@ -125,7 +125,11 @@ class DraftRegistry:
             source_run_id=run_id,
             model_type=DRAFT_MODEL_TYPE,
         )
-        self.client.log_model_artifacts(model.model_id, str(draft_dir))
+        try:
+            self.client.log_model_artifacts(model.model_id, str(draft_dir))
+        except BaseException:  # never left PENDING: marked failed, the retry logs a new one
+            self.client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
+            raise
         self.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         self.client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
         return logged_model_uri(model.model_id)

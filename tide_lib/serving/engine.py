@@ -260,9 +260,7 @@ class Engine:
                 generation.accepted_draft_tokens + generation.verify_steps
             )
         if generation.verify_steps:
-            self.metrics.accept_length.labels(self.target_id, version).observe(
-                generation.accept_length
-            )
+            self.metrics.observe_accept_length(self.target_id, version, generation.accept_length)
         if self.writer is not None:
             with self.metrics.capture_latency.labels(self.target_id).time():
                 self._capture(request, generation, started_at, version)

@@ -26,6 +26,7 @@ __all__ = ["CONTENT_TYPE", "EngineMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _ACCEPT_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+_VERSIONS_KEPT = 3  # the version served, and two before it (a rollback's target)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -57,6 +58,16 @@ class EngineMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine))
+        self._versions: list[str] = []  # label values of accept_length, oldest first
+
+    def observe_accept_length(self, model: str, version: str, value: float) -> None:
+        """One request's acceptance length; series of versions no longer served are
+        dropped once two newer ones have been seen (bounded, whoever names versions)."""
+        if version not in self._versions:
+            self._versions.append(version)
+            while len(self._versions) > _VERSIONS_KEPT:
+                self.accept_length.remove(model, self._versions.pop(0))
+        self.accept_length.labels(model, version).observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,47 @@
+"""The sensor: a window that stays quiet skips the run; a lake it cannot read fails it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from airflow.exceptions import AirflowException
+
+from tide_lib.orchestration import sensors
+from tide_lib.orchestration.sensors import LakeTokensSensor, LakeTokensTrigger, LakeUnreadableError
+
+
+def test_a_lake_error_while_waiting_fails_the_task_rather_than_skipping_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unreachable(params: dict[str, object], run_id: str) -> int:
+        raise ConnectionError("store at 127.0.0.1:1 refused the connection")
+
+    monkeypatch.setattr(sensors, "_count", unreachable)
+    trigger = LakeTokensTrigger({}, "manual__1", min_tokens=10, poke_interval=0.01)
+
+    async def first_event() -> dict[str, object]:
+        async for event in trigger.run():
+            return dict(event.payload)
+        raise AssertionError("the trigger ended without an event")
+
+    payload = asyncio.run(first_event())
+    assert "ConnectionError" in str(payload["error"])
+    sensor = LakeTokensSensor(task_id="wait_for_new_tokens", soft_fail=True)
+    with pytest.raises(LakeUnreadableError, match="refused the connection") as raised:
+        sensor.execute_complete({}, payload)
+    # soft_fail skips on AirflowException (the timeout); this one stays a failure, retried
+    assert not isinstance(raised.value, AirflowException)
+
+
+def test_new_tokens_complete_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = iter([3, 12])
+    monkeypatch.setattr(sensors, "_count", lambda params, run_id: next(counts))
+    trigger = LakeTokensTrigger({}, "manual__1", min_tokens=10, poke_interval=0.01)
+
+    async def first_event() -> dict[str, object]:
+        async for event in trigger.run():
+            return dict(event.payload)
+        raise AssertionError("the trigger ended without an event")
+
+    assert asyncio.run(first_event()) == {"tokens": 12}
