@@ -7,7 +7,6 @@ table. A panel naming a series neither exports would stay empty in production.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -15,21 +14,12 @@ from types import SimpleNamespace
 
 from tests.prometheus import samples
 from tide_lib.serving import sglang_plugin
+from tide_lib.serving.engine import _Counters
 from tide_lib.serving.k_policy import KController
 from tide_lib.serving.metrics import EngineMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docker" / "grafana" / "tide-dashboard.json"
 _SERIES = re.compile(r"\b((?:sglang|tide):[a-z_]+)")
-
-
-@dataclasses.dataclass
-class _Counters:
-    requests: int = 3
-    prompt_tokens: int = 30
-    generation_tokens: int = 24
-    captured: int = 2
-    capture_skipped: int = 1
-    swaps: int = 1
 
 
 def _engine_series() -> set[str]:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,17 +39,22 @@ with create_session() as session:
 """
 
 
-def xcoms(env: dict[str, str], dag_id: str, run_id: str) -> dict[str, object]:
-    """Every XCom a run left in the metadata DB, by ``task_id/key``, as stored."""
+def _query(env: dict[str, str], script: str, *args: str) -> Any:
+    """Run a metadata-DB query script in a fresh interpreter; its last line is JSON."""
     result = subprocess.run(
-        [sys.executable, "-c", _XCOMS, dag_id, run_id],
+        [sys.executable, "-c", script, *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
-    values: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def xcoms(env: dict[str, str], dag_id: str, run_id: str) -> dict[str, object]:
+    """Every XCom a run left in the metadata DB, by ``task_id/key``, as stored."""
+    values: dict[str, object] = _query(env, _XCOMS, dag_id, run_id)
     return values
 
 
@@ -71,15 +77,7 @@ with create_session() as session:
 
 def asset_events(env: dict[str, str], dag_id: str, run_id: str) -> list[dict[str, object]]:
     """The asset events a run emitted, as the API's ``/assets/events`` lists them (its table)."""
-    result = subprocess.run(
-        [sys.executable, "-c", _ASSET_EVENTS, dag_id, run_id],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    events: list[dict[str, object]] = json.loads(result.stdout.strip().splitlines()[-1])
+    events: list[dict[str, object]] = _query(env, _ASSET_EVENTS, dag_id, run_id)
     return events
 
 

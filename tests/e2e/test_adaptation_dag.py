@@ -202,6 +202,7 @@ def test_adaptation_cycle_promotes_a_new_champion(
         assert events["tide_draft_tiny"]["extra"]["version"] == champion.version
         assert events["tide_draft_tiny_champion"]["extra"]["version"] == champion.version
         assert events["tide_draft_tiny_champion"]["uri"] == "models:/tide-draft-tiny@champion"
+        assert {e["extra"]["target_id"] for e in events.values()} == {"tiny"}
         _assert_no_local_path(
             xcoms(airflow_env, "tide_adaptation", outcome["run_id"]), [tmp_path, tiny_target]
         )
