@@ -146,8 +146,13 @@ def length_margin(per_request: Sequence[tuple[int, int]]) -> float:
         return math.inf
     length = sum(e for e, _ in per_request) / verify
     residuals = [(e - length * v) / verify for e, v in per_request]
-    variance = len(residuals) / (len(residuals) - 1) * sum(r * r for r in residuals)
-    return t95(len(per_request) - 1) * math.sqrt(variance)
+    return t95(len(per_request) - 1) * _delta_error(residuals)
+
+
+def _delta_error(residuals: Sequence[float]) -> float:
+    """Standard error of a ratio of sums from its linearised per-request residuals
+    (the delta method, with the small-sample correction n / (n - 1))."""
+    return math.sqrt(len(residuals) / (len(residuals) - 1) * sum(r * r for r in residuals))
 
 
 def paired_drop(
@@ -173,8 +178,7 @@ def paired_drop(
         (e0 - length_0 * v0) / verify_0 - (e1 - length_1 * v1) / verify_1
         for (e0, v0), (e1, v1) in zip(before, after, strict=True)
     ]
-    variance = len(residuals) / (len(residuals) - 1) * sum(r * r for r in residuals)
-    return length_0 - length_1, math.sqrt(variance)
+    return length_0 - length_1, _delta_error(residuals)
 
 
 @torch.no_grad()
