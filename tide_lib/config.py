@@ -102,7 +102,25 @@ class ObjectStoreConfig(StrictModel):
             "TIDE_SECRETS_DIR only (`tide stack up` generates one for the local stack)"
         ),
     )
+    session_token: SecretStr | None = Field(
+        None,
+        description=(
+            "session token of temporary credentials (an assumed role), from "
+            "TIDE_STORE__SESSION_TOKEN or the Airflow connection; empty for static keys"
+        ),
+    )
     region: str = "us-east-1"
+    ca_bundle: Path | None = Field(
+        None,
+        description="PEM file of the CAs that sign an https endpoint; empty: the system's",
+    )
+    airflow_conn_id: str = Field(
+        "tide_store",
+        description=(
+            "Airflow connection (type aws) that sets the endpoint, keys or role, region and "
+            "CA bundle inside DAG tasks where it exists; empty: TIDE_STORE__* only"
+        ),
+    )
     lake_bucket: str = Field("tide-lake", description="bucket of the hidden-state lake")
     artifact_bucket: str = Field("tide-mlflow", description="bucket of MLflow artifacts")
     timeout_s: float = Field(5.0, gt=0, description="connect/read timeout of one S3 call")
@@ -141,6 +159,13 @@ class MLflowConfig(StrictModel):
     """The MLflow tracking server TIDE registers drafts in."""
 
     tracking_uri: str = "http://127.0.0.1:5000"
+    airflow_conn_id: str = Field(
+        "tide_mlflow",
+        description=(
+            "Airflow connection (type http) that sets the tracking URI and login inside DAG "
+            "tasks where it exists; empty: TIDE_MLFLOW__TRACKING_URI and MLFLOW_TRACKING_* only"
+        ),
+    )
     backend_store_uri: str | None = Field(
         None,
         description="backend of the local MLflow server; default: SQLite in the stack state dir",

@@ -14,6 +14,7 @@ import secrets
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 import pytest
@@ -112,6 +113,35 @@ def _assert_no_local_path(values: dict[str, object], local_roots: list[Path]) ->
     assert isinstance(train, dict) and train["draft_uri"].startswith("models:/m-")
 
 
+def _connections_only(airflow_env: dict[str, str], stack: TideConfig, tmp_path: Path) -> dict:
+    """The Airflow environment with S3 and MLflow given only as Airflow connections."""
+    env = {
+        name: value
+        for name, value in airflow_env.items()
+        if not name.startswith(("TIDE_STORE__", "TIDE_MLFLOW__", "MLFLOW_TRACKING_"))
+    }
+    env["TIDE_SECRETS_DIR"] = str(tmp_path / "no-secret-files")  # no TIDE_STORE__* from files
+    env["AIRFLOW_CONN_TIDE_STORE"] = json.dumps(
+        {
+            "conn_type": "aws",
+            "login": stack.store.access_key,
+            "password": stack.store.secret(),
+            "extra": {"endpoint_url": stack.store.endpoint, "region_name": stack.store.region},
+        }
+    )
+    mlflow = urlparse(stack.mlflow.tracking_uri)
+    env["AIRFLOW_CONN_TIDE_MLFLOW"] = json.dumps(
+        {
+            "conn_type": "http",
+            "host": mlflow.hostname,
+            "port": mlflow.port,
+            "login": os.environ["MLFLOW_TRACKING_USERNAME"],
+            "password": os.environ["MLFLOW_TRACKING_PASSWORD"],
+        }
+    )
+    return env
+
+
 @pytest.mark.timeout(1800)  # first user of the session's stack: its setup counts here too
 def test_adaptation_cycle_promotes_a_new_champion(
     stack: TideConfig,
@@ -155,7 +185,7 @@ def test_adaptation_cycle_promotes_a_new_champion(
         _wait_until_captures_are_committed(engines, stack, prefix, requests=len(prompts))
 
         env = {
-            **airflow_env,
+            **_connections_only(airflow_env, stack, tmp_path),
             "TIDE_LAKE__PREFIX": prefix,
             "TIDE_LAKE__SPOOL_DIR": str(tmp_path / "dag-spool"),
             "TIDE_LAKE__COMMIT_SETTLE_S": "1",
@@ -172,6 +202,9 @@ def test_adaptation_cycle_promotes_a_new_champion(
         }
         logical_date = "2026-11-01T00:00:00+00:00"
         outcome = dag_test(env, "tide_adaptation", tmp_path, logical_date=logical_date)
+        # Issue 15: S3 and MLflow were configured only through Airflow connections.
+        for conn_id in ("tide_store", "tide_mlflow"):
+            assert f"from Airflow connection '{conn_id}'" in outcome["output"]
 
         config = load_config(
             store=stack.store.model_dump(),

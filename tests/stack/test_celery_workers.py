@@ -25,6 +25,7 @@ from tests.conftest import SPARE_PORTS
 from tests.serving.conftest import start_engine
 from tide_lib.config import TideConfig
 from tide_lib.lake import LakeWriter, ObjectStore
+from tide_lib.orchestration.assets import champion_asset, draft_asset, lake_asset
 from tide_lib.registry import CHAMPION, DraftRegistry
 from tide_lib.stack import SERVICES, StackManager, free_ports
 from tide_lib.stack.airflow_api import AirflowAPI
@@ -58,6 +59,26 @@ def _wait_for_run(api: AirflowAPI, timeout_s: float) -> dict:
             return finished[0]
         time.sleep(5)
     raise AssertionError(f"no tide_adaptation run finished in {timeout_s:.0f} s: {runs}")
+
+
+def _assert_asset_events(api: AirflowAPI, run: dict, version: str) -> None:
+    """The API lists the cycle's asset events: its window, the new version, the champion."""
+    response = api.get(
+        "/api/v2/assets/events",
+        params={"source_dag_id": "tide_adaptation", "source_run_id": run["dag_run_id"]},
+    )
+    assert response.status_code == 200, response.text
+    events = {event["name"]: event for event in response.json()["asset_events"]}
+    lake, draft, champion = (
+        asset("tiny-celery") for asset in (lake_asset, draft_asset, champion_asset)
+    )
+    assert set(events) == {lake.name, draft.name, champion.name}
+    assert events[lake.name]["source_task_id"] == "snapshot"
+    assert events[lake.name]["extra"]["window_tokens"] >= 200
+    assert events[draft.name]["extra"]["version"] == version
+    assert events[champion.name]["uri"] == champion.uri
+    assert events[champion.name]["extra"]["version"] == version
+    assert events[champion.name]["source_task_id"] == "promote"
 
 
 def _assert_airflow_logins(config: TideConfig) -> None:
@@ -184,6 +205,7 @@ def test_scheduler_runs_a_cycle_with_training_on_the_mi250_worker(
         registry = DraftRegistry(stack.mlflow.tracking_uri, "tiny-celery")
         champion = registry.alias(CHAMPION)
         assert champion is not None and champion.tags["tide.cycle_id"] == run["dag_run_id"]
+        _assert_asset_events(AirflowAPI.for_stack(airflow_only.config), run, champion.version)
         _assert_airflow_logins(airflow_only.config)
         _assert_mlflow_logins(stack.mlflow.tracking_uri)
         _assert_engine_admin_key(stack, tiny_target, tmp_path, registry, champion.version)

@@ -52,6 +52,21 @@ def test_dashboard_shows_champion_cycles_and_plot(populated: tuple[TideConfig, s
     data = dashboard_data(config, target_id)
     assert data["aliases"] == {"champion": "2", "challenger": "3", "previous-champion": "1"}
     assert [c["decision"] for c in data["cycles"]] == ["promote", "promote", "reject"]
+    # The figures are the evaluation's MLflow metrics, not the version tags: with a
+    # version's acceptance-length tags gone, the view still shows its figures.
+    assert [c["accept_length"] for c in data["cycles"]] == [
+        {"recent": 1.3, "older": 3.9},
+        {"recent": 2.6, "older": 3.8},
+        {"recent": 2.5, "older": 3.2},
+    ]
+    registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
+    for key in list(registry.get("1").tags):
+        if key.startswith("tide.al."):
+            registry.client.delete_model_version_tag(registry.name, "1", key)
+    assert dashboard_data(config, target_id)["cycles"][0]["accept_length"] == {
+        "recent": 1.3,
+        "older": 3.9,
+    }
     page = render_dashboard(data)
     assert f"TIDE — {target_id}" in page
     assert "data:image/png;base64," in page

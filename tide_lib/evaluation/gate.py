@@ -270,6 +270,11 @@ def decision_metrics(decision: GateDecision, k: int) -> dict[str, float]:
     return metrics
 
 
+def accept_lengths_from_metrics(metrics: dict[str, float], k: int) -> dict[str, float]:
+    """The challenger's acceptance length per segment at ``k`` among logged metrics."""
+    return _by_k({key: str(value) for key, value in metrics.items()}, _AL_METRIC).get(k, {})
+
+
 def _pattern(template: str) -> re.Pattern[str]:
     """A tag template as a regex capturing ``segment`` (and ``k``)."""
     escaped = re.escape(template).replace(r"\{segment\}", "(?P<segment>.+)")

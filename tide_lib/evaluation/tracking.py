@@ -1,8 +1,9 @@
 """Gate decisions and acceptance plots, written where MLflow users look for them.
 
-A decision is version tags (what the Airflow view and the drift baseline read), a
-report on the version's run, and metrics on that run (``eval.accept_length.*``,
-step = version) so the MLflow UI charts acceptance length across versions.
+A decision is version tags (what a retried task and the drift baseline read back), a
+report on the version's run, and metrics on that run and its logged model
+(``eval.accept_length.*``, step = version) so the MLflow UI charts acceptance length
+across versions; the Airflow view reads those metrics (:func:`logged_accept_lengths`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import logging
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tide_lib.evaluation.gate import (
     GateDecision,
+    accept_lengths_from_metrics,
     decision_metrics,
     decision_report,
     decision_tags,
@@ -21,7 +24,7 @@ from tide_lib.evaluation.gate import (
 from tide_lib.evaluation.plot import plot_acceptance
 from tide_lib.registry.uris import logged_model_id
 
-__all__ = ["log_acceptance_plot", "log_decision"]
+__all__ = ["log_acceptance_plot", "log_decision", "logged_accept_lengths"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,22 @@ def log_decision(
         client.log_batch(run_id, metrics=metrics)
     logger.info("gate on %s v%s: %s", model_name, version, decision.reason)
     return report
+
+
+def logged_accept_lengths(client: Any, version: Any, k: int) -> dict[str, float]:
+    """Acceptance length per segment at ``k`` that :func:`log_decision` logged for a
+    registered ``version`` (an MLflow ``ModelVersion``): its logged model's metrics of
+    that version's step, else its run's; empty if it was never judged."""
+    model_id = getattr(version, "model_id", None) or logged_model_id(version.source or "")
+    if model_id:
+        logged = client.get_logged_model(model_id).metrics or []
+        step = int(version.version)
+        metrics = {m.key: m.value for m in logged if m.step == step}
+    elif version.run_id:
+        metrics = dict(client.get_run(version.run_id).data.metrics)
+    else:
+        return {}
+    return accept_lengths_from_metrics(metrics, k)
 
 
 def log_acceptance_plot(

@@ -96,6 +96,11 @@ class ObjectStore:
         self.config = config
         self.bucket = bucket
         self.io = StoreIO()
+        tls: dict[str, Any] = (
+            {"cert_reqs": "CERT_REQUIRED", "ca_certs": str(config.ca_bundle)}
+            if config.ca_bundle is not None
+            else {}
+        )
         http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=config.timeout_s, read=config.timeout_s * 6),
             # No retry on refused connections: callers spool or report instead of hanging.
@@ -103,11 +108,14 @@ class ObjectStore:
                 total=2, connect=0, backoff_factor=0.1, status_forcelist=[502, 503, 504]
             ),
             maxsize=8,
+            **tls,
         )
+        token = config.session_token
         self._client = Minio(
             config.host_port,
             access_key=config.access_key,
             secret_key=config.secret(),
+            session_token=token.get_secret_value() if token is not None else None,
             secure=config.secure,
             region=config.region,
             http_client=http,

@@ -84,9 +84,14 @@ def adaptation_schedule() -> timedelta | None:
 
 
 def config_from_params(params: dict[str, Any]) -> TideConfig:
-    """The run's configuration: the environment's settings, read now, overridden by what
-    the form filled in (empty fields keep the setting), validated by the same models."""
+    """The run's configuration: the environment's settings, read now (with the Airflow
+    connections of :mod:`~tide_lib.orchestration.connections` over them), overridden by
+    what the form filled in (empty fields keep the setting), validated by the same models."""
+    from tide_lib.orchestration.connections import use_airflow_connections  # noqa: PLC0415
+
     base = load_config()
+    if use_airflow_connections(base):
+        base = load_config()
     cycle = {
         name: params[name]
         for name in CycleConfig.model_fields

@@ -1,11 +1,12 @@
 """TIDE's view inside the Airflow UI: per target, what serves, what each cycle decided.
 
 A small FastAPI app that Airflow's API server mounts at ``/tide`` (see
-``plugins/tide_plugin.py``). Everything it shows comes from the MLflow registry:
-the versions behind the ``champion``, ``challenger`` and ``previous-champion``
-aliases, the recent cycles with their gate decisions and acceptance length per
-traffic segment, and a plot of acceptance length over versions, each version
-linked to its page in MLflow.
+``plugins/tide_plugin.py``). Everything it shows comes from MLflow: the versions
+behind the ``champion``, ``challenger`` and ``previous-champion`` aliases, the
+recent cycles with their gate decisions, the acceptance length per traffic segment
+that each draft's evaluation logged as MLflow metrics (the figures the MLflow UI
+charts), and a plot of acceptance length over versions, each version linked to its
+page in MLflow.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _MAX_CYCLES = 20
 
 def dashboard_data(config: TideConfig, target_id: str) -> dict[str, Any]:
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
+    from tide_lib.evaluation.tracking import logged_accept_lengths  # noqa: PLC0415
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
 
     registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
@@ -53,7 +55,7 @@ def dashboard_data(config: TideConfig, target_id: str) -> dict[str, Any]:
                 "decision": tags.get("tide.gate.decision", "pending"),
                 "reason": decision.reason if decision else "",
                 "window_tokens": tags.get("tide.window.tokens", ""),
-                "accept_length": decision.challenger if decision else {},
+                "accept_length": logged_accept_lengths(registry.client, raw, config.gate.k),
                 "created": raw.creation_timestamp,
             }
         )
