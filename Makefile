@@ -11,12 +11,12 @@ export TRANSFORMERS_OFFLINE := 1
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-nodeps.txt constraints.txt pyproject.toml
+# Everything (pyproject's `dev` extra) at the tested pins of constraints.txt; SpecForge --no-deps.
+$(STAMP): pyproject.toml requirements-nodeps.txt constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -r requirements.txt -c constraints.txt
+	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=68"
+	$(BIN)/pip install --quiet --no-build-isolation -c constraints.txt -e ".[dev]"
 	$(BIN)/pip install --quiet --no-deps -r requirements-nodeps.txt
-	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
 demo: venv

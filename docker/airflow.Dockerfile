@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # Airflow 3.3.2 with TIDE, for the `control` host (api-server, scheduler, dag-processor,
-# triggerer, `default` Celery worker). Same pins as the tested .venv (requirements.txt under
-# constraints.txt, SpecForge --no-deps), CPU torch: nothing here trains on a GPU.
+# triggerer, `default` Celery worker). Same pins as the tested .venv (pyproject's
+# `airflow` and `train` extras under constraints.txt, SpecForge --no-deps), CPU torch:
+# nothing here trains on a GPU.
 # Build context: the repository root (compose.yaml: context ..).
 FROM python:3.11-slim
 
@@ -24,23 +25,20 @@ RUN apt-get update \
     && chown -R airflow:0 /opt/airflow /var/lib/tide
 
 WORKDIR /opt/tide
-COPY requirements.txt requirements-nodeps.txt constraints.txt ./
-# torch from the CPU index first; the rest of requirements.txt (without the dev tools)
-# then finds torch==2.13.0 satisfied.
+COPY pyproject.toml README.md requirements-nodeps.txt constraints.txt ./
+COPY tide_lib ./tide_lib
+# torch from the CPU index first; the extras then find torch==2.13.0 satisfied. CPU torch
+# ships no Triton, which SpecForge imports.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
-    && grep -vE '^(torch|pytest|pytest-timeout|ruff|mypy)==' requirements.txt > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt -c constraints.txt \
-    && pip install --no-deps -r requirements-nodeps.txt
+    && pip install -c constraints.txt ".[airflow,train]" triton \
+    && pip install --no-deps -r requirements-nodeps.txt \
+    && python -c "import tide_lib.config, tide_lib.orchestration.cycle"
 
-COPY pyproject.toml README.md ./
 # $AIRFLOW_HOME/airflow.cfg: the Helm chart mounts its own config over it.
 COPY airflow.cfg /opt/airflow/airflow.cfg
-COPY tide_lib ./tide_lib
 COPY dags ./dags
 COPY plugins ./plugins
 COPY docker/pools.json ./docker/pools.json
-RUN pip install --no-deps . \
-    && python -c "import tide_lib.config, tide_lib.orchestration.cycle"
 
 USER airflow
 EXPOSE 8080 8793
