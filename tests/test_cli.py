@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_record
-from tide_lib.cli import main
+from tide_lib.cli import build_parser, main
 from tide_lib.config import LakeConfig, TideConfig
 from tide_lib.lake import LakeWriter, ObjectStore
 
@@ -163,3 +164,32 @@ def test_workload_segments_arrive_in_turn_and_a_bad_plan_is_one_line(tmp_path: P
     assert not lines[-1]["prompt"].endswith("<|assistant|>")  # a document's first words
     assert main(["workload", "segments", "--out", str(out), "--plan", "english:x"]) == 2
     assert main(["workload", "segments", "--out", str(out), "--plan", "german:3"]) == 2
+
+
+def _commands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], argparse.ArgumentParser, str]]:
+    """Every command and subcommand: (path, its parser, the help its parent lists)."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                found.append(((*path, name), sub, helps.get(name) or ""))
+                found.extend(_commands(sub, (*path, name)))
+    return found
+
+
+def test_help_walks_every_command_and_explains_each_option() -> None:
+    commands = _commands(build_parser())
+    paths = {" ".join(path) for path, _, _ in commands}
+    assert {"stack up", "lake stats", "bench adaptation", "fleet promote", "demo"} <= paths
+    assert len(paths) >= 20
+    for path, parser, listed in commands:
+        name = " ".join(path)
+        assert listed.strip(), f"`tide {name}` has no help line in `tide {name} --help`'s parent"
+        text = parser.format_help()
+        assert text.startswith(f"usage: tide {name}"), text[:80]
+        for action in parser._actions:
+            if action.option_strings and action.help != argparse.SUPPRESS:
+                assert action.help, f"`tide {name}`: {action.option_strings} has no help"

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 from pydantic import ValidationError
 
 from tide_lib.config import (
-    ConfigError,
     ServeConfig,
     StrictModel,
     TideConfig,
     TrainConfig,
     load_config,
 )
+from tide_lib.errors import TideError
 
 if TYPE_CHECKING:
     from tide_lib.stack import ServiceStatus
@@ -574,8 +574,13 @@ def build_parser() -> argparse.ArgumentParser:
             "installed packages. Reused when already built with the same preset and seed."
         ),
     )
-    build.add_argument("--preset", default="demo", choices=["demo", "tiny"])
-    build.add_argument("--seed", type=int, default=0)
+    build.add_argument(
+        "--preset",
+        default="demo",
+        choices=["demo", "tiny"],
+        help="demo: the demo's target (about 15 min on 2 cores); tiny: the tests' (seconds)",
+    )
+    build.add_argument("--seed", type=int, default=0, help="seed of weights and training order")
     build.add_argument("--out", type=Path, help="default: .tide/targets/<preset>")
     build.add_argument("--force", action="store_true", help="rebuild even if cached")
     build.set_defaults(handler=_target_build)
@@ -694,7 +699,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--target", type=Path, help="target dir (default: .tide/targets/demo)")
     bench_serve.add_argument("--draft", type=Path, help="exported draft to serve")
     bench_serve.add_argument("--prompts", type=int, default=24, help="held-out prompts per pair")
-    bench_serve.add_argument("--max-new-tokens", type=int, default=48)
+    bench_serve.add_argument(
+        "--max-new-tokens", type=int, default=48, help="tokens generated per request"
+    )
     bench_serve.add_argument(
         "--speculative-num-steps", type=int, default=4, help="k, and adaptive k's largest"
     )
@@ -725,7 +732,9 @@ def build_parser() -> argparse.ArgumentParser:
     online = evaluate.add_parser("online", help="replay prompts against a live server")
     online.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:30000")
     online.add_argument("--prompts", type=Path, required=True, help="text file, one prompt a line")
-    online.add_argument("--max-new-tokens", type=int, default=64)
+    online.add_argument(
+        "--max-new-tokens", type=int, default=64, help="tokens generated per request"
+    )
     online.set_defaults(handler=_eval)
 
     bench_adaptation = bench.add_parser(
@@ -738,13 +747,20 @@ def build_parser() -> argparse.ArgumentParser:
             "MLflow servers up (`tide stack up`)."
         ),
     )
-    bench_adaptation.add_argument("--workload", type=Path, required=True)
+    bench_adaptation.add_argument(
+        "--workload",
+        type=Path,
+        required=True,
+        help="JSONL, one request per line in arrival order (`tide workload demo` writes one)",
+    )
     bench_adaptation.add_argument("--json", type=Path, help="write the results to this file")
     bench_adaptation.add_argument("--target", type=Path, help="default: .tide/targets/demo")
     bench_adaptation.add_argument(
         "--cycle-tokens", type=int, default=1500, help="new tokens per cycle"
     )
-    bench_adaptation.add_argument("--max-new-tokens", type=int, default=48)
+    bench_adaptation.add_argument(
+        "--max-new-tokens", type=int, default=48, help="tokens per request without its own"
+    )
     bench_adaptation.add_argument(
         "--labels",
         action="store_true",
@@ -757,9 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="action", required=True, metavar="ACTION"
     )
     workload_demo = workload.add_parser("demo", help="English then Korean conversation (JSONL)")
-    workload_demo.add_argument("--out", type=Path, required=True)
-    workload_demo.add_argument("--english", type=int, default=60)
-    workload_demo.add_argument("--korean", type=int, default=120)
+    workload_demo.add_argument("--out", type=Path, required=True, help="JSONL file to write")
+    workload_demo.add_argument("--english", type=int, default=60, help="English requests first")
+    workload_demo.add_argument("--korean", type=int, default=120, help="Korean requests then")
     workload_demo.set_defaults(handler=_workload_demo)
     workload_segments = workload.add_parser(
         "segments",
@@ -770,13 +786,15 @@ def build_parser() -> argparse.ArgumentParser:
             "words; the target continues it."
         ),
     )
-    workload_segments.add_argument("--out", type=Path, required=True)
+    workload_segments.add_argument("--out", type=Path, required=True, help="JSONL file to write")
     workload_segments.add_argument(
         "--plan",
         default="english:60,english-docs:60,korean:100,korean-law:60",
         help="SEGMENT:REQUESTS,... in arrival order",
     )
-    workload_segments.add_argument("--max-new-tokens", type=int, default=48)
+    workload_segments.add_argument(
+        "--max-new-tokens", type=int, default=48, help="tokens generated per request"
+    )
     workload_segments.set_defaults(handler=_workload_segments)
 
     demo = commands.add_parser(
@@ -801,11 +819,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tide_lib.lake import InvalidRecordError, StoreUnavailableError  # noqa: PLC0415
-    from tide_lib.stack import StackError  # noqa: PLC0415
-    from tide_lib.training.draft import InvalidCheckpointError  # noqa: PLC0415
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line (a ConfigError lists its fields on several)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    joined = [line if line.endswith(":") else f"{line};" for line in lines[:-1]]
+    return " ".join([*joined, *lines[-1:]])
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; a TIDE error (or a missing file) is one line on stderr and exit 2."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s"
@@ -815,18 +837,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config()
         return handler(args, config)
-    except ConfigError as error:
-        logger.error("%s", error)
     except ValidationError as error:  # a model built from arguments, not from the environment
-        logger.error("invalid arguments:\n%s", error)
-    except (
-        StackError,
-        StoreUnavailableError,
-        InvalidRecordError,
-        InvalidCheckpointError,
-        FileNotFoundError,
-    ) as error:
-        logger.error("%s", error)
+        problems = [
+            f"{'.'.join(str(part) for part in item['loc'])}: {item['msg']}"
+            for item in error.errors(include_input=False, include_url=False)
+        ]
+        logger.error("invalid arguments: %s", "; ".join(problems))
+    except (TideError, FileNotFoundError) as error:
+        logger.error("%s", _one_line(error))
     return 2
 
 

@@ -33,6 +33,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from tide_lib.errors import TideError
+
 __all__ = [
     "ConfigError",
     "CycleConfig",
@@ -729,7 +731,7 @@ class TideConfig(BaseSettings):
         return tuple(sources)
 
 
-class ConfigError(ValueError):
+class ConfigError(TideError, ValueError):
     """The configuration is invalid: the message names each field and what is wrong with it,
     never the value given (a section's values may hold keys and passwords)."""
 

@@ -28,6 +28,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
+from tide_lib.errors import TideError
 from tide_lib.names import target_slug
 
 __all__ = [
@@ -58,7 +59,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 LAST_MODIFIED_RESOLUTION: Final = timedelta(seconds=1)
 
 
-class InvalidMarkerError(ValueError):
+class InvalidMarkerError(TideError, ValueError):
     """A commit marker (or an object where one should be) cannot be trusted; says why."""
 
 

@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tide_lib.config import LakeConfig
+from tide_lib.errors import TideError
 from tide_lib.lake.layout import (
     CommitMarker,
     InvalidMarkerError,
@@ -71,7 +72,7 @@ logger = logging.getLogger(__name__)
 _BATCH_ROWS = 8
 
 
-class CorruptShardError(ValueError):
+class CorruptShardError(TideError, ValueError):
     """A committed shard cannot be read as its marker promises."""
 
 

@@ -30,6 +30,8 @@ from typing import Any, Final
 import numpy as np
 import pyarrow as pa
 
+from tide_lib.errors import TideError
+
 __all__ = [
     "CLUSTER_PREFIX",
     "HIDDEN_DTYPES",
@@ -96,7 +98,7 @@ RECORD_SCHEMA: Final = pa.schema(
 LEGACY_RECORD_SCHEMAS: Final = (RECORD_SCHEMA.remove(RECORD_SCHEMA.get_field_index("segment")),)
 
 
-class InvalidRecordError(ValueError):
+class InvalidRecordError(TideError, ValueError):
     """A record does not satisfy the capture contract; the message says which field."""
 
 

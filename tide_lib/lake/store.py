@@ -22,6 +22,7 @@ from minio.commonconfig import CopySource
 from minio.error import S3Error
 
 from tide_lib.config import ObjectStoreConfig
+from tide_lib.errors import TideError
 
 __all__ = [
     "NoSuchObjectError",
@@ -36,11 +37,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class StoreUnavailableError(ConnectionError):
+class StoreUnavailableError(TideError, ConnectionError):
     """The S3 server did not answer; the message names the endpoint and what to check."""
 
 
-class NoSuchObjectError(LookupError):
+class NoSuchObjectError(TideError, LookupError):
     """The object asked for is not in the bucket (deleted meanwhile, or never written)."""
 
 

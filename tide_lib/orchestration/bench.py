@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from tide_lib.config import TideConfig, TrainConfig
+from tide_lib.errors import TideError
 from tide_lib.lake import target_slug
 from tide_lib.lake.reader import TrainingSample
 
@@ -48,7 +49,7 @@ __all__ = ["WorkloadError", "demo_workload", "load_workload", "run_adaptation_be
 logger = logging.getLogger(__name__)
 
 
-class WorkloadError(ValueError):
+class WorkloadError(TideError, ValueError):
     """A workload file line is malformed; the message names the line."""
 
 

@@ -15,6 +15,8 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from tide_lib.errors import TideError
+
 __all__ = ["LakeTokensSensor", "LakeTokensTrigger", "LakeUnreadableError"]
 
 logger = logging.getLogger(__name__)
@@ -104,6 +106,6 @@ class LakeTokensSensor(BaseSensorOperator):
         return int(event["tokens"])
 
 
-class LakeUnreadableError(RuntimeError):
+class LakeUnreadableError(TideError, RuntimeError):
     """The sensor could not count the lake's new tokens (the task fails and is retried;
     only a window that stays quiet until the timeout skips the run)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Final
 
 from tide_lib.config import TideConfig
+from tide_lib.errors import TideError
 
 __all__ = [
     "MLFLOW_SCHEMES",
@@ -35,7 +36,7 @@ MLFLOW_SCHEMES: Final = ("runs:/", "models:/", "mlflow-artifacts:/")
 PORTABLE_SCHEMES: Final = ("s3://", *MLFLOW_SCHEMES)
 
 
-class DraftFetchError(ValueError):
+class DraftFetchError(TideError, ValueError):
     """A draft URI names nothing that can be downloaded."""
 
 

@@ -25,6 +25,7 @@ import secrets
 from pydantic import SecretStr
 
 from tide_lib.config import ServeConfig
+from tide_lib.errors import TideError
 
 __all__ = [
     "ADMIN_ROUTES",
@@ -92,7 +93,7 @@ def bearer_for(
     return {"Authorization": f"Bearer {key.get_secret_value()}"} if key is not None else {}
 
 
-class InsecureBindError(ValueError):
+class InsecureBindError(TideError, ValueError):
     """A server would listen beyond loopback without its bearer keys."""
 
 

@@ -32,6 +32,7 @@ from typing import Final
 from urllib.parse import urlparse
 
 from tide_lib.config import ServeConfig, TideConfig
+from tide_lib.errors import TideError
 from tide_lib.registry.uris import MLFLOW_SCHEMES, fetch_draft
 from tide_lib.stack.manager import pid_alive
 
@@ -43,7 +44,7 @@ _PARTIAL: Final = ".partial-"
 _SOURCE_FILE: Final = ".tide-source.json"
 
 
-class DraftRefusedError(ValueError):
+class DraftRefusedError(TideError, ValueError):
     """A draft path outside the configured sources, or one that does not exist."""
 
 

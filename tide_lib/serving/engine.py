@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from tide_lib.config import ServeConfig, TideConfig
+from tide_lib.config import ConfigError, ServeConfig, TideConfig
+from tide_lib.errors import TideError
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
 from tide_lib.lake.schema import segment_problem, target_limits
 from tide_lib.registry.uris import DraftFetchError
@@ -55,11 +56,11 @@ __all__ = ["Engine", "EngineBusyError", "EngineRequest", "EngineResult", "Reques
 logger = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
+class RequestError(TideError, ValueError):
     """A request the engine refuses; the message is returned to the client (HTTP 400)."""
 
 
-class EngineBusyError(RuntimeError):
+class EngineBusyError(TideError, RuntimeError):
     """The request queue is full; the client should retry later (HTTP 503, Retry-After)."""
 
 
@@ -115,9 +116,9 @@ class Engine:
     def __init__(self, config: TideConfig) -> None:
         serve = config.serve
         if serve.model_path is None:
-            raise RequestError("--model-path (the HF target directory) is required")
+            raise ConfigError("--model-path (the HF target directory) is required")
         if serve.speculative_num_draft_tokens not in (None, serve.speculative_num_steps + 1):
-            raise RequestError(
+            raise ConfigError(
                 "chain drafting verifies num_steps + 1 tokens: set --speculative-num-draft-tokens "
                 f"to {serve.speculative_num_steps + 1} or leave it out"
             )

@@ -28,6 +28,7 @@ import httpx
 import yaml
 from pydantic import SecretStr
 
+from tide_lib.errors import TideError
 from tide_lib.serving.auth import bearer_for
 from tide_lib.serving.k_policy import KChoice, recommend_k
 
@@ -119,7 +120,7 @@ def write_sglang_key_file(
     return path
 
 
-class FleetError(RuntimeError):
+class FleetError(TideError, RuntimeError):
     """A fleet operation failed; the message names the server and the check."""
 
 

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from tide_lib.errors import TideError
+
 __all__ = [
     "MODEL_INFO_TARGET",
     "SWAP_TARGET",
@@ -50,11 +52,11 @@ MODEL_INFO_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._upd
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
-class DraftSwapError(ValueError):
+class DraftSwapError(TideError, ValueError):
     """A draft cannot be swapped in; the message names what is wrong."""
 
 
-class _LoadFailedError(RuntimeError):
+class _LoadFailedError(TideError, RuntimeError):
     """SGLang's own load answered failure: its message goes back, the download is dropped."""
 
 

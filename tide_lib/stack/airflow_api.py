@@ -14,11 +14,12 @@ import httpx
 from pydantic import SecretStr
 
 from tide_lib.config import TideConfig
+from tide_lib.errors import TideError
 
 __all__ = ["AirflowAPI", "AirflowAuthError"]
 
 
-class AirflowAuthError(RuntimeError):
+class AirflowAuthError(TideError, RuntimeError):
     """Airflow refused the credentials; the message says which user and what to check."""
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from tide_lib.config import TideConfig
+from tide_lib.errors import TideError
 from tide_lib.stack.secrets import ensure_stack_secrets
 from tide_lib.stack.services import SERVICES, Service
 
@@ -27,7 +28,7 @@ __all__ = ["ServiceStatus", "StackError", "StackManager", "free_ports", "pid_ali
 logger = logging.getLogger(__name__)
 
 
-class StackError(RuntimeError):
+class StackError(TideError, RuntimeError):
     """The stack could not be brought to the asked state; the message says why and what to do."""
 
 

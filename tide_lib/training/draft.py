@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 from safetensors import safe_open
 
+from tide_lib.errors import TideError
 from tide_lib.target.hidden import eagle_aux_layer_ids
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ WEIGHTS_FILE: Final = "model.safetensors"
 CONFIG_FILE: Final = "config.json"
 
 
-class InvalidCheckpointError(ValueError):
+class InvalidCheckpointError(TideError, ValueError):
     """A draft checkpoint is missing, malformed or non-finite; the message names the tensor."""
 
 
