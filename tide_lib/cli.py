@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from types import UnionType
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, Union, get_args, get_origin
 
 from pydantic import ValidationError
 
@@ -39,6 +39,8 @@ __all__ = ["main"]
 logger = logging.getLogger("tide")
 
 Handler = Callable[[argparse.Namespace, TideConfig], int]
+# What add_subparsers returns (argparse names its class privately).
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 DEFAULT_TARGETS = Path(".tide/targets")
 _CONVERTERS: dict[object, Callable[[str], Any]] = {int: int, float: float, str: str, Path: Path}
 
@@ -492,6 +494,7 @@ def _demo(args: argparse.Namespace, config: TideConfig) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``tide``'s parser; each command group is added by a function of its own below."""
     parser = argparse.ArgumentParser(
         prog="tide",
         description=(
@@ -505,12 +508,35 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="how much to log (default INFO)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    for add_group in (
+        _add_stack,
+        _add_lake,
+        _add_bench,
+        _add_target,
+        _add_train,
+        _add_serve,
+        _add_fleet,
+        _add_eval,
+        _add_workload,
+        _add_demo,
+    ):
+        add_group(commands)
+    return parser
+
+
+def _add_stack(commands: Commands) -> None:
+    """``tide stack up|down|status``: the local services."""
     stack = commands.add_parser(
-        "stack", help="start/stop the local S3 (SeaweedFS) and MLflow servers"
+        "stack",
+        help="start/stop the local services: S3 (SeaweedFS), MLflow, and Airflow "
+        "unless TIDE_STACK__AIRFLOW=false",
     ).add_subparsers(dest="action", required=True, metavar="ACTION")
     stack.add_parser(
         "up", help="start every service, create buckets, wait until healthy (idempotent)"
@@ -522,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="show each service; exit 1 unless all are healthy"
     ).set_defaults(handler=_stack_status)
 
+
+def _add_lake(commands: Commands) -> None:
+    """``tide lake stats``."""
     lake = commands.add_parser("lake", help="inspect the hidden-state lake").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
@@ -530,9 +559,24 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     stats.set_defaults(handler=_lake_stats)
 
+
+def _add_bench(commands: Commands) -> None:
+    """``tide bench ...``: every benchmark, each writing JSON."""
     bench = commands.add_parser("bench", help="benchmarks that write JSON").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
+    for add_bench in (
+        _add_bench_lake,
+        _add_bench_cycle,
+        _add_bench_train,
+        _add_bench_serve,
+        _add_bench_adaptation,
+    ):
+        add_bench(bench)
+
+
+def _add_bench_lake(bench: Commands) -> None:
+    """``tide bench lake``."""
     bench_lake = bench.add_parser(
         "lake",
         help="capture write/read throughput, bytes per token, writer cost per record",
@@ -543,6 +587,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_lake.add_argument("--tokens", type=int, default=256, help="tokens per record")
     bench_lake.add_argument("--hidden-size", type=int, default=1024, help="target hidden size H")
     bench_lake.set_defaults(handler=_bench_lake)
+
+
+def _add_bench_cycle(bench: Commands) -> None:
+    """``tide bench cycle``."""
     bench_cycle = bench.add_parser(
         "cycle",
         help="a cycle's data I/O (snapshot, export, held-out read) as the lake grows older",
@@ -562,6 +610,93 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_cycle.set_defaults(handler=_bench_cycle)
 
+
+def _add_bench_train(bench: Commands) -> None:
+    """``tide bench train``."""
+    bench_train = bench.add_parser(
+        "train",
+        help="draft training tokens/s on captured states vs recomputing them; peak memory",
+        description=(
+            "Needs the S3 server up (`tide stack up`): captures go through the real lake. "
+            "Builds the demo target if it is not cached. Reports the demo target and a "
+            "random-weight target shaped like Llama-3.1-8B scaled down."
+        ),
+    )
+    bench_train.add_argument("--json", type=Path, help="write the results to this file")
+    bench_train.add_argument(
+        "--target", type=Path, help="demo target dir (default: .tide/targets/demo)"
+    )
+    bench_train.add_argument("--samples", type=int, default=64, help="captured requests")
+    bench_train.add_argument("--steps", type=int, default=16, help="optimizer steps per mode")
+    bench_train.set_defaults(handler=_bench_train)
+
+
+def _add_bench_serve(bench: Commands) -> None:
+    """``tide bench serve``."""
+    bench_serve = bench.add_parser(
+        "serve",
+        help=(
+            "capture overhead; fixed-k, adaptive-k and plain tokens/s side by side, with the "
+            "k adaptive chose; accept length; swap latency"
+        ),
+        description=(
+            "Needs the S3 server up (capture writes to the lake). Without --draft, bootstraps a "
+            "draft from the demo target's own greedy answers to English prompts (~3 minutes)."
+        ),
+    )
+    bench_serve.add_argument("--json", type=Path, help="write the results to this file")
+    bench_serve.add_argument("--target", type=Path, help="target dir (default: .tide/targets/demo)")
+    bench_serve.add_argument("--draft", type=Path, help="exported draft to serve")
+    bench_serve.add_argument("--prompts", type=int, default=24, help="held-out prompts per pair")
+    bench_serve.add_argument(
+        "--max-new-tokens", type=int, default=48, help="tokens generated per request"
+    )
+    bench_serve.add_argument(
+        "--speculative-num-steps", type=int, default=4, help="k, and adaptive k's largest"
+    )
+    bench_serve.add_argument(
+        "--warmup", type=int, default=4, help="untimed requests per engine before measuring"
+    )
+    bench_serve.set_defaults(handler=_bench_serve)
+
+
+def _add_bench_adaptation(bench: Commands) -> None:
+    """``tide bench adaptation``."""
+    bench_adaptation = bench.add_parser(
+        "adaptation",
+        help="the TIDE loop headless on a workload: AL per draft/segment/k, ratios, tokens/s",
+        description=(
+            "Workload: JSONL, one request per line in arrival order, "
+            '{"prompt": ..., "segment": ..., "max_new_tokens": ...}; the last segment to appear '
+            "is the new traffic (one segment: a workload without shift). Needs the S3 and "
+            "MLflow servers up (`tide stack up`)."
+        ),
+    )
+    bench_adaptation.add_argument(
+        "--workload",
+        type=Path,
+        required=True,
+        help="JSONL, one request per line in arrival order (`tide workload demo` writes one)",
+    )
+    bench_adaptation.add_argument("--json", type=Path, help="write the results to this file")
+    bench_adaptation.add_argument("--target", type=Path, help="default: .tide/targets/demo")
+    bench_adaptation.add_argument(
+        "--cycle-tokens", type=int, default=1500, help="new tokens per cycle"
+    )
+    bench_adaptation.add_argument(
+        "--max-new-tokens", type=int, default=48, help="tokens per request without its own"
+    )
+    bench_adaptation.add_argument(
+        "--labels",
+        action="store_true",
+        help="send each request's segment as a client label (custom_labels); "
+        "default: unlabelled, segments come from the cycles' clusters",
+    )
+    bench_adaptation.set_defaults(handler=_bench_adaptation)
+
+
+def _add_target(commands: Commands) -> None:
+    """``tide target build``."""
     target = commands.add_parser("target", help="the demo target model").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
@@ -585,6 +720,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_true", help="rebuild even if cached")
     build.set_defaults(handler=_target_build)
 
+
+def _add_train(commands: Commands) -> None:
+    """``tide train``."""
     train = commands.add_parser(
         "train",
         help="train an EAGLE3 draft (SpecForge) on captured hidden states",
@@ -606,23 +744,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(train, TrainConfig)
     train.set_defaults(handler=_train)
 
-    bench_train = bench.add_parser(
-        "train",
-        help="draft training tokens/s on captured states vs recomputing them; peak memory",
-        description=(
-            "Needs the S3 server up (`tide stack up`): captures go through the real lake. "
-            "Builds the demo target if it is not cached. Reports the demo target and a "
-            "random-weight target shaped like Llama-3.1-8B scaled down."
-        ),
-    )
-    bench_train.add_argument("--json", type=Path, help="write the results to this file")
-    bench_train.add_argument(
-        "--target", type=Path, help="demo target dir (default: .tide/targets/demo)"
-    )
-    bench_train.add_argument("--samples", type=int, default=64, help="captured requests")
-    bench_train.add_argument("--steps", type=int, default=16, help="optimizer steps per mode")
-    bench_train.set_defaults(handler=_bench_train)
 
+def _add_serve(commands: Commands) -> None:
+    """``tide serve``."""
     serve = commands.add_parser(
         "serve",
         help="the reference engine: SGLang's HTTP API over an HF target with EAGLE3 + capture",
@@ -636,6 +760,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(serve, ServeConfig)
     serve.set_defaults(handler=_serve)
 
+
+def _add_fleet(commands: Commands) -> None:
+    """``tide fleet status|promote|rollback|tune-k``."""
     fleet = commands.add_parser(
         "fleet", help="status, promotion and rollback of drafts on SGLang-compatible servers"
     ).add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -684,32 +811,9 @@ def build_parser() -> argparse.ArgumentParser:
             )
         sub.set_defaults(handler=_fleet)
 
-    bench_serve = bench.add_parser(
-        "serve",
-        help=(
-            "capture overhead; fixed-k, adaptive-k and plain tokens/s side by side, with the "
-            "k adaptive chose; accept length; swap latency"
-        ),
-        description=(
-            "Needs the S3 server up (capture writes to the lake). Without --draft, bootstraps a "
-            "draft from the demo target's own greedy answers to English prompts (~3 minutes)."
-        ),
-    )
-    bench_serve.add_argument("--json", type=Path, help="write the results to this file")
-    bench_serve.add_argument("--target", type=Path, help="target dir (default: .tide/targets/demo)")
-    bench_serve.add_argument("--draft", type=Path, help="exported draft to serve")
-    bench_serve.add_argument("--prompts", type=int, default=24, help="held-out prompts per pair")
-    bench_serve.add_argument(
-        "--max-new-tokens", type=int, default=48, help="tokens generated per request"
-    )
-    bench_serve.add_argument(
-        "--speculative-num-steps", type=int, default=4, help="k, and adaptive k's largest"
-    )
-    bench_serve.add_argument(
-        "--warmup", type=int, default=4, help="untimed requests per engine before measuring"
-    )
-    bench_serve.set_defaults(handler=_bench_serve)
 
+def _add_eval(commands: Commands) -> None:
+    """``tide eval offline|online``."""
     evaluate = commands.add_parser(
         "eval",
         help="acceptance length of a draft: offline from captured states, or online on a server",
@@ -737,38 +841,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     online.set_defaults(handler=_eval)
 
-    bench_adaptation = bench.add_parser(
-        "adaptation",
-        help="the TIDE loop headless on a workload: AL per draft/segment/k, ratios, tokens/s",
-        description=(
-            "Workload: JSONL, one request per line in arrival order, "
-            '{"prompt": ..., "segment": ..., "max_new_tokens": ...}; the last segment to appear '
-            "is the new traffic (one segment: a workload without shift). Needs the S3 and "
-            "MLflow servers up (`tide stack up`)."
-        ),
-    )
-    bench_adaptation.add_argument(
-        "--workload",
-        type=Path,
-        required=True,
-        help="JSONL, one request per line in arrival order (`tide workload demo` writes one)",
-    )
-    bench_adaptation.add_argument("--json", type=Path, help="write the results to this file")
-    bench_adaptation.add_argument("--target", type=Path, help="default: .tide/targets/demo")
-    bench_adaptation.add_argument(
-        "--cycle-tokens", type=int, default=1500, help="new tokens per cycle"
-    )
-    bench_adaptation.add_argument(
-        "--max-new-tokens", type=int, default=48, help="tokens per request without its own"
-    )
-    bench_adaptation.add_argument(
-        "--labels",
-        action="store_true",
-        help="send each request's segment as a client label (custom_labels); "
-        "default: unlabelled, segments come from the cycles' clusters",
-    )
-    bench_adaptation.set_defaults(handler=_bench_adaptation)
 
+def _add_workload(commands: Commands) -> None:
+    """``tide workload demo|segments``."""
     workload = commands.add_parser("workload", help="workload files").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
@@ -797,6 +872,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     workload_segments.set_defaults(handler=_workload_segments)
 
+
+def _add_demo(commands: Commands) -> None:
+    """``tide demo``."""
     demo = commands.add_parser(
         "demo",
         help="the TIDE loop on this machine, driven by the Airflow scheduler",
@@ -816,7 +894,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")
     demo.add_argument("--keep-running", action="store_true", help="leave the stack running on exit")
     demo.set_defaults(handler=_demo)
-    return parser
 
 
 def _one_line(error: BaseException) -> str:

@@ -1,4 +1,6 @@
-"""The local stack: a real S3 server (SeaweedFS) and a real MLflow server on 127.0.0.1.
+"""The local stack on 127.0.0.1: a real S3 server (SeaweedFS), a real MLflow server and,
+unless ``TIDE_STACK__AIRFLOW=false``, Airflow (API server, scheduler, dag-processor,
+triggerer; LocalExecutor, or CeleryExecutor with one worker per queue).
 
 Used by ``make demo``, by the tests and by anyone trying TIDE on one machine.
 """
