@@ -1,4 +1,5 @@
-"""Names every host and tool agrees on: target slugs, registered model names, aliases.
+"""Names every host and tool agrees on: target slugs, registered model names, aliases,
+and the MLflow tags TIDE writes on draft versions (the one place they are spelled).
 
 Here, apart from the lake and registry packages, because DAG files need them while
 the dag-processor parses (for their Assets), and that must import nothing heavy
@@ -9,11 +10,13 @@ re-export them.
 from __future__ import annotations
 
 import re
+from typing import Final
 
 __all__ = [
     "CHALLENGER",
     "CHAMPION",
     "PREVIOUS_CHAMPION",
+    "Tags",
     "registered_model_name",
     "target_slug",
 ]
@@ -21,6 +24,36 @@ __all__ = [
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 PREVIOUS_CHAMPION = "previous-champion"
+
+
+class Tags:
+    """MLflow tag keys of TIDE's registered models and versions (``{segment}``/``{k}``
+    are filled in). Tags identify and record decisions; figures are metrics too."""
+
+    TARGET_ID: Final = "tide.target_id"  # on the registered model
+    # lineage of a version
+    CYCLE_ID: Final = "tide.cycle_id"  # the DAG run that trained it: one version per cycle
+    PARENT_VERSION: Final = "tide.parent_version"
+    DRAFT_URI: Final = "tide.draft_uri"
+    BEST_IS_PARENT: Final = "tide.best_is_parent"  # on a run: its best checkpoint was the parent
+    SPECFORGE_VERSION: Final = "tide.specforge_version"
+    WINDOW_AFTER: Final = "tide.window.after"
+    WINDOW_UNTIL: Final = "tide.window.until"
+    WINDOW_TOKENS: Final = "tide.window.tokens"
+    REPLAY_TOKENS: Final = "tide.replay.tokens"
+    PROMOTED: Final = "tide.promoted"
+    SEGMENTER: Final = "tide.segmenter"  # lake key of the segmenter the figures grouped by
+    # the gate's decision (tide_lib.evaluation.gate writes and reads them)
+    ACCEPT_LENGTH: Final = "tide.al.{segment}.k{k}"
+    CHAMPION_ACCEPT_LENGTH: Final = "tide.gate.champion_al.{segment}.k{k}"
+    WEIGHT: Final = "tide.gate.weight.{segment}"
+    OLDER_SHARE: Final = "tide.gate.older_share.{segment}"
+    PROTECTED: Final = "tide.gate.protected"
+    REASON: Final = "tide.gate.reason"
+    WEIGHTED: Final = "tide.gate.weighted_accept_length"
+    WEIGHTED_CHAMPION: Final = "tide.gate.weighted_champion_accept_length"
+    DECISION: Final = "tide.gate.decision"  # written last: it marks the record complete
+
 
 _SLUG_UNSAFE = re.compile(r"[^a-z0-9._-]+")
 

@@ -33,10 +33,9 @@ import re
 from typing import Any, Final
 
 from tide_lib.config import GateConfig
+from tide_lib.names import Tags
 
 __all__ = [
-    "DECISION_TAG",
-    "SEGMENTER_TAG",
     "GateDecision",
     "decide",
     "decision_from_tags",
@@ -66,16 +65,6 @@ def t95(degrees: int) -> float:
 _EPSILON = 1e-9  # figures at a threshold pass it, whatever float rounding did to them
 
 # Every MLflow tag the gate writes; ``tide.al.<segment>.k<k>`` is the design's per-segment figure.
-_AL_TAG: Final = "tide.al.{segment}.k{k}"
-_CHAMPION_AL_TAG: Final = "tide.gate.champion_al.{segment}.k{k}"
-_WEIGHT_TAG: Final = "tide.gate.weight.{segment}"
-_OLDER_SHARE_TAG: Final = "tide.gate.older_share.{segment}"
-_PROTECTED_TAG: Final = "tide.gate.protected"
-_REASON_TAG: Final = "tide.gate.reason"
-_WEIGHTED_TAG: Final = "tide.gate.weighted_accept_length"
-_WEIGHTED_CHAMPION_TAG: Final = "tide.gate.weighted_champion_accept_length"
-DECISION_TAG: Final = "tide.gate.decision"  # written last: it marks the record complete
-SEGMENTER_TAG: Final = "tide.segmenter"  # lake key of the segmenter the figures were grouped by
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,26 +210,26 @@ def _share_text(segment: str, shares: dict[str, float], older: dict[str, float])
 def decision_tags(decision: GateDecision, k: int) -> dict[str, str]:
     """MLflow version tags of a decision (``tide.gate.*``, ``tide.al.<segment>.k<k>``)."""
     tags = {
-        _REASON_TAG: decision.reason,
-        _WEIGHTED_TAG: f"{decision.weighted_challenger:.4f}",
-        _PROTECTED_TAG: json.dumps(list(decision.protected)),
+        Tags.REASON: decision.reason,
+        Tags.WEIGHTED: f"{decision.weighted_challenger:.4f}",
+        Tags.PROTECTED: json.dumps(list(decision.protected)),
     }
     if decision.weighted_champion is not None:
-        tags[_WEIGHTED_CHAMPION_TAG] = f"{decision.weighted_champion:.4f}"
+        tags[Tags.WEIGHTED_CHAMPION] = f"{decision.weighted_champion:.4f}"
     for at_k, figures in {**decision.challenger_by_k, k: decision.challenger}.items():
         for segment, value in figures.items():
-            tags[_AL_TAG.format(segment=segment, k=at_k)] = f"{value:.4f}"
+            tags[Tags.ACCEPT_LENGTH.format(segment=segment, k=at_k)] = f"{value:.4f}"
     champion_by_k = dict(decision.champion_by_k)
     if decision.champion:
         champion_by_k[k] = decision.champion
     for at_k, figures in champion_by_k.items():
         for segment, value in figures.items():
-            tags[_CHAMPION_AL_TAG.format(segment=segment, k=at_k)] = f"{value:.4f}"
+            tags[Tags.CHAMPION_ACCEPT_LENGTH.format(segment=segment, k=at_k)] = f"{value:.4f}"
     for segment, share in decision.weights.items():
-        tags[_WEIGHT_TAG.format(segment=segment)] = f"{share:.4f}"
+        tags[Tags.WEIGHT.format(segment=segment)] = f"{share:.4f}"
     for segment, share in decision.older_shares.items():
-        tags[_OLDER_SHARE_TAG.format(segment=segment)] = f"{share:.4f}"
-    tags[DECISION_TAG] = "promote" if decision.promote else "reject"  # last: it marks
+        tags[Tags.OLDER_SHARE.format(segment=segment)] = f"{share:.4f}"
+    tags[Tags.DECISION] = "promote" if decision.promote else "reject"  # last: it marks
     return tags  # the record complete for decision_from_tags
 
 
@@ -307,24 +296,24 @@ def decision_from_tags(tags: dict[str, str], k: int) -> GateDecision | None:
     Tags are written in order with ``tide.gate.decision`` last, so a version that has it
     holds the whole record; one without (never judged, or judging died midway) is judged anew.
     """
-    if DECISION_TAG not in tags:
+    if Tags.DECISION not in tags:
         return None
-    challenger_by_k = _by_k(tags, _AL_TAG)
-    champion_by_k = _by_k(tags, _CHAMPION_AL_TAG)
+    challenger_by_k = _by_k(tags, Tags.ACCEPT_LENGTH)
+    champion_by_k = _by_k(tags, Tags.CHAMPION_ACCEPT_LENGTH)
     challenger = challenger_by_k.pop(k, {})
     champion = champion_by_k.pop(k, None)
-    weighted_champion = tags.get(_WEIGHTED_CHAMPION_TAG)
-    weights = _by_segment(tags, _WEIGHT_TAG)
+    weighted_champion = tags.get(Tags.WEIGHTED_CHAMPION)
+    weights = _by_segment(tags, Tags.WEIGHT)
     return GateDecision(
-        promote=tags[DECISION_TAG] == "promote",
-        reason=tags[_REASON_TAG],
+        promote=tags[Tags.DECISION] == "promote",
+        reason=tags[Tags.REASON],
         challenger=challenger,
         champion=champion or None,
         weights=weights or dict.fromkeys(challenger, 1.0),
-        weighted_challenger=float(tags[_WEIGHTED_TAG]),
+        weighted_challenger=float(tags[Tags.WEIGHTED]),
         weighted_champion=float(weighted_champion) if weighted_champion is not None else None,
-        older_shares=_by_segment(tags, _OLDER_SHARE_TAG),
-        protected=tuple(json.loads(tags.get(_PROTECTED_TAG, "[]"))),
+        older_shares=_by_segment(tags, Tags.OLDER_SHARE),
+        protected=tuple(json.loads(tags.get(Tags.PROTECTED, "[]"))),
         challenger_by_k=challenger_by_k,
         champion_by_k=champion_by_k,
     )

@@ -50,6 +50,7 @@ from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
 from tide_lib.lake.reader import TrainingSample, watermark
 from tide_lib.lake.schema import target_limits
+from tide_lib.names import Tags
 from tide_lib.orchestration.handoff import Decision, Drift, Promotion, Snapshot, Trained
 
 if TYPE_CHECKING:
@@ -728,7 +729,7 @@ def _training_run(registry: DraftRegistry, cycle_id: str) -> tuple[str, str | No
     experiment = registry.experiment_id()
     runs = registry.client.search_runs(
         [experiment],
-        filter_string=f"tags.`tide.cycle_id` = '{cycle_id}'",
+        filter_string=f"tags.`{Tags.CYCLE_ID}` = '{cycle_id}'",
         order_by=["attributes.start_time ASC"],
     )
     if runs:
@@ -739,7 +740,7 @@ def _training_run(registry: DraftRegistry, cycle_id: str) -> tuple[str, str | No
         run_id = str(kept.info.run_id)
         if kept.info.status != "RUNNING":  # an earlier attempt failed: this one resumes it
             registry.client.update_run(run_id, status="RUNNING")
-        parent = kept.data.tags.get("tide.parent_version") or None
+        parent = kept.data.tags.get(Tags.PARENT_VERSION) or None
         logger.info("cycle %s: continuing its MLflow run %s", cycle_id, run_id)
         return run_id, parent
     champion = registry.alias(CHAMPION)
@@ -747,7 +748,7 @@ def _training_run(registry: DraftRegistry, cycle_id: str) -> tuple[str, str | No
     run = registry.client.create_run(
         experiment,
         run_name=f"cycle-{cycle_id}",
-        tags={"tide.cycle_id": cycle_id, "tide.parent_version": parent or ""},
+        tags={Tags.CYCLE_ID: cycle_id, Tags.PARENT_VERSION: parent or ""},
     )
     return str(run.info.run_id), parent
 
@@ -774,18 +775,18 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
     """
     registry = _registry(config)
     cycle_id = snapshot.cycle_id
-    registered = registry.find_by_tag("tide.cycle_id", cycle_id)
+    registered = registry.find_by_tag(Tags.CYCLE_ID, cycle_id)
     if registered is not None and registered.run_id:
         logger.info("cycle %s trained v%s before: reusing it", cycle_id, registered.version)
         return Trained(
             run_id=registered.run_id,
             draft_uri=registered.source,
-            parent_version=registered.tags.get("tide.parent_version") or None,
+            parent_version=registered.tags.get(Tags.PARENT_VERSION) or None,
         )
     run_id, parent_version = _training_run(registry, cycle_id)
     try:
         tags = registry.client.get_run(run_id).data.tags
-        draft_uri, improved = tags.get("tide.draft_uri"), tags.get(_NOT_IMPROVED_TAG) != "true"
+        draft_uri, improved = tags.get(Tags.DRAFT_URI), tags.get(Tags.BEST_IS_PARENT) != "true"
         if draft_uri:
             logger.info("cycle %s: run %s logged its draft before: reusing it", cycle_id, run_id)
         else:
@@ -797,9 +798,6 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
     return Trained(
         run_id=run_id, draft_uri=draft_uri, parent_version=parent_version, improved=improved
     )
-
-
-_NOT_IMPROVED_TAG = "tide.best_is_parent"  # on the run: its best checkpoint was the parent
 
 
 def _log_window_dataset(
@@ -878,8 +876,8 @@ def _train_in_run(
     client = registry.client
     client.log_param(run_id, "window_tokens", snapshot.window_tokens)
     client.log_param(run_id, "replay_tokens", snapshot.replay_tokens)
-    client.set_tag(run_id, _NOT_IMPROVED_TAG, str(not improved).lower())
-    client.set_tag(run_id, "tide.draft_uri", draft_uri)  # last: marks the outcome complete
+    client.set_tag(run_id, Tags.BEST_IS_PARENT, str(not improved).lower())
+    client.set_tag(run_id, Tags.DRAFT_URI, draft_uri)  # last: marks the outcome complete
     return draft_uri, improved
 
 
@@ -892,12 +890,12 @@ def register(config: TideConfig, snapshot: Snapshot, trained: Trained) -> str:
         trained.run_id,
         cycle_id=snapshot.cycle_id,
         tags={
-            "tide.window.after": str(snapshot.watermark_before),
-            "tide.window.until": snapshot.watermark_after,
-            "tide.window.tokens": str(snapshot.window_tokens),
-            "tide.replay.tokens": str(snapshot.replay_tokens),
-            "tide.parent_version": str(trained.parent_version or ""),
-            "tide.specforge_version": getattr(specforge, "__version__", "0.2.0"),
+            Tags.WINDOW_AFTER: str(snapshot.watermark_before),
+            Tags.WINDOW_UNTIL: snapshot.watermark_after,
+            Tags.WINDOW_TOKENS: str(snapshot.window_tokens),
+            Tags.REPLAY_TOKENS: str(snapshot.replay_tokens),
+            Tags.PARENT_VERSION: str(trained.parent_version or ""),
+            Tags.SPECFORGE_VERSION: getattr(specforge, "__version__", "0.2.0"),
         },
     )
     _clear_checkpoints(config, snapshot.cycle_id)
@@ -921,7 +919,7 @@ def evaluate_and_gate(
     step needs nothing from the host that trained. The gate judges at ``gate.k``;
     the figures at the other ``gate.ks`` are recorded with it.
     """
-    from tide_lib.evaluation.gate import SEGMENTER_TAG, decision_from_tags  # noqa: PLC0415
+    from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
     from tide_lib.evaluation.tracking import log_decision  # noqa: PLC0415
     from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
 
@@ -935,7 +933,7 @@ def evaluate_and_gate(
     else:
         traffic = held_out_traffic(config, snapshot)
         registry.client.set_model_version_tag(
-            registry.name, version, SEGMENTER_TAG, traffic.segmenter_key
+            registry.name, version, Tags.SEGMENTER, traffic.segmenter_key
         )
         decision = _judge(config, registry, snapshot, version, traffic)
         log_decision(config.mlflow.tracking_uri, registry.name, version, decision, k)
@@ -1030,7 +1028,7 @@ def promote(config: TideConfig, version: str, decision: Decision) -> Promotion:
     if current is not None and current.version == version:
         registry.promote(version)  # a retry after the alias moved: finishes the tags
         return Promotion(promoted=False, reason=f"v{version} is already champion")
-    if registry.get(version).tags.get("tide.promoted") == "true":
+    if registry.get(version).tags.get(Tags.PROMOTED) == "true":
         why = f"v{version} was promoted before; serve it again with tide_rollback"
         logger.info("not promoting: %s", why)
         return Promotion(promoted=False, reason=why)

@@ -32,6 +32,7 @@ import httpx
 from pydantic import Field
 
 from tide_lib.config import StrictModel, TideConfig, TrainConfig, secrets_dir
+from tide_lib.names import Tags
 from tide_lib.stack.airflow_api import AirflowAPI
 
 __all__ = ["DemoSettings", "run_demo"]
@@ -511,12 +512,12 @@ def _final(rows: list[dict[str, Any]], serving: str) -> dict[str, Any]:
 
 def _cycle_record(registry: Any, run: dict[str, Any]) -> dict[str, Any]:
     record: dict[str, Any] = {"run_id": run["dag_run_id"], "state": run["state"]}
-    version = registry.find_by_tag("tide.cycle_id", run["dag_run_id"])
+    version = registry.find_by_tag(Tags.CYCLE_ID, run["dag_run_id"])
     if version is not None:
         record |= {
             "version": version.version,
-            "decision": version.tags.get("tide.gate.decision"),
-            "reason": version.tags.get("tide.gate.reason"),
-            "promoted": version.tags.get("tide.promoted") == "true",
+            "decision": version.tags.get(Tags.DECISION),
+            "reason": version.tags.get(Tags.REASON),
+            "promoted": version.tags.get(Tags.PROMOTED) == "true",
         }
     return record

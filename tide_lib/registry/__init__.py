@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tide_lib.names import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, registered_model_name
+from tide_lib.names import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, Tags, registered_model_name
 from tide_lib.registry.uris import is_portable, logged_model_id, logged_model_uri
 from tide_lib.training.draft import validate_draft_dir
 
@@ -67,7 +67,7 @@ class DraftRegistry:
         except MlflowException:
             self.client.create_registered_model(
                 self.name,
-                tags={"tide.target_id": self.target_id},
+                tags={Tags.TARGET_ID: self.target_id},
                 description=f"EAGLE3 drafts of {self.target_id}, trained by TIDE on its traffic.",
             )
 
@@ -147,7 +147,7 @@ class DraftRegistry:
         ``draft`` is a local directory (validated and logged to the run first) or the
         URI :meth:`log_draft` returned on another host.
         """
-        existing = self.find_by_tag("tide.cycle_id", cycle_id)
+        existing = self.find_by_tag(Tags.CYCLE_ID, cycle_id)
         if existing is not None:
             logger.info("cycle %s already registered %s v%s", cycle_id, self.name, existing.version)
             if CHALLENGER not in existing.aliases and existing.version == self._latest_version():
@@ -166,7 +166,7 @@ class DraftRegistry:
             self.name,
             source,
             run_id=run_id,
-            tags={"tide.cycle_id": cycle_id, **(tags or {})},
+            tags={Tags.CYCLE_ID: cycle_id, **(tags or {})},
             model_id=logged_model_id(source),  # registered from the logged model, if one
         )
         self.client.set_registered_model_alias(self.name, CHALLENGER, raw.version)
@@ -214,13 +214,13 @@ class DraftRegistry:
         """
         current = self.alias(CHAMPION)
         if current is not None and current.version == version:
-            if current.tags.get("tide.promoted") != "true":
-                self.client.set_model_version_tag(self.name, version, "tide.promoted", "true")
+            if current.tags.get(Tags.PROMOTED) != "true":
+                self.client.set_model_version_tag(self.name, version, Tags.PROMOTED, "true")
             return
         if current is not None:
             self.client.set_registered_model_alias(self.name, PREVIOUS_CHAMPION, current.version)
         self.client.set_registered_model_alias(self.name, CHAMPION, version)
-        self.client.set_model_version_tag(self.name, version, "tide.promoted", "true")
+        self.client.set_model_version_tag(self.name, version, Tags.PROMOTED, "true")
         logger.info("%s: champion is now v%s", self.name, version)
 
     def set_tags(self, version: str, tags: dict[str, str]) -> None:

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Query
 from fastapi.responses import HTMLResponse
 
 from tide_lib.config import TideConfig, load_config
+from tide_lib.names import Tags
 
 __all__ = ["create_app", "dashboard_data", "render_dashboard"]
 
@@ -51,10 +52,10 @@ def dashboard_data(config: TideConfig, target_id: str) -> dict[str, Any]:
             {
                 "version": str(raw.version),
                 "aliases": list(getattr(raw, "aliases", []) or []),
-                "cycle_id": tags.get("tide.cycle_id", ""),
-                "decision": tags.get("tide.gate.decision", "pending"),
+                "cycle_id": tags.get(Tags.CYCLE_ID, ""),
+                "decision": tags.get(Tags.DECISION, "pending"),
                 "reason": decision.reason if decision else "",
-                "window_tokens": tags.get("tide.window.tokens", ""),
+                "window_tokens": tags.get(Tags.WINDOW_TOKENS, ""),
                 "accept_length": logged_accept_lengths(registry.client, raw, config.gate.k),
                 "created": raw.creation_timestamp,
             }
