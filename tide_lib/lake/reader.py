@@ -116,6 +116,16 @@ class TrainingSample:
             "aux_hidden_state": self.aux_hidden_state,
         }
 
+    def save_specforge(self, folder: Path, index: int, **extra: object) -> Path:
+        """Write the sample as SpecForge's offline file ``folder/data_<index>.ckpt`` (with
+        ``extra`` keys, such as its segment): the one writer of that format."""
+        import torch  # noqa: PLC0415
+
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"data_{index:08d}.ckpt"
+        torch.save({**self.to_specforge(), **extra}, path)
+        return path
+
 
 class LakeReader:
     """Lists, counts and streams committed shards of one target.
@@ -399,12 +409,10 @@ class LakeReader:
 
     def export_specforge(self, shards: Iterable[CommitMarker], out_dir: Path) -> int:
         """Write SpecForge's offline layout: one ``.ckpt`` per sample. Returns the count."""
-        import torch  # noqa: PLC0415
-
         out_dir.mkdir(parents=True, exist_ok=True)
         count = 0
         for sample in self.iter_samples(shards):
-            torch.save(sample.to_specforge(), out_dir / f"data_{count:08d}.ckpt")
+            sample.save_specforge(out_dir, count)
             count += 1
         logger.info("wrote %d SpecForge samples to %s", count, out_dir)
         return count

@@ -32,7 +32,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-import torch
 from tqdm import tqdm
 
 from tide_lib.config import TideConfig, TrainConfig
@@ -288,8 +287,7 @@ def _train_oracle(
     count = 0
     for sample in reader.iter_samples(reader.list_shards(target_slug(config.cycle.target_id))):
         if sample.request_id in new_ids:
-            data.mkdir(parents=True, exist_ok=True)
-            torch.save(sample.to_specforge(), data / f"data_{count:06d}.ckpt")
+            sample.save_specforge(data, count)
             count += 1
     trained = sum(1 for c in loop.cycles if c.get("train_seconds"))
     steps = config.training.steps * max(1, trained)

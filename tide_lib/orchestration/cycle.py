@@ -35,8 +35,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from tide_lib.config import TideConfig
 from tide_lib.evaluation.offline import (
     AcceptanceCount,
@@ -300,10 +298,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
     def save(sample: TrainingSample, window: bool) -> None:
         segment = segment_of(sample, segmenter)
         part = WINDOW_DIR if window and (not drifted or segment in drifted) else REPLAY_DIR
-        folder = out / part
-        folder.mkdir(parents=True, exist_ok=True)
-        payload = {**sample.to_specforge(), "segment": segment}
-        torch.save(payload, folder / f"data_{counts[part]:08d}.ckpt")
+        sample.save_specforge(out / part, counts[part], segment=segment)
         counts[part] += 1
 
     judged: set[bytes] = set()  # copies of the window's first request (held out by position)

@@ -25,7 +25,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from tide_lib.config import TideConfig, TrainConfig
@@ -71,7 +70,7 @@ def bootstrap_draft(
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         generation = decoder.generate(ids, max_new_tokens, speculative=False)
         sample = generation.training_sample(f"bootstrap-{index}")
-        torch.save(sample.to_specforge(), data / f"data_{index:06d}.ckpt")
+        sample.save_specforge(data, index)
     return train_draft(data, target_dir, out_dir / "bootstrap-run", train).draft_dir
 
 
