@@ -11,11 +11,10 @@ import argparse
 import dataclasses
 import json
 import logging
-import signal
 import sys
-import time
 from collections.abc import Callable
 from datetime import datetime
+from importlib.metadata import entry_points
 from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, Union, get_args, get_origin
@@ -42,10 +41,11 @@ Handler = Callable[[argparse.Namespace, TideConfig], int]
 # What add_subparsers returns (argparse names its class privately).
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 DEFAULT_TARGETS = Path(".tide/targets")
+COMMAND_PLUGINS = "tide.commands"  # entry points: f(commands) adds a command group
 _CONVERTERS: dict[object, Callable[[str], Any]] = {int: int, float: float, str: str, Path: Path}
 
 
-def _out(text: str = "") -> None:
+def echo(text: str = "") -> None:
     """User-facing output of a command (tables, URLs); diagnostics go through logging."""
     sys.stdout.write(text + "\n")
 
@@ -64,7 +64,7 @@ def _stack_down(_args: argparse.Namespace, config: TideConfig) -> int:
     from tide_lib.stack import StackManager  # noqa: PLC0415
 
     StackManager(config).down()
-    _out("stack stopped")
+    echo("stack stopped")
     return 0
 
 
@@ -77,10 +77,10 @@ def _stack_status(_args: argparse.Namespace, config: TideConfig) -> int:
 
 
 def _print_status(statuses: list[ServiceStatus]) -> None:
-    _out(f"{'service':<12}{'state':<10}{'pid':>8}  url / log")
+    echo(f"{'service':<12}{'state':<10}{'pid':>8}  url / log")
     for status in statuses:
         state = "healthy" if status.healthy else ("starting" if status.running else "stopped")
-        _out(f"{status.name:<12}{state:<10}{status.pid or '-':>8}  {status.url}  ({status.log})")
+        echo(f"{status.name:<12}{state:<10}{status.pid or '-':>8}  {status.url}  ({status.log})")
 
 
 # -- lake -------------------------------------------------------------------------------
@@ -94,18 +94,18 @@ def _lake_stats(args: argparse.Namespace, config: TideConfig) -> int:
     slugs = [args.target] if args.target else reader.list_targets()
     rows = partition_stats(reader, slugs)
     if args.json:
-        _out(json.dumps([dataclasses.asdict(row) for row in rows]))
+        echo(json.dumps([dataclasses.asdict(row) for row in rows]))
         return 0
     if not rows:
-        _out(f"no committed shards in s3://{config.store.lake_bucket}/{config.lake.prefix}/")
+        echo(f"no committed shards in s3://{config.store.lake_bucket}/{config.lake.prefix}/")
         return 0
-    _out(f"{'target':<32}{'partition':<24}{'shards':>8}{'records':>9}{'tokens':>11}{'MB':>9}")
+    echo(f"{'target':<32}{'partition':<24}{'shards':>8}{'records':>9}{'tokens':>11}{'MB':>9}")
     for row in rows:
-        _out(
+        echo(
             f"{row.target_slug:<32}{row.partition:<24}{row.shards:>8}{row.records:>9}"
             f"{row.tokens:>11}{row.size_bytes / 1e6:>9.1f}"
         )
-    _out(
+    echo(
         f"{'total':<56}{sum(r.shards for r in rows):>8}{sum(r.records for r in rows):>9}"
         f"{sum(r.tokens for r in rows):>11}{sum(r.size_bytes for r in rows) / 1e6:>9.1f}"
     )
@@ -115,69 +115,13 @@ def _lake_stats(args: argparse.Namespace, config: TideConfig) -> int:
 # -- bench ------------------------------------------------------------------------------
 
 
-def _bench_lake(args: argparse.Namespace, config: TideConfig) -> int:
-    from tide_lib.lake.bench import HEADLINE_KEYS, LakeBenchParams, run_lake_bench  # noqa: PLC0415
-
-    params = LakeBenchParams(
-        records=args.records, tokens_per_record=args.tokens, hidden_size=args.hidden_size
-    )
-    result = run_lake_bench(config, params, args.json)
-    for key in HEADLINE_KEYS:
-        _out(f"{key:<28}{result[key]:>14.1f}")
-    if args.json:
-        _out(f"wrote {args.json}")
-    return 0
-
-
-def _bench_cycle(args: argparse.Namespace, config: TideConfig) -> int:
-    import tempfile  # noqa: PLC0415
-
-    from tide_lib.harness.cycle_bench import CycleBenchParams, run_cycle_bench  # noqa: PLC0415
-
-    params = CycleBenchParams(scales=tuple(args.scales), older_shards=args.older_shards)
-    with tempfile.TemporaryDirectory(prefix="tide-bench-cycle-") as tmp:
-        result = run_cycle_bench(config, params, Path(tmp))
-    _out(f"{'scale':>6}{'older shards':>14}{'seconds':>10}{'MB read':>10}{'listed':>8}{'GETs':>7}")
-    for row in result.scales:
-        _out(
-            f"{row.scale:>5}x{row.older_shards:>14}{row.seconds['total']:>10.2f}"
-            f"{row.bytes_read / 1e6:>10.2f}{row.objects_listed:>8}{row.gets:>7}"
-        )
-    ratios = result.ratios()
-    _out("largest/1x: " + ", ".join(f"{key} {value:.2f}x" for key, value in ratios.items()))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
-        _out(f"wrote {args.json}")
-    return 0
-
-
-def _bench_train(args: argparse.Namespace, config: TideConfig) -> int:
-    from tide_lib.training.bench import TrainBenchParams, run_train_bench  # noqa: PLC0415
-
-    params = TrainBenchParams(samples=args.samples, steps=args.steps)
-    result = run_train_bench(config, params, args.target or DEFAULT_TARGETS / "demo", args.json)
-    for key in (
-        "reuse_tokens_per_s",
-        "recompute_tokens_per_s",
-        "recompute_over_reuse_time",
-        "peak_rss_mb",
-    ):
-        _out(f"{key:<28}{result[key]:>14.2f}")
-    for name, shape in result["shapes"].items():
-        _out(f"  {name:<26}recompute/reuse time {shape['recompute_over_reuse_time']:.2f}x")
-    if args.json:
-        _out(f"wrote {args.json}")
-    return 0
-
-
 # -- serving ---------------------------------------------------------------------------------
 
 
 def _serve(args: argparse.Namespace, config: TideConfig) -> int:
     from tide_lib.serving.server import run_server  # noqa: PLC0415
 
-    run_server(config.model_copy(update={"serve": _config_from_args(args, config.serve)}))
+    run_server(config.model_copy(update={"serve": config_from_args(args, config.serve)}))
     return 0
 
 
@@ -210,11 +154,11 @@ def _fleet(args: argparse.Namespace, config: TideConfig) -> int:
     except FleetError as error:
         logger.error("%s", error)
         return 1
-    _out(f"{'server':<32}{'health':<9}{'version':<20}{'accept len':>11}  draft")
+    echo(f"{'server':<32}{'health':<9}{'version':<20}{'accept len':>11}  draft")
     for state in states:
         accept = f"{state.avg_accept_length:.2f}" if state.avg_accept_length is not None else "-"
         health = "ok" if state.healthy else "DOWN"
-        _out(
+        echo(
             f"{state.url:<32}{health:<9}{state.weight_version or '-':<20}"
             f"{accept:>11}  {state.draft_path or state.error or '-'}"
         )
@@ -230,14 +174,14 @@ def _fleet_k(args: argparse.Namespace, fleet: Any) -> int:
         verify_token_cost_ratio=args.verify_token_cost_ratio,
         max_k=args.max_k,
     )
-    _out(f"{'server':<32}{'k now':>6}{'accept len':>11}{'best k':>7}  tokens per plain step")
+    echo(f"{'server':<32}{'k now':>6}{'accept len':>11}{'best k':>7}  tokens per plain step")
     for state in fleet.status():
         choice = choices.get(state.url)
         accept = f"{state.avg_accept_length:.2f}" if state.avg_accept_length is not None else "-"
         best = str(choice.k) if choice is not None else "-"
         rates = " ".join(f"{r:.2f}" for r in choice.tokens_per_s) if choice is not None else ""
         now = state.speculative_num_steps or "-"
-        _out(f"{state.url:<32}{now:>6}{accept:>11}{best:>7}  {rates}")
+        echo(f"{state.url:<32}{now:>6}{accept:>11}{best:>7}  {rates}")
     if not args.apply:
         return 0
     try:
@@ -245,28 +189,7 @@ def _fleet_k(args: argparse.Namespace, fleet: Any) -> int:
     except FleetError as error:
         logger.error("%s", error)
         return 1
-    _out(f"relaunched with their best k: {', '.join(relaunched) or 'none'}")
-    return 0
-
-
-def _bench_serve(args: argparse.Namespace, config: TideConfig) -> int:
-    from tide_lib.serving.bench import HEADLINE_KEYS as SERVE_HEADLINE_KEYS  # noqa: PLC0415
-    from tide_lib.serving.bench import run_serve_bench  # noqa: PLC0415
-
-    result = run_serve_bench(
-        config,
-        args.target or DEFAULT_TARGETS / "demo",
-        args.json,
-        draft_dir=args.draft,
-        prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens,
-        num_steps=args.speculative_num_steps,
-        warmup=args.warmup,
-    )
-    for key in SERVE_HEADLINE_KEYS:
-        _out(f"{key:<28}{result[key]:>14.2f}")
-    if args.json:
-        _out(f"wrote {args.json}")
+    echo(f"relaunched with their best k: {', '.join(relaunched) or 'none'}")
     return 0
 
 
@@ -284,7 +207,7 @@ def _eval(args: argparse.Namespace, config: TideConfig) -> int:
             max_new_tokens=args.max_new_tokens,
             api_key=config.serve.api_key,
         )
-        _out(json.dumps(dataclasses.asdict(online), indent=2))
+        echo(json.dumps(dataclasses.asdict(online), indent=2))
         return 0
     from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
     from tide_lib.lake import LakeReader, ObjectStore  # noqa: PLC0415
@@ -314,55 +237,7 @@ def _eval(args: argparse.Namespace, config: TideConfig) -> int:
         }
         for name, by_k in results.items()
     }
-    _out(json.dumps(table, indent=2))
-    return 0
-
-
-def _bench_adaptation(args: argparse.Namespace, config: TideConfig) -> int:
-    from tide_lib.orchestration.bench import run_adaptation_bench  # noqa: PLC0415
-
-    result = run_adaptation_bench(
-        config,
-        args.workload,
-        args.json,
-        target_dir=args.target or DEFAULT_TARGETS / "demo",
-        cycle_tokens=args.cycle_tokens,
-        max_new_tokens=args.max_new_tokens,
-        labels=args.labels,
-    )
-    keys = ("al_ratio_adapted_static", "al_ratio_adapted_oracle", "retention", "cycle_outcomes")
-    _out(json.dumps({k: result[k] for k in keys}))
-    static, adapted = result["tokens_per_s_static"], result["tokens_per_s_adapted"]
-    plain = result["tokens_per_s_plain"]
-    _out(f"tokens/s static {static:.1f}, adapted {adapted:.1f}, plain {plain:.1f}")
-    if args.json:
-        _out(f"wrote {args.json}")
-    return 0
-
-
-def _workload_segments(args: argparse.Namespace, _config: TideConfig) -> int:
-    from tide_lib.orchestration.bench import WorkloadError, segments_workload  # noqa: PLC0415
-
-    plan = []
-    for part in args.plan.split(","):
-        name, _, count = part.partition(":")
-        if not count.isdigit():
-            logger.error("--plan: %r is not SEGMENT:REQUESTS (e.g. korean:100)", part)
-            return 2
-        plan.append((name.strip(), int(count)))
-    try:
-        path = segments_workload(args.out, plan, max_new_tokens=args.max_new_tokens)
-    except WorkloadError as error:
-        logger.error("%s", error)
-        return 2
-    _out(str(path))
-    return 0
-
-
-def _workload_demo(args: argparse.Namespace, _config: TideConfig) -> int:
-    from tide_lib.orchestration.bench import demo_workload  # noqa: PLC0415
-
-    _out(str(demo_workload(args.out, english=args.english, korean=args.korean)))
+    echo(json.dumps(table, indent=2))
     return 0
 
 
@@ -374,14 +249,14 @@ def _target_build(args: argparse.Namespace, _config: TideConfig) -> int:
 
     out = args.out or DEFAULT_TARGETS / args.preset
     info = build_target(out, preset_name=args.preset, seed=args.seed, force=args.force)
-    _out(json.dumps({"path": str(out), **{k: v for k, v in info.items() if k != "key"}}, indent=2))
+    echo(json.dumps({"path": str(out), **{k: v for k, v in info.items() if k != "key"}}, indent=2))
     return 0
 
 
 def _train(args: argparse.Namespace, config: TideConfig) -> int:
     from tide_lib.training.trainer import train_draft  # noqa: PLC0415
 
-    train_config = _config_from_args(args, config.training)
+    train_config = config_from_args(args, config.training)
     data_dir = args.data
     if data_dir is None:
         data_dir = args.out / "window"
@@ -394,7 +269,7 @@ def _train(args: argparse.Namespace, config: TideConfig) -> int:
     result = train_draft(
         data_dir, args.target, args.out, train_config, parent_dir=args.parent, metrics=sink
     )
-    _out(json.dumps({**dataclasses.asdict(result), "draft_dir": str(result.draft_dir)}, indent=2))
+    echo(json.dumps({**dataclasses.asdict(result), "draft_dir": str(result.draft_dir)}, indent=2))
     return 0
 
 
@@ -406,10 +281,10 @@ def _export_lake_window(config: TideConfig, slug: str, after: str | None, out_di
     if not shards:
         raise FileNotFoundError(f"the lake holds no committed shards for target {slug!r}")
     count = reader.export_specforge(shards, out_dir)
-    _out(f"exported {count} samples from {len(shards)} shards to {out_dir}")
+    echo(f"exported {count} samples from {len(shards)} shards to {out_dir}")
 
 
-def _config_from_args(args: argparse.Namespace, base: StrictModel) -> Any:
+def config_from_args(args: argparse.Namespace, base: StrictModel) -> Any:
     """``base`` with every ``--option`` the user gave, validated by the model."""
     given = {
         name: getattr(args, name)
@@ -419,7 +294,7 @@ def _config_from_args(args: argparse.Namespace, base: StrictModel) -> Any:
     return type(base).model_validate({**base.model_dump(), **given})
 
 
-def _add_config_options(parser: argparse.ArgumentParser, model: type[StrictModel]) -> None:
+def add_config_options(parser: argparse.ArgumentParser, model: type[StrictModel]) -> None:
     """One ``--field`` per scalar field of a config section: the CLI mirrors the config."""
     group = parser.add_argument_group(f"{model.__name__} (defaults from TIDE_* settings)")
     for name, field in model.model_fields.items():
@@ -443,51 +318,6 @@ def _add_config_options(parser: argparse.ArgumentParser, model: type[StrictModel
 
 
 # -- demo -------------------------------------------------------------------------------
-
-
-def _demo(args: argparse.Namespace, config: TideConfig) -> int:
-    from tide_lib.orchestration.demo import DemoSettings, run_demo  # noqa: PLC0415
-    from tide_lib.stack import StackManager  # noqa: PLC0415
-
-    settings = _config_from_args(args, DemoSettings())
-    manager = StackManager(config)
-    try:
-        summary = run_demo(
-            config,
-            settings,
-            target_dir=DEFAULT_TARGETS / settings.preset,
-            work_dir=Path(".tide/demo"),
-            out_json=args.json,
-            out_png=args.plot,
-            say=_out,
-        )
-        final = summary["final"]
-        _out(
-            f"\n{len(summary['cycles'])} cycles in {summary['minutes_total']:.1f} min; promotions:"
-        )
-        for promotion in summary["promotions"]:
-            _out(f"  {promotion['minutes']:5.1f} min  {promotion['version']}")
-        if final.get("ratio_serving_static"):
-            _out(
-                f"acceptance length on Korean traffic (k={summary['k']}): serving "
-                f"{final['accept_length_serving']:.2f}, static "
-                f"{final['accept_length_static']:.2f} ({final['ratio_serving_static']:.2f}x)"
-            )
-        _out(f"wrote {args.json} and {args.plot}")
-        _out(f"Airflow: {summary['urls']['airflow']}  (DAG tide_adaptation)")
-        _out(f"MLflow:  {summary['urls']['mlflow']}  (model tide-draft-{summary['target_id']})")
-        if args.keep_up:
-            _out("the UIs stay up until Ctrl-C")
-            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-            while True:
-                time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if not args.keep_running:
-            manager.down()
-            _out("stack stopped")
-    return 0
 
 
 # -- parser -----------------------------------------------------------------------------
@@ -518,16 +348,17 @@ def build_parser() -> argparse.ArgumentParser:
     for add_group in (
         _add_stack,
         _add_lake,
-        _add_bench,
         _add_target,
         _add_train,
         _add_serve,
         _add_fleet,
         _add_eval,
-        _add_workload,
-        _add_demo,
     ):
         add_group(commands)
+    # Groups of other packages (the harness: bench, workload, demo) register themselves
+    # as entry points, so the product never imports them.
+    for plugin in sorted(entry_points(group=COMMAND_PLUGINS), key=lambda e: e.name):
+        plugin.load()(commands)
     return parser
 
 
@@ -558,141 +389,6 @@ def _add_lake(commands: Commands) -> None:
     stats.add_argument("--target", help="only this target slug (default: every target)")
     stats.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     stats.set_defaults(handler=_lake_stats)
-
-
-def _add_bench(commands: Commands) -> None:
-    """``tide bench ...``: every benchmark, each writing JSON."""
-    bench = commands.add_parser("bench", help="benchmarks that write JSON").add_subparsers(
-        dest="action", required=True, metavar="ACTION"
-    )
-    for add_bench in (
-        _add_bench_lake,
-        _add_bench_cycle,
-        _add_bench_train,
-        _add_bench_serve,
-        _add_bench_adaptation,
-    ):
-        add_bench(bench)
-
-
-def _add_bench_lake(bench: Commands) -> None:
-    """``tide bench lake``."""
-    bench_lake = bench.add_parser(
-        "lake",
-        help="capture write/read throughput, bytes per token, writer cost per record",
-        description="Needs the S3 server up (`tide stack up`). Cleans up its own shards.",
-    )
-    bench_lake.add_argument("--json", type=Path, help="write the results to this file")
-    bench_lake.add_argument("--records", type=int, default=256, help="records to write")
-    bench_lake.add_argument("--tokens", type=int, default=256, help="tokens per record")
-    bench_lake.add_argument("--hidden-size", type=int, default=1024, help="target hidden size H")
-    bench_lake.set_defaults(handler=_bench_lake)
-
-
-def _add_bench_cycle(bench: Commands) -> None:
-    """``tide bench cycle``."""
-    bench_cycle = bench.add_parser(
-        "cycle",
-        help="a cycle's data I/O (snapshot, export, held-out read) as the lake grows older",
-        description=(
-            "Builds older lakes of 1x, 10x, 100x consumed shards at the same traffic rate, "
-            "adds a new window, and runs the cycle's data steps on each: wall time, bytes "
-            "read from S3, objects listed. Needs the S3 server (`tide stack up`); removes "
-            "its own objects."
-        ),
-    )
-    bench_cycle.add_argument("--json", type=Path, help="write the results to this file")
-    bench_cycle.add_argument(
-        "--scales", type=int, nargs="+", default=[1, 10, 100], help="older-lake sizes"
-    )
-    bench_cycle.add_argument(
-        "--older-shards", type=int, default=24, help="older shards at 1x (over the lookback)"
-    )
-    bench_cycle.set_defaults(handler=_bench_cycle)
-
-
-def _add_bench_train(bench: Commands) -> None:
-    """``tide bench train``."""
-    bench_train = bench.add_parser(
-        "train",
-        help="draft training tokens/s on captured states vs recomputing them; peak memory",
-        description=(
-            "Needs the S3 server up (`tide stack up`): captures go through the real lake. "
-            "Builds the demo target if it is not cached. Reports the demo target and a "
-            "random-weight target shaped like Llama-3.1-8B scaled down."
-        ),
-    )
-    bench_train.add_argument("--json", type=Path, help="write the results to this file")
-    bench_train.add_argument(
-        "--target", type=Path, help="demo target dir (default: .tide/targets/demo)"
-    )
-    bench_train.add_argument("--samples", type=int, default=64, help="captured requests")
-    bench_train.add_argument("--steps", type=int, default=16, help="optimizer steps per mode")
-    bench_train.set_defaults(handler=_bench_train)
-
-
-def _add_bench_serve(bench: Commands) -> None:
-    """``tide bench serve``."""
-    bench_serve = bench.add_parser(
-        "serve",
-        help=(
-            "capture overhead; fixed-k, adaptive-k and plain tokens/s side by side, with the "
-            "k adaptive chose; accept length; swap latency"
-        ),
-        description=(
-            "Needs the S3 server up (capture writes to the lake). Without --draft, bootstraps a "
-            "draft from the demo target's own greedy answers to English prompts (~3 minutes)."
-        ),
-    )
-    bench_serve.add_argument("--json", type=Path, help="write the results to this file")
-    bench_serve.add_argument("--target", type=Path, help="target dir (default: .tide/targets/demo)")
-    bench_serve.add_argument("--draft", type=Path, help="exported draft to serve")
-    bench_serve.add_argument("--prompts", type=int, default=24, help="held-out prompts per pair")
-    bench_serve.add_argument(
-        "--max-new-tokens", type=int, default=48, help="tokens generated per request"
-    )
-    bench_serve.add_argument(
-        "--speculative-num-steps", type=int, default=4, help="k, and adaptive k's largest"
-    )
-    bench_serve.add_argument(
-        "--warmup", type=int, default=4, help="untimed requests per engine before measuring"
-    )
-    bench_serve.set_defaults(handler=_bench_serve)
-
-
-def _add_bench_adaptation(bench: Commands) -> None:
-    """``tide bench adaptation``."""
-    bench_adaptation = bench.add_parser(
-        "adaptation",
-        help="the TIDE loop headless on a workload: AL per draft/segment/k, ratios, tokens/s",
-        description=(
-            "Workload: JSONL, one request per line in arrival order, "
-            '{"prompt": ..., "segment": ..., "max_new_tokens": ...}; the last segment to appear '
-            "is the new traffic (one segment: a workload without shift). Needs the S3 and "
-            "MLflow servers up (`tide stack up`)."
-        ),
-    )
-    bench_adaptation.add_argument(
-        "--workload",
-        type=Path,
-        required=True,
-        help="JSONL, one request per line in arrival order (`tide workload demo` writes one)",
-    )
-    bench_adaptation.add_argument("--json", type=Path, help="write the results to this file")
-    bench_adaptation.add_argument("--target", type=Path, help="default: .tide/targets/demo")
-    bench_adaptation.add_argument(
-        "--cycle-tokens", type=int, default=1500, help="new tokens per cycle"
-    )
-    bench_adaptation.add_argument(
-        "--max-new-tokens", type=int, default=48, help="tokens per request without its own"
-    )
-    bench_adaptation.add_argument(
-        "--labels",
-        action="store_true",
-        help="send each request's segment as a client label (custom_labels); "
-        "default: unlabelled, segments come from the cycles' clusters",
-    )
-    bench_adaptation.set_defaults(handler=_bench_adaptation)
 
 
 def _add_target(commands: Commands) -> None:
@@ -741,7 +437,7 @@ def _add_train(commands: Commands) -> None:
     train.add_argument("--after", help="with --lake-target: only shards after this watermark")
     train.add_argument("--parent", type=Path, help="exported draft to warm-start from")
     train.add_argument("--mlflow-run-id", help="log per-step metrics to this MLflow run")
-    _add_config_options(train, TrainConfig)
+    add_config_options(train, TrainConfig)
     train.set_defaults(handler=_train)
 
 
@@ -757,7 +453,7 @@ def _add_serve(commands: Commands) -> None:
             "lake configured by TIDE_STORE__* / TIDE_LAKE__*."
         ),
     )
-    _add_config_options(serve, ServeConfig)
+    add_config_options(serve, ServeConfig)
     serve.set_defaults(handler=_serve)
 
 
@@ -840,60 +536,6 @@ def _add_eval(commands: Commands) -> None:
         "--max-new-tokens", type=int, default=64, help="tokens generated per request"
     )
     online.set_defaults(handler=_eval)
-
-
-def _add_workload(commands: Commands) -> None:
-    """``tide workload demo|segments``."""
-    workload = commands.add_parser("workload", help="workload files").add_subparsers(
-        dest="action", required=True, metavar="ACTION"
-    )
-    workload_demo = workload.add_parser("demo", help="English then Korean conversation (JSONL)")
-    workload_demo.add_argument("--out", type=Path, required=True, help="JSONL file to write")
-    workload_demo.add_argument("--english", type=int, default=60, help="English requests first")
-    workload_demo.add_argument("--korean", type=int, default=120, help="Korean requests then")
-    workload_demo.set_defaults(handler=_workload_demo)
-    workload_segments = workload.add_parser(
-        "segments",
-        help="segments arriving in turn, from the packaged corpora (JSONL)",
-        description=(
-            "Segments: english (conversation), english-docs (Python documentation), "
-            "korean (conversation), korean-law (Korean law). A document request is its first "
-            "words; the target continues it."
-        ),
-    )
-    workload_segments.add_argument("--out", type=Path, required=True, help="JSONL file to write")
-    workload_segments.add_argument(
-        "--plan",
-        default="english:60,english-docs:60,korean:100,korean-law:60",
-        help="SEGMENT:REQUESTS,... in arrival order",
-    )
-    workload_segments.add_argument(
-        "--max-new-tokens", type=int, default=48, help="tokens generated per request"
-    )
-    workload_segments.set_defaults(handler=_workload_segments)
-
-
-def _add_demo(commands: Commands) -> None:
-    """``tide demo``."""
-    demo = commands.add_parser(
-        "demo",
-        help="the TIDE loop on this machine, driven by the Airflow scheduler",
-        description=(
-            "Starts the stack and a fleet of reference engines serving a static English "
-            "draft with capture on, replays Korean conversations against it, and lets "
-            "the Airflow scheduler run tide_adaptation cycle after cycle while a live "
-            "table shows the acceptance length of the serving draft and of the static "
-            "draft on the same traffic. Writes a JSON summary and a PNG at the end."
-        ),
-    )
-    from tide_lib.orchestration.demo import DemoSettings  # noqa: PLC0415
-
-    _add_config_options(demo, DemoSettings)
-    demo.add_argument("--json", type=Path, default=Path("bench/demo.json"), help="summary")
-    demo.add_argument("--plot", type=Path, default=Path("bench/demo.png"), help="PNG plot")
-    demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")
-    demo.add_argument("--keep-running", action="store_true", help="leave the stack running on exit")
-    demo.set_defaults(handler=_demo)
 
 
 def _one_line(error: BaseException) -> str:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from tests.prometheus import samples
 from tide_lib.serving import sglang_plugin
-from tide_lib.serving.engine import _Counters
+from tide_lib.serving.engine import EngineCounters
 from tide_lib.serving.k_policy import KController
 from tide_lib.serving.metrics import EngineMetrics
 
@@ -25,7 +25,7 @@ _SERIES = re.compile(r"\b((?:sglang|tide):[a-z_]+)")
 def _engine_series() -> set[str]:
     engine = SimpleNamespace(
         target_id="demo",
-        counters=_Counters(),
+        counters=EngineCounters(),
         writer=None,
         speculative=True,
         k_controller=KController(3, adaptive=True),
@@ -56,7 +56,7 @@ def test_every_series_on_the_dashboard_is_exported() -> None:
 
 def test_acceptance_series_of_old_versions_are_dropped() -> None:
     """Versions are named by whoever swaps drafts: the series stay bounded."""
-    engine = SimpleNamespace(target_id="demo", counters=_Counters(), writer=None)
+    engine = SimpleNamespace(target_id="demo", counters=EngineCounters(), writer=None)
     metrics = EngineMetrics(engine)  # type: ignore[arg-type]
     for version in ["1", "2", "3", "4", "4", "5"]:
         metrics.observe_accept_length("demo", version, 2.0)

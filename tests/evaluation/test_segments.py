@@ -175,9 +175,9 @@ def test_a_segmenter_of_another_hidden_size_says_to_refit() -> None:
 def test_a_segmenter_with_no_clusters_reads_back() -> None:
     """All traffic labelled: the cycle stores a segmenter without clusters, and every later
     step of the cycle (the export) reads it back."""
-    from tide_lib.evaluation.segments import _empty
+    from tide_lib.evaluation.segments import empty_segmenter
 
-    empty = Segmenter.from_json(_empty().to_json())
+    empty = Segmenter.from_json(empty_segmenter().to_json())
     assert empty.num_clusters == 0
 
 

@@ -6,6 +6,7 @@ the extra exactly so, with the project's constraints, into a new virtual environ
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -37,9 +38,18 @@ def test_capture_extra_installs_the_plugin_and_nothing_of_airflow(tmp_path: Path
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
+    # Built from a copy: a build in the checkout would leave build/ and tide.egg-info
+    # there, and an egg-info beside the tests shadows the editable install's metadata.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    shutil.copytree(
+        ROOT / "tide_lib", source / "tide_lib", ignore=shutil.ignore_patterns("__pycache__")
+    )
     install = [str(python), "-m", "pip", "install", "--quiet", "-c", str(ROOT / "constraints.txt")]
     result = subprocess.run(
-        [*install, f"{ROOT}[capture]"], capture_output=True, text=True, timeout=1100, check=False
+        [*install, f"{source}[capture]"], capture_output=True, text=True, timeout=1100, check=False
     )
     assert result.returncode == 0, result.stderr[-3000:]
     check = subprocess.run(

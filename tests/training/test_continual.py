@@ -25,12 +25,12 @@ from tide_lib.training.draft import build_vocab_mapping, count_output_tokens, lo
 from tide_lib.training.schedule import step_plan
 from tide_lib.training.selection import Evaluation, Selection, split_held_out
 from tide_lib.training.trainer import (
-    _Eagle3Objective,
-    _initial_draft,
-    _sample_index,
+    Eagle3Objective,
     draw_counts,
+    initial_draft,
     list_samples,
     load_sample,
+    sample_index,
     train_draft,
 )
 
@@ -75,7 +75,7 @@ def test_draw_counts_are_what_the_sampler_draws() -> None:
     for total, samples, seed in ((0, 5, 0), (7, 5, 1), (23, 7, 3), (40, 4, 0)):
         drawn = [0] * samples
         for index in range(total):
-            drawn[_sample_index(index, samples, seed)] += 1
+            drawn[sample_index(index, samples, seed)] += 1
         assert draw_counts(total, samples, seed) == drawn
 
 
@@ -187,7 +187,7 @@ def test_the_vocabulary_follows_the_mix_and_keeps_shared_rows(
     parent_targets = (torch.arange(champion.d2t.numel()) + champion.d2t).tolist()
     for replay_draws in (1, 5):  # replay drawn once vs five times per window draw
         draws = [replay_draws if is_replay else 1 for is_replay in replay]
-        draft = _initial_draft(samples, draws, tiny_target, BASE, champion)
+        draft = initial_draft(samples, draws, tiny_target, BASE, champion)
         counts = count_output_tokens((load_sample(p) for p in samples), draws)
         d2t, t2d = build_vocab_mapping(counts, 256, champion.config.vocab_size, keep=parent_targets)
         assert torch.equal(draft.d2t, d2t) and torch.equal(draft.t2d, t2d)
@@ -223,7 +223,7 @@ def test_distillation_on_real_drafts_vanishes_at_the_parent_and_a_step_reduces_i
 ) -> None:
     champion = load_draft(parent, tiny_target)
     student = copy.deepcopy(champion)
-    objective = _Eagle3Objective(student, tiny_target, BASE, teacher=champion)
+    objective = Eagle3Objective(student, tiny_target, BASE, teacher=champion)
     raw = load_sample(list_samples(mix / "replay")[0])
 
     output, kl = objective.forward(raw, "same", distill=True)

@@ -77,11 +77,11 @@ def test_a_checkpoint_from_the_lake_cannot_run_code(tmp_path: Path) -> None:
     a pickle that runs code on load is refused, not executed."""
     import pickle
 
-    from tide_lib.training.trainer import _load_checkpoint
+    from tide_lib.training.trainer import load_checkpoint
 
     marker = tmp_path / "ran"
     evil = tmp_path / "step-00000004.pt"
     torch.save({"step": 4, "payload": _Payload(marker)}, evil)
     with pytest.raises(pickle.UnpicklingError):
-        _load_checkpoint(evil)
+        load_checkpoint(evil)
     assert not marker.exists()

@@ -20,12 +20,12 @@ from tide_lib.training.draft import (
     validate_draft_dir,
 )
 from tide_lib.training.trainer import (
+    TargetFeatures,
     TrainResult,
-    _remap_vocabulary,
-    _TargetFeatures,
     evaluate_draft,
     list_samples,
     load_sample,
+    remap_vocabulary,
     train_draft,
 )
 
@@ -217,7 +217,7 @@ def test_window_vocabulary_keeps_rows_of_shared_tokens(
     d2t = torch.tensor(new_targets) - torch.arange(len(new_targets))
     t2d = torch.zeros_like(draft.t2d)
     t2d[new_targets] = True
-    _remap_vocabulary(draft, d2t, t2d)
+    remap_vocabulary(draft, d2t, t2d)
     for new_row, token in enumerate(new_targets):
         assert torch.equal(draft.lm_head.weight[new_row], before[old_targets.index(token)])
 
@@ -226,7 +226,7 @@ def test_recomputed_features_equal_captured_ones(
     tiny_target: Path, captured: dict[str, Path]
 ) -> None:
     sample = load_sample(list_samples(captured["en_heldout"])[0])
-    recomputed = _TargetFeatures(tiny_target, torch.device("cpu"))(sample)
+    recomputed = TargetFeatures(tiny_target, torch.device("cpu"))(sample)
     assert torch.allclose(
         recomputed["hidden_state"].half().float(), sample["hidden_state"].float(), atol=1e-2
     )

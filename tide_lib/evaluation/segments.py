@@ -177,7 +177,7 @@ def fit_segmenter(
     points = [points[i] for i in clustered]
     weights = [weights[i] for i in clustered]
     if not points:
-        base = previous or _empty()
+        base = previous or empty_segmenter()
         return dataclasses.replace(base, labels=kept)
     data, mass = np.stack(points), np.asarray(weights)
     usable = previous if previous is not None and _same_width(previous, data) else None
@@ -205,7 +205,8 @@ def fit_segmenter(
     return segmenter
 
 
-def _empty() -> Segmenter:
+def empty_segmenter() -> Segmenter:
+    """A segmenter without clusters: what a cycle stores when all its traffic is labelled."""
     return Segmenter(np.zeros((0, 0)), (), (), ())
 
 

@@ -652,14 +652,14 @@ def _champion_baseline(
             figures = {str(s): float(v) for s, v in stored["accept_length"].items()}
             return figures, {str(s): float(v) for s, v in stored.get("margins", {}).items()}
     judged = decision_from_tags(dict(champion.tags or {}), config.gate.k)
-    baseline = _evidenced(judged.challenger, judged.protected) if judged is not None else {}
+    baseline = evidenced_figures(judged.challenger, judged.protected) if judged is not None else {}
     if not baseline:
         return {}, {}
     _store_baseline(config, champion.version, baseline, "gate")
     return baseline, {}
 
 
-def _evidenced(figures: dict[str, float], protected: tuple[str, ...]) -> dict[str, float]:
+def evidenced_figures(figures: dict[str, float], protected: tuple[str, ...]) -> dict[str, float]:
     """The figures a baseline may hold: those of segments the gate protected, i.e. measured
     on enough held-out requests (a one-request figure of 4.0 is no baseline to drift from)."""
     return {segment: value for segment, value in figures.items() if segment in protected}
@@ -952,7 +952,7 @@ def _keep_champion_baseline(
     if decision.promote or not decision.champion or champion is None:
         return
     if champion.version != version and not _champion_baseline(config, registry, champion)[0]:
-        baseline = _evidenced(decision.champion, decision.protected)
+        baseline = evidenced_figures(decision.champion, decision.protected)
         if baseline:
             _store_baseline(config, champion.version, baseline, "gate: held its place")
 

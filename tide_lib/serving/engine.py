@@ -91,7 +91,7 @@ class EngineResult:
 
 
 @dataclasses.dataclass
-class _Counters:
+class EngineCounters:
     requests: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -150,7 +150,7 @@ class Engine:
             min_gain=serve.speculative_adaptive_min_gain,
         )
         self.writer = self._capture_writer(config) if serve.capture else None
-        self.counters = _Counters()
+        self.counters = EngineCounters()
         self.metrics = EngineMetrics(self)
         self._lock = threading.Lock()
         self._queue: queue.Queue[Any] = queue.Queue()

@@ -192,7 +192,7 @@ class TargetHead(torch.nn.Module):
         return result
 
 
-class _TargetFeatures:
+class TargetFeatures:
     """Recomputes a sample's target states from its token ids (the no-reuse baseline)."""
 
     def __init__(self, target_dir: Path, device: torch.device) -> None:
@@ -231,7 +231,7 @@ class _Teacher:
         )
 
 
-class _Eagle3Objective:
+class Eagle3Objective:
     """SpecForge's EAGLE3 TTT objective around one draft, on one device.
 
     With a ``teacher`` (the parent), :meth:`forward` can also return the
@@ -258,7 +258,7 @@ class _Eagle3Objective:
             self.model = torch.nn.parallel.DistributedDataParallel(self.model)
         self.head = TargetHead(target_dir).to(self.device)
         self.recompute = (
-            _TargetFeatures(target_dir, self.device) if config.features == "recompute" else None
+            TargetFeatures(target_dir, self.device) if config.features == "recompute" else None
         )
         self.strategy = Eagle3TrainStrategy(
             self.model, target_head=self.head, ploss_decay=config.ploss_decay
@@ -323,7 +323,7 @@ class _Accuracy:
         return [c / max(d, 1e-6) for c, d in zip(self.corrects, self.denoms, strict=True)]
 
 
-def _sample_index(global_index: int, num_samples: int, seed: int) -> int:
+def sample_index(global_index: int, num_samples: int, seed: int) -> int:
     epoch, offset = divmod(global_index, num_samples)
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return int(torch.randperm(num_samples, generator=generator)[offset])
@@ -400,7 +400,7 @@ def _run_fingerprint(
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _remap_vocabulary(draft: Any, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+def remap_vocabulary(draft: Any, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     """Adopt a new vocabulary mapping, keeping the lm_head rows of tokens both mappings share."""
     old_targets = draft_tokens(draft.d2t)
     new_targets = draft_tokens(d2t)
@@ -417,7 +417,7 @@ def _remap_vocabulary(draft: Any, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         draft.t2d.copy_(t2d)
 
 
-def _initial_draft(
+def initial_draft(
     samples: list[Path],
     draws: list[int],
     target_dir: Path,
@@ -446,7 +446,7 @@ def _initial_draft(
             keep=draft_tokens(parent.d2t).tolist(),
         )
         kept = int((t2d & parent.t2d.cpu()).sum())
-        _remap_vocabulary(draft, d2t, t2d)
+        remap_vocabulary(draft, d2t, t2d)
         logger.info(
             "warm start, draft vocabulary rebuilt from the training mix: %d of %d tokens kept",
             kept,
@@ -457,7 +457,7 @@ def _initial_draft(
     return draft
 
 
-def _load_checkpoint(path: Path) -> dict[str, Any]:
+def load_checkpoint(path: Path) -> dict[str, Any]:
     """A checkpoint, tensors and plain values only: checkpoints come back from the lake
     bucket, which serving hosts can write, and must never run code when loaded."""
     state: dict[str, Any] = torch.load(path, weights_only=True)
@@ -500,7 +500,7 @@ def _resume(
     latest = _latest_checkpoint(checkpoint_dir)
     if latest is None:
         return None
-    state = _load_checkpoint(latest)
+    state = load_checkpoint(latest)
     if state["fingerprint"] != fingerprint:
         if on_stale_checkpoint is None:
             raise RuntimeError(
@@ -590,10 +590,10 @@ def train_draft(
 
     parent = load_draft(parent_dir, target_dir) if parent_dir is not None else None
     draws = draw_counts(plan.steps * plan.batch_size * world, len(train_samples), config.seed)
-    draft = _initial_draft(train_samples, draws, target_dir, config, parent)
+    draft = initial_draft(train_samples, draws, target_dir, config, parent)
     splits = [sample_split(data_dir, path) for path in train_samples]
     distill = parent is not None and config.distill_weight > 0 and REPLAY in splits
-    objective = _Eagle3Objective(draft, target_dir, config, teacher=parent if distill else None)
+    objective = Eagle3Objective(draft, target_dir, config, teacher=parent if distill else None)
     trainable = [p for p in objective.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=plan.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -749,7 +749,7 @@ class _Run:
 
     config: TrainConfig
     plan: StepPlan
-    objective: _Eagle3Objective
+    objective: Eagle3Objective
     samples: list[Path]
     splits: list[str]
     rank: int
@@ -764,7 +764,7 @@ class _Run:
         distilled = 0
         accuracy = _Accuracy()
         for slot in range(self.rank, batch * world, world):
-            index = _sample_index(step * batch * world + slot, len(self.samples), self.config.seed)
+            index = sample_index(step * batch * world + slot, len(self.samples), self.config.seed)
             raw = load_sample(self.samples[index])
             replay = self.splits[index] == REPLAY
             output, kl = self.objective.forward(raw, self.samples[index].name, distill=replay)
@@ -856,7 +856,7 @@ def evaluate_draft(
         if draft_dir is None:
             raise ValueError("give a draft directory or a draft model")
         draft = load_draft(draft_dir, target_dir)
-    objective = _Eagle3Objective(draft, target_dir, config)
+    objective = Eagle3Objective(draft, target_dir, config)
     objective.model.eval()
     accuracy = _Accuracy()
     for path in list_samples(data_dir):

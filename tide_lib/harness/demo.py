@@ -93,7 +93,7 @@ def _static_draft(
     target_dir: Path, work_dir: Path, settings: DemoSettings, train: TrainConfig
 ) -> Path:
     """The draft trained on English only, cached: TIDE starts from it."""
-    from tide_lib.serving.bench import bootstrap_draft  # noqa: PLC0415
+    from tide_lib.harness.serve_bench import bootstrap_draft  # noqa: PLC0415
     from tide_lib.target import load_corpus, render_prompt  # noqa: PLC0415
     from tide_lib.training.draft import InvalidCheckpointError, validate_draft_dir  # noqa: PLC0415
 

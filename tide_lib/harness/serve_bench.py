@@ -74,14 +74,14 @@ def bootstrap_draft(
     return train_draft(data, target_dir, out_dir / "bootstrap-run", train).draft_dir
 
 
-def _engine(config: TideConfig, target: Path, draft: Path, **serve: Any) -> Engine:
+def reference_engine(config: TideConfig, target: Path, draft: Path, **serve: Any) -> Engine:
     settings = config.serve.model_copy(
         update={"model_path": target, "speculative_draft_model_path": str(draft), **serve}
     )
     return Engine(config.model_copy(update={"serve": settings}))
 
 
-def _warm_up(engines: dict[str, Engine], prompts: list[list[int]], max_new_tokens: int) -> None:
+def warm_up(engines: dict[str, Engine], prompts: list[list[int]], max_new_tokens: int) -> None:
     """Untimed requests: first calls pay one-off allocation costs, adaptive k learns."""
     for index, ids in enumerate(prompts):
         for name, engine in engines.items():
@@ -89,7 +89,7 @@ def _warm_up(engines: dict[str, Engine], prompts: list[list[int]], max_new_token
             engine.submit(request).result()
 
 
-def _side_by_side(
+def side_by_side(
     engines: dict[str, Engine], prompts: list[list[int]], max_new_tokens: int
 ) -> dict[str, dict[str, float]]:
     totals = {
@@ -176,13 +176,13 @@ def run_serve_bench(
             )
         lake = config.lake.model_copy(update={"spool_dir": work / "spool", "prefix": "bench-serve"})
         config = config.model_copy(update={"lake": lake})
-        capture_on = _engine(
+        capture_on = reference_engine(
             config, target_dir, draft_dir, capture=True, speculative_num_steps=num_steps
         )
-        capture_off = _engine(
+        capture_off = reference_engine(
             config, target_dir, draft_dir, capture=False, speculative_num_steps=num_steps
         )
-        adaptive = _engine(
+        adaptive = reference_engine(
             config,
             target_dir,
             draft_dir,
@@ -190,15 +190,17 @@ def run_serve_bench(
             speculative_num_steps=num_steps,
             speculative_adaptive=True,
         )
-        plain = _engine(config, target_dir, draft_dir, capture=False, disable_speculation=True)
+        plain = reference_engine(
+            config, target_dir, draft_dir, capture=False, disable_speculation=True
+        )
         engines = {"on": capture_on, "spec": capture_off, "adaptive": adaptive, "plain": plain}
         try:
             ids = [capture_off.encode(prompt) for prompt in eval_prompts[:prompts]]
             warm = [capture_off.encode(prompt) for prompt in train_prompts[: max(warmup, 1)]]
-            _warm_up(engines, warm, max_new_tokens)
-            capture = _side_by_side({"on": capture_on, "off": capture_off}, ids, max_new_tokens)
+            warm_up(engines, warm, max_new_tokens)
+            capture = side_by_side({"on": capture_on, "off": capture_off}, ids, max_new_tokens)
             warm_by_k = adaptive.k_controller.snapshot()["requests_by_k"]
-            speculation = _side_by_side(
+            speculation = side_by_side(
                 {"spec": capture_off, "adaptive": adaptive, "plain": plain}, ids, max_new_tokens
             )
             chosen = adaptive.k_controller.snapshot()

@@ -341,25 +341,29 @@ def _timing(
 ) -> dict[str, float]:
     """Output tokens/s of static, final adapted (fixed and adaptive k) and plain decoding,
     side by side on the same prompts."""
-    from tide_lib.serving.bench import _engine, _side_by_side, _warm_up  # noqa: PLC0415
+    from tide_lib.harness.serve_bench import reference_engine, side_by_side, warm_up  # noqa: PLC0415
 
     static = loop.versions["static"]
     engines = {
-        "static": _engine(loop.config, target_dir, static, capture=False),
-        "adapted": _engine(loop.config, target_dir, loop.versions[loop.champion], capture=False),
-        "adapted_adaptive_k": _engine(
+        "static": reference_engine(loop.config, target_dir, static, capture=False),
+        "adapted": reference_engine(
+            loop.config, target_dir, loop.versions[loop.champion], capture=False
+        ),
+        "adapted_adaptive_k": reference_engine(
             loop.config,
             target_dir,
             loop.versions[loop.champion],
             capture=False,
             speculative_adaptive=True,
         ),
-        "plain": _engine(loop.config, target_dir, static, capture=False, disable_speculation=True),
+        "plain": reference_engine(
+            loop.config, target_dir, static, capture=False, disable_speculation=True
+        ),
     }
     try:
         ids = [engines["static"].encode(prompt) for prompt in prompts]
-        _warm_up(engines, ids[:4], max_new_tokens)  # adaptive k learns its costs first
-        totals = _side_by_side(engines, ids, max_new_tokens)
+        warm_up(engines, ids[:4], max_new_tokens)  # adaptive k learns its costs first
+        totals = side_by_side(engines, ids, max_new_tokens)
     finally:
         for engine in engines.values():
             engine.close()
@@ -385,8 +389,8 @@ def run_adaptation_bench(
     With ``labels`` the engine is told each request's segment (a client label);
     without, segments come from the cycle's segmenter, as for unlabelled traffic.
     """
+    from tide_lib.harness.serve_bench import bootstrap_draft, reference_engine  # noqa: PLC0415
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
-    from tide_lib.serving.bench import _engine, bootstrap_draft  # noqa: PLC0415
     from tide_lib.target import build_target  # noqa: PLC0415
 
     requests = load_workload(workload)
@@ -414,7 +418,7 @@ def run_adaptation_bench(
         registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
         registry.seed_champion(static_dir)
         loop = _Loop(run_config, registry, work, {"static": static_dir})
-        engine = _engine(
+        engine = reference_engine(
             run_config,
             target_dir,
             static_dir,

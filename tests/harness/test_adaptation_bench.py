@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tide_lib.config import TideConfig, TrainConfig
-from tide_lib.orchestration.bench import WorkloadError, load_workload, run_adaptation_bench
+from tide_lib.harness.adaptation_bench import WorkloadError, load_workload, run_adaptation_bench
 from tide_lib.target import load_corpus, render_prompt
 
 

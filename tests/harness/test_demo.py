@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DEMO_ENGINE_PORTS, DEMO_STACK_PORTS, stack_config
-from tide_lib.orchestration.demo import DemoSettings, run_demo
+from tide_lib.harness.demo import DemoSettings, run_demo
 from tide_lib.stack import StackManager
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tide_lib.config import TideConfig
-from tide_lib.training.bench import TrainBenchParams, run_train_bench
+from tide_lib.harness.train_bench import TrainBenchParams, run_train_bench
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tide_lib.config import TideConfig
-from tide_lib.serving.bench import run_serve_bench
+from tide_lib.harness.serve_bench import run_serve_bench
 
 pytestmark = pytest.mark.slow
 
