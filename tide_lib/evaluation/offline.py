@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from tide_lib.evaluation.gate import t95
+from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.speculative import DraftRunner
 
 __all__ = [
@@ -97,26 +98,6 @@ def replay_sample(raw: Mapping[str, Any]) -> ReplaySample:
         hidden_state=raw["hidden_state"].reshape(-1, raw["hidden_state"].shape[-1]),
         aux_hidden_state=raw["aux_hidden_state"].reshape(-1, raw["aux_hidden_state"].shape[-1]),
     )
-
-
-@dataclasses.dataclass
-class AcceptanceCount:
-    """Pooled counts of one segment at one k, and each request's ``(emitted, verify)``."""
-
-    emitted: int = 0
-    verify_steps: int = 0
-    requests: int = 0
-    per_request: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-    def add(self, emitted: int, verify_steps: int) -> None:
-        self.emitted += emitted
-        self.verify_steps += verify_steps
-        self.requests += 1
-        self.per_request.append((emitted, verify_steps))
-
-    @property
-    def accept_length(self) -> float:
-        return self.emitted / self.verify_steps if self.verify_steps else 0.0
 
 
 def significant_drop(

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from pydantic import SecretStr
 
+from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.fleet import EngineClient
 
 __all__ = ["OnlineResult", "online_acceptance"]
@@ -33,12 +34,11 @@ def online_acceptance(
 ) -> OnlineResult:
     """Send ``prompts`` one by one; pool acceptance length from each response's ``meta_info``."""
     client = EngineClient(url, api_key=api_key)
-    emitted = verify = tokens = 0.0
+    count, tokens = AcceptanceCount(), 0
     started = time.perf_counter()
     for prompt in prompts:
         meta = client.generate(prompt, max_new_tokens, temperature)["meta_info"]
-        verify += meta["spec_verify_ct"]
-        emitted += meta["spec_accept_length"] * meta["spec_verify_ct"]
+        count.add_meta(meta)
         tokens += meta["completion_tokens"]
     seconds = time.perf_counter() - started
     info = client.server_info()
@@ -46,7 +46,7 @@ def online_acceptance(
         url=url,
         weight_version=client.weight_version(),
         requests=len(prompts),
-        accept_length=emitted / verify if verify else 0.0,
+        accept_length=count.accept_length,
         output_tokens_per_s=tokens / seconds if seconds else 0.0,
         server_avg_accept_length=(info.get("internal_states") or [{}])[0].get(
             "avg_spec_accept_length"

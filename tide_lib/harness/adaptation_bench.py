@@ -367,7 +367,7 @@ def _timing(
     finally:
         for engine in engines.values():
             engine.close()
-    return {name: t["tokens"] / t["seconds"] for name, t in totals.items()}
+    return {name: run.tokens_per_s for name, run in totals.items()}
 
 
 def run_adaptation_bench(

@@ -33,6 +33,7 @@ from pydantic import Field
 
 from tide_lib.config import StrictModel, TideConfig, TrainConfig, secrets_dir
 from tide_lib.names import Tags
+from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.stack.airflow_api import AirflowAPI
 
 __all__ = ["DemoSettings", "run_demo"]
@@ -221,14 +222,15 @@ class _Meter:
             return None
         samples = list(self.reader.iter_samples(shards))
         self.after = shards[-1].key  # only once read: a store hiccup retries them next time
-        verify = sum(sample.spec_verify_ct for sample in samples)
-        if not verify:
+        serving = AcceptanceCount(keep_requests=False)
+        for sample in samples:
+            serving.add_accepted(sample.spec_accept_tokens, sample.spec_verify_ct)
+        if not serving.verify_steps:
             return None
-        accepted = sum(sample.spec_accept_tokens for sample in samples)
         static = offline_acceptance(self.static, self.target_dir, {"new": samples}, [self.k])
         return {
             "requests": len(samples),
-            "serving": (accepted + verify) / verify,
+            "serving": serving.accept_length,
             "static": static["new"][self.k].accept_length,
             "versions": sorted({sample.draft_version for sample in samples}),
         }

@@ -16,6 +16,7 @@ untimed warm-up requests (training prompts), so the figures are steady state.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import tempfile
@@ -28,6 +29,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tide_lib.config import TideConfig, TrainConfig
+from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.engine import Engine, EngineRequest
 from tide_lib.serving.speculative import SpeculativeDecoder
 from tide_lib.target import build_target, load_corpus, render_prompt
@@ -89,22 +91,34 @@ def warm_up(engines: dict[str, Engine], prompts: list[list[int]], max_new_tokens
             engine.submit(request).result()
 
 
+@dataclasses.dataclass
+class EngineRun:
+    """What one engine did in :func:`side_by_side`: output tokens, seconds, acceptance."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    acceptance: AcceptanceCount = dataclasses.field(default_factory=AcceptanceCount)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
 def side_by_side(
     engines: dict[str, Engine], prompts: list[list[int]], max_new_tokens: int
-) -> dict[str, dict[str, float]]:
-    totals = {
-        name: {"tokens": 0.0, "seconds": 0.0, "verify": 0.0, "emitted": 0.0} for name in engines
-    }
+) -> dict[str, EngineRun]:
+    """Each prompt on every engine, in alternating order (neither warms the other's cache)."""
+    totals = {name: EngineRun() for name in engines}
     names = list(engines)
     for index, ids in enumerate(tqdm(prompts, desc=" vs ".join(names), unit="req")):
         for name in names if index % 2 == 0 else reversed(names):
             request = EngineRequest(ids, max_new_tokens, 0.0, None, f"bench-{name}-{index}")
             started = time.perf_counter()
             result = engines[name].submit(request).result()
-            totals[name]["seconds"] += time.perf_counter() - started
-            totals[name]["tokens"] += result.completion_tokens
-            totals[name]["verify"] += result.spec_verify_ct
-            totals[name]["emitted"] += result.spec_accept_length * result.spec_verify_ct
+            run = totals[name]
+            run.seconds += time.perf_counter() - started
+            run.tokens += result.completion_tokens
+            run.acceptance.add_pooled(result.spec_accept_length, result.spec_verify_ct)
     return totals
 
 
@@ -210,8 +224,8 @@ def run_serve_bench(
             for engine in engines.values():
                 engine.close()
 
-    def rate(figures: dict[str, float]) -> float:
-        return figures["tokens"] / figures["seconds"]
+    def rate(run: EngineRun) -> float:
+        return run.tokens_per_s
 
     spec = speculation["spec"]
     result: dict[str, Any] = {
@@ -231,7 +245,7 @@ def run_serve_bench(
             "acceptance": chosen["acceptance"],
             "costs": chosen["costs"],
         },
-        "accept_length": spec["emitted"] / spec["verify"] if spec["verify"] else 0.0,
+        "accept_length": spec.acceptance.accept_length,
         "swap_seconds": swap_seconds,
         "failed_requests": failed,
         "swap_load_requests": swap_requests,

@@ -43,6 +43,7 @@ from tide_lib.errors import TideError
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
 from tide_lib.lake.schema import segment_problem, target_limits
 from tide_lib.registry.uris import DraftFetchError
+from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.capture import capture_wanted
 from tide_lib.serving.draft_sources import DraftCache, DraftSources, local_draft
 from tide_lib.serving.k_policy import KController
@@ -95,8 +96,10 @@ class EngineCounters:
     requests: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    verify_steps: int = 0
-    emitted_by_verify: int = 0
+    # since the last swap: what /server_info and /metrics report as the average
+    acceptance: AcceptanceCount = dataclasses.field(
+        default_factory=lambda: AcceptanceCount(keep_requests=False)
+    )
     captured: int = 0
     capture_skipped: int = 0
     swaps: int = 0
@@ -256,9 +259,8 @@ class Engine:
             self.counters.requests += 1
             self.counters.prompt_tokens += len(request.input_ids)
             self.counters.generation_tokens += len(generation.output_ids)
-            self.counters.verify_steps += generation.verify_steps
-            self.counters.emitted_by_verify += (
-                generation.accepted_draft_tokens + generation.verify_steps
+            self.counters.acceptance.add_accepted(
+                generation.accepted_draft_tokens, generation.verify_steps
             )
         if generation.verify_steps:
             self.metrics.observe_accept_length(self.target_id, version, generation.accept_length)
@@ -378,14 +380,13 @@ class Engine:
         self.k_controller.draft_swapped()
         with self._lock:
             self.counters.swaps += 1
-            self.counters.verify_steps = self.counters.emitted_by_verify = 0
+            self.counters.acceptance = AcceptanceCount(keep_requests=False)
         logger.info("serving draft %s as weight version %s", pending.path, pending.version)
         pending.applied.set()
 
     def avg_accept_length(self) -> float:
         with self._lock:
-            steps, emitted = self.counters.verify_steps, self.counters.emitted_by_verify
-        return emitted / steps if steps else 0.0
+            return self.counters.acceptance.accept_length
 
     def close(self) -> None:
         self._queue.put(None)

@@ -29,6 +29,7 @@ import yaml
 from pydantic import SecretStr
 
 from tide_lib.errors import TideError
+from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.auth import bearer_for
 from tide_lib.serving.k_policy import KChoice, recommend_k
 
@@ -480,13 +481,10 @@ class FleetManager:
                 f"{client.url} serves weight version {served}, expected {weight_version}"
             )
         if probe_prompts and min_accept_length is not None:
-            emitted, verify = 0.0, 0
+            count = AcceptanceCount(keep_requests=False)
             for prompt in probe_prompts:
-                meta = client.generate(prompt, max_new_tokens)["meta_info"]
-                steps = meta.get("spec_verify_ct") or 0  # absent before a verify step
-                verify += steps
-                emitted += (meta.get("spec_accept_length") or 0.0) * steps
-            accept_length = emitted / verify if verify else 0.0
+                count.add_meta(client.generate(prompt, max_new_tokens)["meta_info"])
+            accept_length = count.accept_length
             if accept_length < min_accept_length:
                 raise FleetError(
                     f"{client.url} reaches acceptance length {accept_length:.2f} on the probe "
