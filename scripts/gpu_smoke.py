@@ -162,7 +162,7 @@ def _compare_with_teacher_forcing(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tide_lib.target.hidden import HiddenStateCapture
+    from tide_lib.target_model.hidden import HiddenStateCapture
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompt_ids = [tokenizer.encode(prompt) for prompt in prompts]

@@ -127,7 +127,7 @@ def make_record(
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 'tiny' demo target, built once per session (a few seconds)."""
-    from tide_lib.target import build_target
+    from tide_lib.target_model import build_target
 
     path = tmp_path_factory.mktemp("targets") / "tiny"
     build_target(path, preset_name="tiny", seed=0)
@@ -143,8 +143,8 @@ def captured(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tide_lib.target import load_corpus
-    from tide_lib.target.hidden import capture_records
+    from tide_lib.target_model import load_corpus
+    from tide_lib.target_model.hidden import capture_records
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_target)

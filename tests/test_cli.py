@@ -128,8 +128,8 @@ def test_train_from_the_lake(
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tide_lib.target import load_corpus
-    from tide_lib.target.hidden import capture_records
+    from tide_lib.target_model import load_corpus
+    from tide_lib.target_model.hidden import capture_records
     from tide_lib.training.draft import validate_draft_dir
 
     _env(monkeypatch, stack)

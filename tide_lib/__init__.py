@@ -4,7 +4,7 @@ One package per stage of the loop: ``serving`` (engines, the SGLang plugin, the
 fleet), ``lake`` (captured hidden states in S3), ``training`` (SpecForge drafts),
 ``evaluation`` (acceptance length, segments, the gate), ``registry`` (MLflow),
 ``orchestration`` (what the Airflow DAGs call), ``ui`` (the Airflow view); beside
-them ``target`` (the demo's own target model), ``stack`` (the local services) and
+them ``target_model`` (the demo's own target model), ``stack`` (the local services) and
 ``harness`` (benchmarks); ``config``, ``errors``, ``names`` and ``cli`` serve all.
 """
 

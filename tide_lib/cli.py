@@ -245,7 +245,7 @@ def _eval(args: argparse.Namespace, config: TideConfig) -> int:
 
 
 def _target_build(args: argparse.Namespace, _config: TideConfig) -> int:
-    from tide_lib.target import build_target  # noqa: PLC0415
+    from tide_lib.target_model import build_target  # noqa: PLC0415
 
     out = args.out or DEFAULT_TARGETS / args.preset
     info = build_target(out, preset_name=args.preset, seed=args.seed, force=args.force)

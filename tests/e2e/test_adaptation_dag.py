@@ -28,7 +28,7 @@ from tide_lib.orchestration import cycle
 from tide_lib.orchestration.handoff import Decision
 from tide_lib.registry import CHAMPION, DraftRegistry
 from tide_lib.serving.process import EngineProcess
-from tide_lib.target import load_corpus, render_prompt
+from tide_lib.target_model import load_corpus, render_prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 # The engines' SGLang keys; the fleet client of the promote task sends them.

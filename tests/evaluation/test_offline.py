@@ -12,7 +12,7 @@ from tide_lib.config import TideConfig
 from tide_lib.evaluation.offline import offline_acceptance
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.serving.engine import Engine, EngineRequest
-from tide_lib.target import load_corpus, render_prompt
+from tide_lib.target_model import load_corpus, render_prompt
 from tide_lib.training.draft import load_draft
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 
 from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.harness.adaptation_bench import WorkloadError, load_workload, run_adaptation_bench
-from tide_lib.target import load_corpus, render_prompt
+from tide_lib.target_model import load_corpus, render_prompt
 
 
 def test_malformed_workload_lines_are_named(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ from tide_lib.config import TideConfig, load_config
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.registry import CHAMPION, DraftRegistry
 from tide_lib.stack.airflow_api import AirflowAPI
-from tide_lib.target import load_corpus, render_prompt
+from tide_lib.target_model import load_corpus, render_prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.multihost]
 

@@ -177,8 +177,8 @@ def test_a_retried_promote_is_a_no_op_and_finishes_an_interrupted_one(
 def _capture(config: TideConfig, tiny_target: Path, documents: int = 16) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tide_lib.target import load_corpus
-    from tide_lib.target.hidden import capture_records
+    from tide_lib.target_model import load_corpus
+    from tide_lib.target_model.hidden import capture_records
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_target)

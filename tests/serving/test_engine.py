@@ -22,7 +22,7 @@ from tide_lib.config import TideConfig
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.serving.fleet import FleetError, FleetManager, sglang_launch_args
 from tide_lib.serving.process import EngineProcess
-from tide_lib.target import HiddenStateCapture, load_corpus, render_prompt
+from tide_lib.target_model import HiddenStateCapture, load_corpus, render_prompt
 
 pytestmark = pytest.mark.slow
 

@@ -50,7 +50,7 @@ def true_states(tiny_target: Path) -> tuple[list[int], torch.Tensor, torch.Tenso
     """A 20-token sequence and the tiny target's final and aux states of every token."""
     from transformers import AutoModelForCausalLM
 
-    from tide_lib.target.hidden import HiddenStateCapture
+    from tide_lib.target_model.hidden import HiddenStateCapture
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     ids = list(range(5, 25))

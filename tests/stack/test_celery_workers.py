@@ -29,8 +29,8 @@ from tide_lib.orchestration.assets import champion_asset, draft_asset, lake_asse
 from tide_lib.registry import CHAMPION, DraftRegistry
 from tide_lib.stack import SERVICES, StackManager, free_ports
 from tide_lib.stack.airflow_api import AirflowAPI
-from tide_lib.target import load_corpus
-from tide_lib.target.hidden import capture_records
+from tide_lib.target_model import load_corpus
+from tide_lib.target_model.hidden import capture_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 POSTGRES = "postgresql+psycopg2://postgres@127.0.0.1:5432"

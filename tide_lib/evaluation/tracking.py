@@ -12,7 +12,7 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tide_lib.evaluation.gate import (
     GateDecision,
@@ -23,6 +23,9 @@ from tide_lib.evaluation.gate import (
 )
 from tide_lib.evaluation.plot import plot_acceptance
 from tide_lib.registry.uris import logged_model_id
+
+if TYPE_CHECKING:
+    from tide_lib.registry import DraftRegistry, DraftVersion
 
 __all__ = ["log_acceptance_plot", "log_decision", "logged_accept_lengths"]
 
@@ -55,20 +58,12 @@ def log_decision(
     return report
 
 
-def logged_accept_lengths(client: Any, version: Any, k: int) -> dict[str, float]:
+def logged_accept_lengths(
+    registry: DraftRegistry, version: DraftVersion, k: int
+) -> dict[str, float]:
     """Acceptance length per segment at ``k`` that :func:`log_decision` logged for a
-    registered ``version`` (an MLflow ``ModelVersion``): its logged model's metrics of
-    that version's step, else its run's; empty if it was never judged."""
-    model_id = getattr(version, "model_id", None) or logged_model_id(version.source or "")
-    if model_id:
-        logged = client.get_logged_model(model_id).metrics or []
-        step = int(version.version)
-        metrics = {m.key: m.value for m in logged if m.step == step}
-    elif version.run_id:
-        metrics = dict(client.get_run(version.run_id).data.metrics)
-    else:
-        return {}
-    return accept_lengths_from_metrics(metrics, k)
+    registered ``version`` (metrics of its logged model); empty if it was never judged."""
+    return accept_lengths_from_metrics(registry.logged_metrics(version), k)
 
 
 def log_acceptance_plot(

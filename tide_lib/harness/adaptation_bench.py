@@ -90,8 +90,8 @@ WORKLOAD_SEGMENTS: Final = {
 
 def _request_prompt(doc: Any) -> str:
     """A chat turn as the engines are asked it; a document by its first words (continued)."""
-    from tide_lib.target import render_prompt  # noqa: PLC0415
-    from tide_lib.target.build import BOS  # noqa: PLC0415
+    from tide_lib.target_model import render_prompt  # noqa: PLC0415
+    from tide_lib.target_model.build import BOS  # noqa: PLC0415
 
     if doc.is_chat:
         return render_prompt(doc.turns[0])
@@ -104,7 +104,7 @@ def segments_workload(path: Path, plan: list[tuple[str, int]], *, max_new_tokens
     Segment names are the keys of :data:`WORKLOAD_SEGMENTS` (packaged corpora:
     English and Korean conversation, Python documentation, Korean law).
     """
-    from tide_lib.target import load_corpus  # noqa: PLC0415
+    from tide_lib.target_model import load_corpus  # noqa: PLC0415
 
     unknown = [name for name, _ in plan if name not in WORKLOAD_SEGMENTS]
     if unknown:
@@ -391,7 +391,7 @@ def run_adaptation_bench(
     """
     from tide_lib.harness.serve_bench import bootstrap_draft, reference_engine  # noqa: PLC0415
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
-    from tide_lib.target import build_target  # noqa: PLC0415
+    from tide_lib.target_model import build_target  # noqa: PLC0415
 
     requests = load_workload(workload)
     build_target(target_dir, preset_name=preset)

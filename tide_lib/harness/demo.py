@@ -95,7 +95,7 @@ def _static_draft(
 ) -> Path:
     """The draft trained on English only, cached: TIDE starts from it."""
     from tide_lib.harness.serve_bench import bootstrap_draft  # noqa: PLC0415
-    from tide_lib.target import load_corpus, render_prompt  # noqa: PLC0415
+    from tide_lib.target_model import load_corpus, render_prompt  # noqa: PLC0415
     from tide_lib.training.draft import InvalidCheckpointError, validate_draft_dir  # noqa: PLC0415
 
     cached = work_dir / f"static-{settings.preset}" / "bootstrap-run" / "draft"
@@ -263,7 +263,7 @@ def run_demo(
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
     from tide_lib.serving.process import EngineProcess  # noqa: PLC0415
     from tide_lib.stack import StackManager, free_ports  # noqa: PLC0415
-    from tide_lib.target import build_target, load_corpus, render_prompt  # noqa: PLC0415
+    from tide_lib.target_model import build_target, load_corpus, render_prompt  # noqa: PLC0415
 
     started = time.monotonic()
     build_target(target_dir, preset_name=settings.preset)

@@ -32,7 +32,7 @@ from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.engine import Engine, EngineRequest
 from tide_lib.serving.speculative import SpeculativeDecoder
-from tide_lib.target import build_target, load_corpus, render_prompt
+from tide_lib.target_model import build_target, load_corpus, render_prompt
 from tide_lib.training.trainer import train_draft
 
 __all__ = ["HEADLINE_KEYS", "bootstrap_draft", "run_serve_bench"]

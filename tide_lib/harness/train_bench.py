@@ -24,8 +24,8 @@ import torch
 
 from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.lake import LakeReader, LakeWriter, ObjectStore, target_slug
-from tide_lib.target import build_target, load_corpus
-from tide_lib.target.hidden import capture_records
+from tide_lib.target_model import build_target, load_corpus
+from tide_lib.target_model.hidden import capture_records
 from tide_lib.training.trainer import train_draft
 
 __all__ = ["TrainBenchParams", "run_train_bench"]

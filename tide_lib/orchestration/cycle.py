@@ -571,7 +571,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         margins=finite,
         baseline=baseline,
         drifted=sorted(verdict.drifted),
-        saved_train_seconds=None if verdict.drift else _last_training_seconds(registry),
+        saved_train_seconds=None if verdict.drift else registry.last_run_seconds(),
     )
 
 
@@ -688,72 +688,12 @@ def _store_baseline(
     )
 
 
-def _last_training_seconds(registry: DraftRegistry) -> float | None:
-    """How long the latest finished training run took: what a skipped cycle saves."""
-    try:
-        runs = registry.client.search_runs(
-            [registry.experiment_id()],
-            filter_string="attributes.status = 'FINISHED'",
-            order_by=["attributes.end_time DESC"],
-            max_results=1,
-        )
-    except Exception as error:  # a figure for the log, never a reason to fail the check
-        logger.warning("could not read the last training run's time: %s", error)
-        return None
-    if not runs or not runs[0].info.end_time:
-        return None
-    return float(runs[0].info.end_time - runs[0].info.start_time) / 1000
-
-
 @contextlib.contextmanager
 def task_scratch(config: TideConfig, name: str) -> Iterator[Path]:
     """A scratch directory of this task's own under ``scratch_dir``, removed when it ends."""
     config.scratch_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=config.scratch_dir) as tmp:
         yield Path(tmp)
-
-
-def _training_run(registry: DraftRegistry, cycle_id: str) -> tuple[str, str | None]:
-    """The cycle's MLflow run and the version it warm-starts from.
-
-    A retry reuses both (one run per cycle, never one left RUNNING; the parent its
-    checkpoints were trained from, even if the champion moved in between).
-    """
-    from tide_lib.registry import CHAMPION  # noqa: PLC0415
-
-    experiment = registry.experiment_id()
-    runs = registry.client.search_runs(
-        [experiment],
-        filter_string=f"tags.`{Tags.CYCLE_ID}` = '{cycle_id}'",
-        order_by=["attributes.start_time ASC"],
-    )
-    if runs:
-        kept, *strays = runs
-        for stray in strays:  # attempts that raced the first one: never left RUNNING
-            if stray.info.status == "RUNNING":
-                _end_run(registry, str(stray.info.run_id), "KILLED")
-        run_id = str(kept.info.run_id)
-        if kept.info.status != "RUNNING":  # an earlier attempt failed: this one resumes it
-            registry.client.update_run(run_id, status="RUNNING")
-        parent = kept.data.tags.get(Tags.PARENT_VERSION) or None
-        logger.info("cycle %s: continuing its MLflow run %s", cycle_id, run_id)
-        return run_id, parent
-    champion = registry.alias(CHAMPION)
-    parent = champion.version if champion else None
-    run = registry.client.create_run(
-        experiment,
-        run_name=f"cycle-{cycle_id}",
-        tags={Tags.CYCLE_ID: cycle_id, Tags.PARENT_VERSION: parent or ""},
-    )
-    return str(run.info.run_id), parent
-
-
-def _end_run(registry: DraftRegistry, run_id: str, status: str) -> None:
-    """End an MLflow run; an unreachable server is logged, never hides the task's own error."""
-    try:
-        registry.client.set_terminated(run_id, status)
-    except Exception as error:  # the caller's error is the one to report
-        logger.error("could not mark MLflow run %s %s: %s", run_id, status, error)
 
 
 def _checkpoint_prefix(config: TideConfig, cycle_id: str) -> str:
@@ -778,18 +718,18 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
             draft_uri=registered.source,
             parent_version=registered.tags.get(Tags.PARENT_VERSION) or None,
         )
-    run_id, parent_version = _training_run(registry, cycle_id)
+    run_id, parent_version = registry.cycle_run(cycle_id)
     try:
-        tags = registry.client.get_run(run_id).data.tags
+        tags = registry.run_tags(run_id)
         draft_uri, improved = tags.get(Tags.DRAFT_URI), tags.get(Tags.BEST_IS_PARENT) != "true"
         if draft_uri:
             logger.info("cycle %s: run %s logged its draft before: reusing it", cycle_id, run_id)
         else:
             draft_uri, improved = _train_in_run(config, registry, snapshot, run_id, parent_version)
     except BaseException:
-        _end_run(registry, run_id, "FAILED")  # never left RUNNING; a retry resumes it
+        registry.end_run(run_id, "FAILED")  # never left RUNNING; a retry resumes it
         raise
-    registry.client.set_terminated(run_id)
+    registry.end_run(run_id)
     return Trained(
         run_id=run_id, draft_uri=draft_uri, parent_version=parent_version, improved=improved
     )
@@ -868,11 +808,12 @@ def _train_in_run(
                     f"step {e['step']}: {e['accept_length']:.3f}" for e in result.evaluations
                 ),
             )
-    client = registry.client
-    client.log_param(run_id, "window_tokens", snapshot.window_tokens)
-    client.log_param(run_id, "replay_tokens", snapshot.replay_tokens)
-    client.set_tag(run_id, Tags.BEST_IS_PARENT, str(not improved).lower())
-    client.set_tag(run_id, Tags.DRAFT_URI, draft_uri)  # last: marks the outcome complete
+    registry.record_run(
+        run_id,
+        params={"window_tokens": snapshot.window_tokens, "replay_tokens": snapshot.replay_tokens},
+        # in order, the draft's URI last: it marks the outcome complete
+        tags={Tags.BEST_IS_PARENT: str(not improved).lower(), Tags.DRAFT_URI: draft_uri},
+    )
     return draft_uri, improved
 
 
@@ -927,9 +868,7 @@ def evaluate_and_gate(
         logger.info("v%s was judged before: %s", version, decision.reason)
     else:
         traffic = held_out_traffic(config, snapshot)
-        registry.client.set_model_version_tag(
-            registry.name, version, Tags.SEGMENTER, traffic.segmenter_key
-        )
+        registry.set_tags(version, {Tags.SEGMENTER: traffic.segmenter_key})
         decision = _judge(config, registry, snapshot, version, traffic)
         log_decision(config.mlflow.tracking_uri, registry.name, version, decision, k)
         _keep_champion_baseline(config, registry, version, decision)

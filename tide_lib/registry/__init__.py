@@ -46,6 +46,7 @@ class DraftVersion:
     tags: dict[str, str]
     aliases: list[str]
     source: str = ""  # what it was registered from: models:/<logged model id>
+    created_ms: int = 0  # creation time, milliseconds since the epoch
 
 
 class DraftRegistry:
@@ -79,7 +80,26 @@ class DraftRegistry:
             tags=dict(raw.tags or {}),
             aliases=list(getattr(raw, "aliases", []) or []),
             source=str(raw.source or ""),
+            created_ms=int(raw.creation_timestamp or 0),
         )
+
+    def versions(self, last: int | None = None) -> list[DraftVersion]:
+        """Every version (or the ``last`` ones), oldest first, with tags and aliases."""
+        found = self.client.search_model_versions(f"name = '{self.name}'")
+        numbers = sorted(int(raw.version) for raw in found)
+        return [self.get(str(number)) for number in numbers[-last if last else 0 :]]
+
+    def logged_metrics(self, version: DraftVersion) -> dict[str, float]:
+        """The metrics logged for ``version``: its logged model's of that version's step,
+        else (a version registered from a run's artifacts) its run's latest."""
+        model_id = logged_model_id(version.source)
+        if model_id:
+            step = int(version.version)
+            logged = self.client.get_logged_model(model_id).metrics or []
+            return {m.key: m.value for m in logged if m.step == step}
+        if version.run_id:
+            return dict(self.client.get_run(version.run_id).data.metrics)
+        return {}
 
     def find_by_tag(self, key: str, value: str) -> DraftVersion | None:
         """The version tagged ``key=value``, found by the server's filter (not client-side)."""
@@ -188,6 +208,74 @@ class DraftRegistry:
             experiment.experiment_id if experiment else self.client.create_experiment(self.name)
         )
 
+    def cycle_run(self, cycle_id: str) -> tuple[str, str | None]:
+        """The cycle's MLflow run and the version it warm-starts from.
+
+        A retry reuses both (one run per cycle, never one left RUNNING; the parent its
+        checkpoints were trained from, even if the champion moved in between).
+        """
+        experiment = self.experiment_id()
+        runs = self.client.search_runs(
+            [experiment],
+            filter_string=f"tags.`{Tags.CYCLE_ID}` = '{cycle_id}'",
+            order_by=["attributes.start_time ASC"],
+        )
+        if runs:
+            kept, *strays = runs
+            for stray in strays:  # attempts that raced the first one: never left RUNNING
+                if stray.info.status == "RUNNING":
+                    self.end_run(str(stray.info.run_id), "KILLED")
+            run_id = str(kept.info.run_id)
+            if kept.info.status != "RUNNING":  # an earlier attempt failed: this one resumes it
+                self.client.update_run(run_id, status="RUNNING")
+            logger.info("cycle %s: continuing its MLflow run %s", cycle_id, run_id)
+            return run_id, kept.data.tags.get(Tags.PARENT_VERSION) or None
+        champion = self.alias(CHAMPION)
+        parent = champion.version if champion else None
+        run = self.client.create_run(
+            experiment,
+            run_name=f"cycle-{cycle_id}",
+            tags={Tags.CYCLE_ID: cycle_id, Tags.PARENT_VERSION: parent or ""},
+        )
+        return str(run.info.run_id), parent
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        """End a run; where that fails on a FAILED/KILLED path, log it (the caller's own
+        error is the one to report) instead of raising."""
+        try:
+            self.client.set_terminated(run_id, status)
+        except Exception as error:
+            if status == "FINISHED":
+                raise
+            logger.error("could not mark MLflow run %s %s: %s", run_id, status, error)
+
+    def run_tags(self, run_id: str) -> dict[str, str]:
+        return dict(self.client.get_run(run_id).data.tags)
+
+    def record_run(self, run_id: str, *, params: dict[str, Any], tags: dict[str, str]) -> None:
+        """Log ``params`` on a run, then set ``tags`` in their order."""
+        for key, value in params.items():
+            self.client.log_param(run_id, key, value)
+        for key, value in tags.items():
+            self.client.set_tag(run_id, key, value)
+
+    def last_run_seconds(self) -> float | None:
+        """How long this target's latest finished run took (None if unknown): what a
+        skipped cycle saves. A figure for the log: a failure to read it is logged only."""
+        try:
+            runs = self.client.search_runs(
+                [self.experiment_id()],
+                filter_string="attributes.status = 'FINISHED'",
+                order_by=["attributes.end_time DESC"],
+                max_results=1,
+            )
+        except Exception as error:
+            logger.warning("could not read the last training run's time: %s", error)
+            return None
+        if not runs or not runs[0].info.end_time:
+            return None
+        return float(runs[0].info.end_time - runs[0].info.start_time) / 1000
+
     def seed_champion(self, draft_dir: Path, cycle_id: str = "static") -> DraftVersion:
         """Register a draft trained outside any cycle (a static draft) and make it champion."""
         run_id = self.client.create_run(self.experiment_id(), run_name=cycle_id).info.run_id
@@ -224,6 +312,7 @@ class DraftRegistry:
         logger.info("%s: champion is now v%s", self.name, version)
 
     def set_tags(self, version: str, tags: dict[str, str]) -> None:
+        """Set version tags, in their order."""
         for key, value in tags.items():
             self.client.set_model_version_tag(self.name, version, key, value)
 

@@ -26,7 +26,7 @@ import torch
 
 from tide_lib.lake.reader import TrainingSample
 from tide_lib.serving.k_policy import RoundTimings
-from tide_lib.target.hidden import HiddenStateCapture
+from tide_lib.target_model.hidden import HiddenStateCapture
 
 __all__ = ["MIN_TEMPERATURE", "DraftRunner", "Generation", "SpeculativeDecoder"]
 

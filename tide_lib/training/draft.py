@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 
 from tide_lib.errors import TideError
-from tide_lib.target.hidden import eagle_aux_layer_ids
+from tide_lib.target_model.hidden import eagle_aux_layer_ids
 
 if TYPE_CHECKING:
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3

@@ -198,7 +198,7 @@ class TargetFeatures:
     def __init__(self, target_dir: Path, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-        from tide_lib.target.hidden import HiddenStateCapture  # noqa: PLC0415
+        from tide_lib.target_model.hidden import HiddenStateCapture  # noqa: PLC0415
 
         self.model = AutoModelForCausalLM.from_pretrained(target_dir).to(device).eval()
         self.capture = HiddenStateCapture(self.model)

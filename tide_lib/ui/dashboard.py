@@ -39,25 +39,19 @@ def dashboard_data(config: TideConfig, target_id: str) -> dict[str, Any]:
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
 
     registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
-    raws = registry.client.search_model_versions(f"name = '{registry.name}'")
-    versions = sorted(
-        (registry.client.get_model_version(registry.name, raw.version) for raw in raws),
-        key=lambda raw: int(raw.version),
-    )[-_MAX_CYCLES:]
     cycles: list[dict[str, Any]] = []
-    for raw in versions:
-        tags = dict(raw.tags or {})
-        decision = decision_from_tags(tags, config.gate.k)
+    for version in registry.versions(last=_MAX_CYCLES):
+        decision = decision_from_tags(version.tags, config.gate.k)
         cycles.append(
             {
-                "version": str(raw.version),
-                "aliases": list(getattr(raw, "aliases", []) or []),
-                "cycle_id": tags.get(Tags.CYCLE_ID, ""),
-                "decision": tags.get(Tags.DECISION, "pending"),
+                "version": version.version,
+                "aliases": version.aliases,
+                "cycle_id": version.tags.get(Tags.CYCLE_ID, ""),
+                "decision": version.tags.get(Tags.DECISION, "pending"),
                 "reason": decision.reason if decision else "",
-                "window_tokens": tags.get(Tags.WINDOW_TOKENS, ""),
-                "accept_length": logged_accept_lengths(registry.client, raw, config.gate.k),
-                "created": raw.creation_timestamp,
+                "window_tokens": version.tags.get(Tags.WINDOW_TOKENS, ""),
+                "accept_length": logged_accept_lengths(registry, version, config.gate.k),
+                "created": version.created_ms,
             }
         )
     aliases = {

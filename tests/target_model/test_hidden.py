@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tide_lib.target import HiddenStateCapture, eagle_aux_layer_ids
+from tide_lib.target_model import HiddenStateCapture, eagle_aux_layer_ids
 
 
 def test_default_layers_match_sglang_for_real_depths() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tide_lib.target import DOMAINS, load_corpus
+from tide_lib.target_model import DOMAINS, load_corpus
 
 
 def test_every_domain_has_train_and_held_out_documents() -> None:

@@ -123,7 +123,7 @@ def capture_records(
     from datetime import UTC, datetime  # noqa: PLC0415
 
     from tide_lib.lake.schema import CapturedRecord  # noqa: PLC0415
-    from tide_lib.target.build import encode_document  # noqa: PLC0415
+    from tide_lib.target_model.build import encode_document  # noqa: PLC0415
 
     capture = HiddenStateCapture(model)
     for index, document in enumerate(documents):

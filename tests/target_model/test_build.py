@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tide_lib.target import build_target, encode_document, load_corpus, render_prompt
+from tide_lib.target_model import build_target, encode_document, load_corpus, render_prompt
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """``tide target build``: the demo world's target model, trained by TIDE itself.
 
 No weights can be downloaded here, so the demo target is a small Llama-architecture
-``transformers`` model trained on the packaged corpus (:mod:`tide_lib.target.corpus`)
+``transformers`` model trained on the packaged corpus (:mod:`tide_lib.target_model.corpus`)
 and saved in HF format (config, safetensors, tokenizer), so that the same loading
 code takes a real target such as Llama or gpt-oss.
 
@@ -28,7 +28,7 @@ from typing import Any, Final
 import torch
 from tqdm import tqdm
 
-from tide_lib.target.corpus import DOMAINS, Corpus, Document, load_corpus
+from tide_lib.target_model.corpus import DOMAINS, Corpus, Document, load_corpus
 from tide_lib.training.schedule import warmup_cosine
 
 __all__ = [
