@@ -162,3 +162,23 @@ def test_defect7_skewed_writer_is_counted_snapshotted_and_kept_by_retention(
     result = cycle.apply_retention(config)  # the 40-day-behind one is old, yet unconsumed
     assert result["kept_unconsumed"] == 1 and result["deleted"] == 0
     assert lake_store.exists(deep) and lake_store.exists(skewed.shard_key)
+
+
+def test_the_sensor_counts_settled_commits_and_a_frozen_window_keeps_its_count(
+    config: TideConfig, lake_store: ObjectStore
+) -> None:
+    slow = config.model_copy(
+        update={"lake": config.lake.model_copy(update={"commit_settle_s": 3600.0})}
+    )
+    _write(lake_store, config, [0, 1, 2])
+    assert cycle.cycle_tokens(slow, "run-a") == 0  # committed, not settled yet: not counted
+    time.sleep(1.2)  # past commit_settle_s = 1 (S3 stamps have one-second resolution)
+    counted = cycle.cycle_tokens(config, "run-a")
+    assert counted == cycle.new_tokens(config) > 0
+    window = cycle.snapshot_window(config, "run-a")
+    assert window.window_tokens == counted
+    _write(lake_store, config, [3, 4])
+    time.sleep(1.2)
+    assert cycle.new_tokens(config) > counted  # new data since the watermark...
+    assert cycle.cycle_tokens(config, "run-a") == counted  # ...not this frozen window's
+    assert cycle.snapshot_window(config, "run-a") == window  # a retried snapshot reuses it

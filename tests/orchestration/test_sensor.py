@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
+import json
 
 import pytest
 from airflow.exceptions import AirflowException
@@ -45,3 +47,17 @@ def test_new_tokens_complete_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the trigger ended without an event")
 
     assert asyncio.run(first_event()) == {"tokens": 12}
+
+
+def test_the_trigger_survives_its_serialise_round_trip() -> None:
+    """The triggerer rebuilds the trigger from ``serialize()``: class path and kwargs, which
+    hold the run's form values and never a secret or a local path."""
+    params = {"min_new_tokens": 500, "target_id": "tiny", "gate_margin": None}
+    trigger = LakeTokensTrigger(params, "scheduled__2026", min_tokens=500, poke_interval=30.0)
+    classpath, kwargs = trigger.serialize()
+    module, _, name = classpath.rpartition(".")
+    rebuilt = getattr(importlib.import_module(module), name)(**kwargs)
+    assert isinstance(rebuilt, LakeTokensTrigger)
+    assert rebuilt.serialize() == (classpath, kwargs)
+    assert json.loads(json.dumps(kwargs)) == kwargs  # plain JSON, as the metadata DB stores it
+    assert set(kwargs) == {"params", "run_id", "min_tokens", "poke_interval"}

@@ -594,11 +594,7 @@ def train_draft(
     splits = [sample_split(data_dir, path) for path in train_samples]
     distill = parent is not None and config.distill_weight > 0 and REPLAY in splits
     objective = Eagle3Objective(draft, target_dir, config, teacher=parent if distill else None)
-    trainable = [p for p in objective.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=plan.learning_rate)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, plan.warmup_steps, plan.steps)
-    )
+    trainable, optimizer, scheduler = _optimizer(objective, plan)
     logger.info(
         "%d training samples (%d replay), %d held out; %d steps of %d x %d at lr %.2g",
         len(train_samples),
@@ -666,8 +662,6 @@ def train_draft(
     if rank == 0 and metrics is not None and selection.best is not None:
         metrics.log_metrics(selection.summary_metrics(), step=plan.steps)
     best = selection.best if config.export == "best" else None
-    best_step = best.step if best is not None else plan.steps
-    best_is_parent = parent is not None and (best_step == 0)
     draft_dir = out_dir / DRAFT_DIR
     if rank == 0:
         _export_best(draft, parent, best, plan.steps, draft_dir)
@@ -683,17 +677,37 @@ def train_draft(
         seconds=seconds,
         loss_backend=backend,
         skipped_steps=run.nonfinite.skipped,
-        best_step=best_step,
-        best_is_parent=best_is_parent,
-        improved=None if best is None else best_step > 0,
-        evaluations=[  # figures only: per-request counts stay in the checkpoint
-            {k: v for k, v in dataclasses.asdict(entry).items() if k != "requests"}
-            for entry in selection.evaluations
-        ],
         validation_samples=len(held_paths),
         learning_rate=plan.learning_rate,
         batch_size=plan.batch_size,
+        **_selected(selection, best, plan.steps, warm=parent is not None),
     )
+
+
+def _optimizer(objective: Any, plan: StepPlan) -> tuple[list[torch.nn.Parameter], Any, Any]:
+    """The trainable parameters, AdamW at the plan's rate, warmup then cosine decay."""
+    trainable = [p for p in objective.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=plan.learning_rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine(step, plan.warmup_steps, plan.steps)
+    )
+    return trainable, optimizer, scheduler
+
+
+def _selected(
+    selection: Selection, best: BestDraft | None, steps: int, *, warm: bool
+) -> dict[str, Any]:
+    """The result's fields about which draft was exported and what the evaluations said."""
+    best_step = best.step if best is not None else steps
+    return {
+        "best_step": best_step,
+        "best_is_parent": warm and best_step == 0,
+        "improved": None if best is None else best_step > 0,
+        "evaluations": [  # figures only: per-request counts stay in the checkpoint
+            {k: v for k, v in dataclasses.asdict(entry).items() if k != "requests"}
+            for entry in selection.evaluations
+        ],
+    }
 
 
 def _export_best(
