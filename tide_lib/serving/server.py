@@ -240,6 +240,8 @@ async def _result(future: Any, request: Request) -> EngineResult | None:
 
 
 def create_app(engine: Engine) -> FastAPI:
+    """SGLang's HTTP API over ``engine``: each route is a few lines; the answers are built
+    by the functions below it."""
     app = FastAPI(title="TIDE reference engine", description=__doc__, default_response_class=_JSON)
     app.add_middleware(_Guard, serve=engine.serve)
 
@@ -276,46 +278,12 @@ def create_app(engine: Engine) -> FastAPI:
         result = await _result(future, http)
         if result is None:
             return _error(499, "the client closed the request")
-        return {
-            "text": result.text,
-            "output_ids": result.output_ids,
-            "meta_info": {
-                "id": result.rid,
-                "prompt_tokens": result.prompt_tokens,
-                "completion_tokens": result.completion_tokens,
-                "finish_reason": {"type": result.finish_reason},
-                "spec_verify_ct": result.spec_verify_ct,
-                "spec_accept_length": result.spec_accept_length,
-                "weight_version": result.weight_version,
-                "e2e_latency": result.e2e_latency,
-            },
-        }
+        return _generate_response(result)
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        serve = engine.serve
-        choice = engine.k_controller.snapshot()
-        return {
-            "model_path": str(engine.target_dir),
-            "served_model_name": engine.target_id,
-            "speculative_algorithm": "EAGLE3" if engine.speculative else None,
-            "speculative_draft_model_path": engine.draft_path,
-            "speculative_num_steps": serve.speculative_num_steps,
-            "speculative_eagle_topk": serve.speculative_eagle_topk,
-            "speculative_num_draft_tokens": serve.speculative_num_steps + 1,
-            "weight_version": engine.weight_version,
-            "capture": serve.capture,
-            "speculative_adaptive": serve.speculative_adaptive,
-            "internal_states": [
-                {
-                    "avg_spec_accept_length": engine.avg_accept_length(),
-                    "num_requests": engine.counters.requests,
-                    "spec_num_steps": choice["chosen_k"],
-                    "speculation": choice,
-                }
-            ],
-        }
+        return _server_info(engine)
 
     @app.get("/get_weight_version")
     async def weight_version() -> dict[str, str]:
@@ -323,43 +291,93 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_weights(body: UpdateWeightsRequest) -> Any:
-        try:
-            local = engine.sources.resolve(body.model_path)
-        except DraftRefusedError as error:
-            logger.warning("refused draft: %s", error)
-            return _JSON(status_code=400, content={"success": False, "message": str(error)})
-        if isinstance(local, Path) and not is_draft_reference(str(local)):
-            return _error(
-                400,
-                f"{body.model_path} is not an EAGLE3 draft (config.json architectures lacks "
-                "LlamaForCausalLMEagle3): this engine hot-swaps draft models only",
-            )
-        version = body.weight_version or body.model_path
-        try:
-            await asyncio.to_thread(engine.swap_draft, body.model_path, version)
-        except TimeoutError as error:
-            logger.warning("draft swap to %s is late: %s", version, error)
-            return _JSON(
-                status_code=503,
-                content={
-                    "success": False,
-                    "message": f"{error}: the requests queued before it are still running; it "
-                    "applies once they finish (watch /model_info)",
-                },
-            )
-        except (InvalidCheckpointError, ValueError, OSError, KeyError) as error:
-            logger.warning("refused draft %s: %s", body.model_path, error)
-            return _JSON(
-                status_code=400,
-                content={"success": False, "message": f"refused draft {body.model_path}: {error}"},
-            )
-        return {"success": True, "message": f"serving {body.model_path}", "weight_version": version}
+        return await _update_weights(engine, body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _generate_response(result: EngineResult) -> dict[str, Any]:
+    """``/generate``'s answer, with SGLang's ``meta_info`` names."""
+    return {
+        "text": result.text,
+        "output_ids": result.output_ids,
+        "meta_info": {
+            "id": result.rid,
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "finish_reason": {"type": result.finish_reason},
+            "spec_verify_ct": result.spec_verify_ct,
+            "spec_accept_length": result.spec_accept_length,
+            "weight_version": result.weight_version,
+            "e2e_latency": result.e2e_latency,
+        },
+    }
+
+
+def _server_info(engine: Engine) -> dict[str, Any]:
+    """``/server_info``: SGLang's fields, the lifetime acceptance in ``internal_states``."""
+    serve = engine.serve
+    choice = engine.k_controller.snapshot()
+    return {
+        "model_path": str(engine.target_dir),
+        "served_model_name": engine.target_id,
+        "speculative_algorithm": "EAGLE3" if engine.speculative else None,
+        "speculative_draft_model_path": engine.draft_path,
+        "speculative_num_steps": serve.speculative_num_steps,
+        "speculative_eagle_topk": serve.speculative_eagle_topk,
+        "speculative_num_draft_tokens": serve.speculative_num_steps + 1,
+        "weight_version": engine.weight_version,
+        "capture": serve.capture,
+        "speculative_adaptive": serve.speculative_adaptive,
+        "internal_states": [
+            {
+                "avg_spec_accept_length": engine.avg_accept_length(),
+                "num_requests": engine.counters.requests,
+                "spec_num_steps": choice["chosen_k"],
+                "speculation": choice,
+            }
+        ],
+    }
+
+
+async def _update_weights(engine: Engine, body: UpdateWeightsRequest) -> Any:
+    """A draft-only hot swap: 400 for a draft refused or flawed (the old one keeps
+    serving), 503 when queued requests hold it back."""
+    try:
+        local = engine.sources.resolve(body.model_path)
+    except DraftRefusedError as error:
+        logger.warning("refused draft: %s", error)
+        return _JSON(status_code=400, content={"success": False, "message": str(error)})
+    if isinstance(local, Path) and not is_draft_reference(str(local)):
+        return _error(
+            400,
+            f"{body.model_path} is not an EAGLE3 draft (config.json architectures lacks "
+            "LlamaForCausalLMEagle3): this engine hot-swaps draft models only",
+        )
+    version = body.weight_version or body.model_path
+    try:
+        await asyncio.to_thread(engine.swap_draft, body.model_path, version)
+    except TimeoutError as error:
+        logger.warning("draft swap to %s is late: %s", version, error)
+        return _JSON(
+            status_code=503,
+            content={
+                "success": False,
+                "message": f"{error}: the requests queued before it are still running; it "
+                "applies once they finish (watch /model_info)",
+            },
+        )
+    except (InvalidCheckpointError, ValueError, OSError, KeyError) as error:
+        logger.warning("refused draft %s: %s", body.model_path, error)
+        return _JSON(
+            status_code=400,
+            content={"success": False, "message": f"refused draft {body.model_path}: {error}"},
+        )
+    return {"success": True, "message": f"serving {body.model_path}", "weight_version": version}
 
 
 def request_segment(body: GenerateRequest, headers: Headers) -> str | None:
