@@ -164,8 +164,8 @@ def test_full_queue_drops_and_counts(
     config = LakeConfig(prefix="test-drops", spool_dir=tmp_path / "spool", queue_max_records=2)
     writer = LakeWriter(lake_store, config)
     gate = threading.Event()
-    original = writer._add  # hold the batcher so that the queue fills up
-    writer._add = lambda buffers, record: (gate.wait(), original(buffers, record))  # type: ignore[method-assign]
+    original = writer._batcher._add  # hold the batcher so that the queue fills up
+    writer._batcher._add = lambda buffers, record: (gate.wait(), original(buffers, record))  # type: ignore[method-assign]
     results = [writer.submit(make_record(i)) for i in range(6)]
     gate.set()
     stats = writer.close(timeout=30)
@@ -244,8 +244,8 @@ def test_memory_bound_drops_oversized_backlog(
     config = lake_config.model_copy(update={"memory_max_bytes": 2 * one_record})
     writer = LakeWriter(lake_store, config)
     gate = threading.Event()
-    original = writer._add
-    writer._add = lambda buffers, record: (gate.wait(), original(buffers, record))  # type: ignore[method-assign]
+    original = writer._batcher._add
+    writer._batcher._add = lambda buffers, record: (gate.wait(), original(buffers, record))  # type: ignore[method-assign]
     results = [writer.submit(make_record(i)) for i in range(5)]
     gate.set()
     stats = writer.close(timeout=30)
@@ -263,9 +263,9 @@ class _HookedSpool(type(Path())):  # type: ignore[misc]
 
 
 def _hook_spool(writer: LakeWriter, on_glob: Callable[[list[Path]], list[Path]]) -> None:
-    spool = _HookedSpool(writer._spool)
+    spool = _HookedSpool(writer._spool.path)
     spool.on_glob = on_glob
-    writer._spool = spool
+    writer._spool.path = spool  # the one spool both threads list
 
 
 def test_close_uploads_the_shard_written_while_the_uploader_was_listing(
@@ -276,7 +276,7 @@ def test_close_uploads_the_shard_written_while_the_uploader_was_listing(
     def listed_before_the_last_shard(listed: list[Path]) -> list[Path]:
         # the uploader lists an empty spool; the batcher writes its last shard and says done
         if threading.current_thread().name == "tide-lake-uploader" and not listed:
-            writer._batcher_done.wait(timeout=10)
+            writer._batcher.thread.join(timeout=10)
         return listed
 
     _hook_spool(writer, listed_before_the_last_shard)
@@ -290,7 +290,7 @@ def test_a_shard_uploaded_while_the_spool_is_sized_does_not_stop_capture(
     lake_store: ObjectStore, lake_config: LakeConfig
 ) -> None:
     writer = LakeWriter(lake_store, lake_config)
-    ghost = writer._spool / "uploaded-meanwhile.parquet"
+    ghost = writer._spool.path / "uploaded-meanwhile.parquet"
     _hook_spool(  # the batcher sizes the spool and finds a shard gone by the time it looks
         writer,
         lambda listed: (

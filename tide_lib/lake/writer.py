@@ -15,6 +15,13 @@ and records whose client segment label is not a short printable string.
 Exactly-once: a shard is uploaded before its marker; a retried upload rewrites
 the same shard key, and a marker whose PUT may have landed is looked up before a
 new one is written, so a record is never committed twice.
+
+The writer is two parts with one thread and one lock each, which share nothing but
+the spool directory: the :class:`_Batcher` (queue, buffers, shards into the spool)
+and the :class:`_Uploader` (spool to S3, commit markers). The invariant that keeps
+them apart: a name ``<id>.parquet`` in the spool always has its sidecar
+``<id>.json`` and complete bytes (the batcher writes the sidecar, then renames the
+finished ``.parquet.tmp``), and only the uploader removes a shard, once committed.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final, TextIO
@@ -87,165 +95,134 @@ class _Buffer:
     opened_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
-class LakeWriter:
-    """Batches captured records into committed Parquet shards in the lake.
+class _Spool:
+    """The outbox directory: this writer's alone (an exclusive lock on ``.lock``)."""
 
-    Use as a context manager, or call :meth:`close` on shutdown: it flushes the
-    queue and uploads what it can within ``timeout``; the rest stays spooled.
-    ``hidden_size`` and ``vocab_size`` are the target's (from its ``config.json``):
-    records that disagree are refused; NaN/inf states are refused always.
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        self._lock_file = self._lock()
+        self._recover()
+
+    def shards(self) -> list[Path]:
+        """The complete shards waiting for upload, oldest name first."""
+        return sorted(self.path.glob("*.parquet"))
+
+    def sizes(self) -> list[int]:
+        """Sizes of the spooled shards; one the uploader removes meanwhile is skipped."""
+        sizes = []
+        for path in self.path.glob("*.parquet"):
+            try:
+                sizes.append(path.stat().st_size)
+            except FileNotFoundError:
+                continue
+        return sizes
+
+    def close(self) -> None:
+        self._lock_file.close()
+
+    def _lock(self) -> TextIO:
+        handle = (self.path / ".lock").open("w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise RuntimeError(
+                f"spool directory {self.path} is used by another LakeWriter; "
+                "give each serving process its own TIDE_LAKE__SPOOL_DIR"
+            ) from None
+        return handle
+
+    def _recover(self) -> None:
+        """Drop half-written files from a crash; keep complete shards for upload."""
+        for leftover in self.path.glob("*.tmp"):
+            logger.warning("removing half-written spool file %s left by a crash", leftover)
+            leftover.unlink()
+        for sidecar in self.path.glob("*.json"):
+            if not sidecar.with_suffix(".parquet").exists():
+                sidecar.unlink()
+        recovered = list(self.path.glob("*.parquet"))
+        if recovered:
+            logger.info(
+                "found %d spooled shard(s) in %s; uploading them", len(recovered), self.path
+            )
+
+
+class _Batcher:
+    """Submitted records -> partition buffers -> Parquet shards in the spool.
+
+    One thread (``tide-lake-batcher``) and one lock, which guards the counters, the
+    bytes held and the flush generation (its condition ``_flushed`` shares the lock).
     """
 
     def __init__(
         self,
-        store: ObjectStore,
         config: LakeConfig,
+        spool: _Spool,
+        on_shard: Callable[[], None],
         *,
-        hidden_size: int | None = None,
-        vocab_size: int | None = None,
+        hidden_size: int | None,
+        vocab_size: int | None,
     ) -> None:
-        self.store = store
         self.config = config
+        self.spool = spool
+        self._on_shard = on_shard
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
-        self.writer_id = uuid.uuid4().hex[:12]
-        self._last_stamp = datetime.min.replace(tzinfo=UTC)
         self._queue: queue.Queue[CapturedRecord] = queue.Queue(maxsize=config.queue_max_records)
-        self._spool = Path(config.spool_dir)
-        self._spool.mkdir(parents=True, exist_ok=True)
-        self._spool_lock = self._lock_spool()
-        self._recover_spool()
-
-        self._counter_lock = threading.Lock()
-        self._submit_lock = threading.Lock()
-        self._submitted = 0
-        self._dropped = 0
-        self._refused = 0
-        self._last_refuse_log = 0.0
-        self._shards_written = 0
-        self._shards_uploaded = 0
-        self._records_uploaded = 0
-        self._tokens_uploaded = 0
-        self._upload_errors = 0
-        self._held_bytes = 0  # raw bytes of records queued or buffered, not yet spooled
-        self._store_reachable = True
-        self._last_drop_log = 0.0
-
-        self._flush_requested = threading.Event()
-        self._flush_done = threading.Condition()
+        self._lock = threading.Lock()
+        self._flushed = threading.Condition(self._lock)
         self._flush_generation = 0
+        self._flush_requested = threading.Event()
         self._stopping = threading.Event()
-        self._abandon_uploads = threading.Event()
-        self._batcher_done = threading.Event()
-        self._spool_changed = threading.Event()
-        self._batcher = threading.Thread(
-            target=self._batch_loop, name="tide-lake-batcher", daemon=True
-        )
-        self._uploader = threading.Thread(
-            target=self._upload_loop, name="tide-lake-uploader", daemon=True
-        )
-        self._batcher.start()
-        self._uploader.start()
+        self.submitted = self.dropped = self.refused = self.shards_written = 0
+        self._held_bytes = 0  # raw bytes of records queued or buffered, not yet spooled
+        self._last_drop_log = self._last_refuse_log = 0.0
+        self.thread = threading.Thread(target=self._loop, name="tide-lake-batcher", daemon=True)
+        self.thread.start()
 
-    # -- caller side ---------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
     def submit(self, record: CapturedRecord) -> bool:
-        """Queue a finished request; ``False`` if it was dropped because the queue is full.
-
-        Raises :class:`~tide_lib.lake.schema.InvalidRecordError` for a malformed record.
-        """
-        validate_record(record)
         nbytes = record_nbytes(record)
-        with self._submit_lock:  # close() cannot slip between the check and the put
+        with self._lock:  # stop() cannot slip between the check and the put
             if self._stopping.is_set():
                 raise RuntimeError("LakeWriter is closed; records can no longer be submitted")
-            with self._counter_lock:
-                if self._held_bytes + nbytes > self.config.memory_max_bytes:
-                    full = f"capture memory is full ({self._held_bytes} bytes held)"
-                else:
-                    full = ""
-                    self._held_bytes += nbytes
-            if not full:
+            if self._held_bytes + nbytes > self.config.memory_max_bytes:
+                full = f"capture memory is full ({self._held_bytes} bytes held)"
+            else:
                 try:
                     self._queue.put_nowait(record)
                 except queue.Full:
-                    with self._counter_lock:
-                        self._held_bytes -= nbytes
                     full = "capture queue is full"
                 else:
-                    with self._counter_lock:
-                        self._submitted += 1
+                    full = ""
+                    self._held_bytes += nbytes
+                    self.submitted += 1
         if full:
             self._count_drops(1, full)
             return False
         return True
 
-    def stats(self) -> WriterStats:
-        spooled = self._spooled_sizes()
-        with self._counter_lock:
-            return WriterStats(
-                submitted_records=self._submitted,
-                dropped_records=self._dropped,
-                shards_written=self._shards_written,
-                shards_uploaded=self._shards_uploaded,
-                records_uploaded=self._records_uploaded,
-                tokens_uploaded=self._tokens_uploaded,
-                spooled_shards=len(spooled),
-                spooled_bytes=sum(spooled),
-                upload_errors=self._upload_errors,
-                store_reachable=self._store_reachable,
-                refused_records=self._refused,
-            )
-
-    def flush(self, timeout: float = 60.0) -> bool:
-        """Write every buffered record as a shard and wait until the spool is uploaded.
-
-        Returns ``False`` if the store could not take everything within ``timeout``.
-        """
-        deadline = time.monotonic() + timeout
-        with self._flush_done:
+    def flush(self, deadline: float) -> bool:
+        """Ask for every buffer to be written; False if that did not happen by ``deadline``."""
+        with self._flushed:
             generation = self._flush_generation
             self._flush_requested.set()
             while self._flush_generation == generation:
-                if not self._flush_done.wait(timeout=max(0.0, deadline - time.monotonic())):
+                if not self._flushed.wait(timeout=max(0.0, deadline - time.monotonic())):
                     return False
-        return self._wait_spool_empty(deadline)
+        return True
 
-    def close(self, timeout: float = 60.0) -> WriterStats:
-        """Flush everything and stop; shards that cannot be uploaded in time stay spooled."""
-        if self._stopping.is_set():
-            return self.stats()
-        deadline = time.monotonic() + timeout
-        with self._submit_lock:
+    def stop(self) -> None:
+        """Write what is queued and buffered, then end the thread."""
+        with self._lock:
             self._stopping.set()
-        self._batcher.join()
-        uploaded = self._wait_spool_empty(deadline)
-        self._abandon_uploads.set()
-        self._spool_changed.set()
-        self._uploader.join(timeout=max(1.0, deadline - time.monotonic()))
-        stats = self.stats()
-        if not uploaded:
-            logger.warning(
-                "lake writer closed with %d shard(s) (%d bytes) still spooled in %s: the store "
-                "could not take them within %.0f s; a writer started with the same spool_dir "
-                "uploads them",
-                stats.spooled_shards,
-                stats.spooled_bytes,
-                self._spool,
-                timeout,
-            )
-        self._spool_lock.close()
-        return stats
+        self.thread.join()
 
-    def __enter__(self) -> LakeWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- batching ------------------------------------------------------------------
-
-    def _batch_loop(self) -> None:
+    def _loop(self) -> None:
         buffers: dict[tuple[str, str], _Buffer] = {}
         while True:
             try:
@@ -260,18 +237,16 @@ class LakeWriter:
                 drained = self._drain_queue(buffers)
                 for partition in list(buffers):
                     self._write_shard(buffers.pop(partition).records)
-                with self._flush_done:
+                with self._flushed:
                     self._flush_generation += 1
-                    self._flush_done.notify_all()
+                    self._flushed.notify_all()
                 if stopping and not drained:
-                    break
+                    return
                 continue
             now = time.monotonic()
             for partition, buffer in list(buffers.items()):
                 if now - buffer.opened_at >= self.config.shard_max_age_s:
                     self._write_shard(buffers.pop(partition).records)
-        self._batcher_done.set()
-        self._spool_changed.set()
 
     def _drain_queue(self, buffers: dict[tuple[str, str], _Buffer]) -> int:
         drained = 0
@@ -285,7 +260,7 @@ class LakeWriter:
     def _add(self, buffers: dict[tuple[str, str], _Buffer], record: CapturedRecord) -> None:
         problem = self._values_problem(record)
         if problem is not None:
-            with self._counter_lock:
+            with self._lock:
                 self._held_bytes -= record_nbytes(record)
             self._count_refused(record.request_id, problem)
             return
@@ -306,29 +281,29 @@ class LakeWriter:
             logger.exception("could not spool %d captured records as a shard", len(records))
             self._count_drops(len(records), "writing the shard to the spool failed")
         finally:
-            with self._counter_lock:
+            with self._lock:
                 self._held_bytes -= estimated
 
     def _spool_records(self, records: list[CapturedRecord], estimated: int) -> None:
-        spooled_bytes = sum(self._spooled_sizes())
+        spooled_bytes = sum(self.spool.sizes())
         if spooled_bytes + estimated > self.config.spool_max_bytes:
             self._count_drops(
                 len(records),
-                f"spool {self._spool} is full ({spooled_bytes} bytes of "
+                f"spool {self.spool.path} is full ({spooled_bytes} bytes of "
                 f"{self.config.spool_max_bytes}); the store has been unreachable too long",
             )
             return
         self._encode_to_spool(records)
-        with self._counter_lock:
-            self._shards_written += 1
-        self._spool_changed.set()
+        with self._lock:
+            self.shards_written += 1
+        self._on_shard()
 
     def _encode_to_spool(self, records: list[CapturedRecord]) -> None:
         shard_id = new_shard_id()
         slug = target_slug(records[0].target_id)
         finished = [record.finished_at.astimezone(UTC) for record in records]
         table = records_to_table(records)
-        tmp_path = self._spool / f"{shard_id}.parquet.tmp"
+        tmp_path = self.spool.path / f"{shard_id}.parquet.tmp"
         tensor_codec = self.config.tensor_compression
         pq.write_table(
             table,
@@ -343,23 +318,22 @@ class LakeWriter:
         )
         with tmp_path.open("rb") as handle:
             digest = hashlib.file_digest(handle, "sha256").hexdigest()
-        num_tokens = sum(int(record.input_ids.shape[0]) for record in records)
-        num_output_tokens = sum(int(record.loss_mask.sum()) for record in records)
         sidecar = {
             "shard_id": shard_id,
             "shard_key": shard_key(self.config.prefix, slug, min(finished), shard_id),
             "target_slug": slug,
             "num_records": len(records),
-            "num_tokens": num_tokens,
-            "num_output_tokens": num_output_tokens,
+            "num_tokens": sum(int(record.input_ids.shape[0]) for record in records),
+            "num_output_tokens": sum(int(record.loss_mask.sum()) for record in records),
             "size_bytes": tmp_path.stat().st_size,
             "sha256": digest,
             "min_finished_at": min(finished).isoformat(),
             "max_finished_at": max(finished).isoformat(),
             "commit_key": None,
         }
-        _write_json_atomic(self._spool / f"{shard_id}.json", sidecar)
-        tmp_path.replace(self._spool / f"{shard_id}.parquet")
+        # the invariant: the sidecar first, then the complete shard under its final name
+        _write_json_atomic(self.spool.path / f"{shard_id}.json", sidecar)
+        tmp_path.replace(self.spool.path / f"{shard_id}.parquet")
 
     def _values_problem(self, record: CapturedRecord) -> str | None:
         label_problem = segment_problem(record.segment)
@@ -377,9 +351,9 @@ class LakeWriter:
             return f"its values could not be checked ({error})"
 
     def _count_refused(self, request_id: str, reason: str) -> None:
-        with self._counter_lock:
-            self._refused += 1
-            total = self._refused
+        with self._lock:
+            self.refused += 1
+            total = self.refused
             should_log = time.monotonic() - self._last_refuse_log >= _DROP_LOG_EVERY_S
             if should_log:
                 self._last_refuse_log = time.monotonic()
@@ -393,9 +367,9 @@ class LakeWriter:
             )
 
     def _count_drops(self, count: int, reason: str) -> None:
-        with self._counter_lock:
-            self._dropped += count
-            total = self._dropped
+        with self._lock:
+            self.dropped += count
+            total = self.dropped
             should_log = time.monotonic() - self._last_drop_log >= _DROP_LOG_EVERY_S
             if should_log:
                 self._last_drop_log = time.monotonic()
@@ -404,42 +378,76 @@ class LakeWriter:
                 "dropped %d captured record(s): %s (%d dropped so far)", count, reason, total
             )
 
-    # -- uploading -----------------------------------------------------------------
 
-    def _upload_loop(self) -> None:
-        while not self._abandon_uploads.is_set():
-            # Read before listing: the batcher's last shard is on disk once it says it is done.
-            batcher_done = self._batcher_done.is_set()
-            pending = sorted(self._spool.glob("*.parquet"))
+class _Uploader:
+    """Spooled shards -> the object store, each committed by its marker.
+
+    One thread (``tide-lake-uploader``) and one lock, which guards the counters and
+    whether the store answers. ``wake`` tells it a shard arrived; it polls anyway.
+    """
+
+    def __init__(self, store: ObjectStore, config: LakeConfig, spool: _Spool) -> None:
+        self.store = store
+        self.config = config
+        self.spool = spool
+        self.writer_id = uuid.uuid4().hex[:12]
+        self._last_stamp = datetime.min.replace(tzinfo=UTC)
+        self._lock = threading.Lock()
+        self.shards_uploaded = self.records_uploaded = self.tokens_uploaded = 0
+        self.upload_errors = 0
+        self.store_reachable = True
+        self._wake = threading.Event()
+        self._abandon = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="tide-lake-uploader", daemon=True)
+        self.thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def wait_uploaded(self, deadline: float) -> bool:
+        """True once the spool is empty; False at ``deadline`` or if the thread ended."""
+        while self.spool.shards():
+            if time.monotonic() >= deadline or not self.thread.is_alive():
+                return False
+            time.sleep(0.05)
+        return True
+
+    def stop(self, timeout: float) -> None:
+        """Stop after the shard in flight; the rest stays spooled for the next writer."""
+        self._abandon.set()
+        self._wake.set()
+        self.thread.join(timeout=timeout)
+
+    def _loop(self) -> None:
+        while not self._abandon.is_set():
+            self._wake.clear()  # before listing: a shard spooled after this wakes the wait
+            pending = self.spool.shards()
             if not pending:
-                if batcher_done:
-                    return
-                self._spool_changed.wait(timeout=_POLL_S)
-                self._spool_changed.clear()
+                self._wake.wait(timeout=_POLL_S)
                 continue
             for path in pending:
-                if self._abandon_uploads.is_set():
+                if self._abandon.is_set():
                     return
                 try:
                     self._upload(path)
                 except StoreUnavailableError as error:
                     self._note_outage(error)
-                    self._abandon_uploads.wait(timeout=self.config.retry_interval_s)
+                    self._abandon.wait(timeout=self.config.retry_interval_s)
                     break
                 except Exception:
                     logger.exception("uploading spooled shard %s failed; will retry", path)
-                    with self._counter_lock:
-                        self._upload_errors += 1
-                    self._abandon_uploads.wait(timeout=self.config.retry_interval_s)
+                    with self._lock:
+                        self.upload_errors += 1
+                    self._abandon.wait(timeout=self.config.retry_interval_s)
                     break
 
     def _note_outage(self, error: StoreUnavailableError) -> None:
-        with self._counter_lock:
-            self._upload_errors += 1
-            was_reachable = self._store_reachable
-            self._store_reachable = False
+        with self._lock:
+            self.upload_errors += 1
+            was_reachable = self.store_reachable
+            self.store_reachable = False
         if was_reachable:
-            logger.warning("%s; spooling shards in %s until it is back", error, self._spool)
+            logger.warning("%s; spooling shards in %s until it is back", error, self.spool.path)
 
     def _store_clock(self, shard_key: str) -> timedelta:
         """How far the store's clock is ahead of this host's (never less than what the
@@ -505,63 +513,116 @@ class LakeWriter:
                     late,
                     self.config.commit_settle_s,
                 )
-        with self._counter_lock:  # counted before the spool empties: flush() then sees them
-            if not self._store_reachable:
+        with self._lock:  # counted before the spool empties: flush() then sees them
+            if not self.store_reachable:
                 logger.info(
                     "S3 store %s is reachable again; uploading spool", self.store.config.endpoint
                 )
-            self._store_reachable = True
-            self._shards_uploaded += 1
-            self._records_uploaded += sidecar["num_records"]
-            self._tokens_uploaded += sidecar["num_tokens"]
+            self.store_reachable = True
+            self.shards_uploaded += 1
+            self.records_uploaded += sidecar["num_records"]
+            self.tokens_uploaded += sidecar["num_tokens"]
         path.unlink()
         sidecar_path.unlink()
         logger.debug("committed shard %s (%d tokens)", sidecar["shard_key"], sidecar["num_tokens"])
 
-    # -- spool housekeeping ----------------------------------------------------------
 
-    def _lock_spool(self) -> TextIO:
-        handle = (self._spool / ".lock").open("w")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            raise RuntimeError(
-                f"spool directory {self._spool} is used by another LakeWriter; "
-                "give each serving process its own TIDE_LAKE__SPOOL_DIR"
-            ) from None
-        return handle
+class LakeWriter:
+    """Batches captured records into committed Parquet shards in the lake.
 
-    def _recover_spool(self) -> None:
-        """Drop half-written files from a crash; keep complete shards for upload."""
-        for leftover in self._spool.glob("*.tmp"):
-            logger.warning("removing half-written spool file %s left by a crash", leftover)
-            leftover.unlink()
-        for sidecar in self._spool.glob("*.json"):
-            if not sidecar.with_suffix(".parquet").exists():
-                sidecar.unlink()
-        recovered = list(self._spool.glob("*.parquet"))
-        if recovered:
-            logger.info(
-                "found %d spooled shard(s) in %s; uploading them", len(recovered), self._spool
+    Use as a context manager, or call :meth:`close` on shutdown: it flushes the
+    queue and uploads what it can within ``timeout``; the rest stays spooled.
+    ``hidden_size`` and ``vocab_size`` are the target's (from its ``config.json``):
+    records that disagree are refused; NaN/inf states are refused always.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        config: LakeConfig,
+        *,
+        hidden_size: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self._spool = _Spool(Path(config.spool_dir))
+        self._uploader = _Uploader(store, config, self._spool)
+        self._batcher = _Batcher(
+            config,
+            self._spool,
+            self._uploader.wake,
+            hidden_size=hidden_size,
+            vocab_size=vocab_size,
+        )
+        self._closed = False
+
+    @property
+    def writer_id(self) -> str:
+        return self._uploader.writer_id
+
+    def submit(self, record: CapturedRecord) -> bool:
+        """Queue a finished request; ``False`` if it was dropped because the queue is full.
+
+        Raises :class:`~tide_lib.lake.schema.InvalidRecordError` for a malformed record.
+        """
+        validate_record(record)
+        return self._batcher.submit(record)
+
+    def stats(self) -> WriterStats:
+        spooled = self._spool.sizes()
+        batcher, uploader = self._batcher, self._uploader
+        with batcher._lock, uploader._lock:
+            return WriterStats(
+                submitted_records=batcher.submitted,
+                dropped_records=batcher.dropped,
+                shards_written=batcher.shards_written,
+                shards_uploaded=uploader.shards_uploaded,
+                records_uploaded=uploader.records_uploaded,
+                tokens_uploaded=uploader.tokens_uploaded,
+                spooled_shards=len(spooled),
+                spooled_bytes=sum(spooled),
+                upload_errors=uploader.upload_errors,
+                store_reachable=uploader.store_reachable,
+                refused_records=batcher.refused,
             )
 
-    def _spooled_sizes(self) -> list[int]:
-        """Sizes of the spooled shards; one the uploader removes meanwhile is skipped."""
-        sizes = []
-        for path in self._spool.glob("*.parquet"):
-            try:
-                sizes.append(path.stat().st_size)
-            except FileNotFoundError:
-                continue
-        return sizes
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Write every buffered record as a shard and wait until the spool is uploaded.
 
-    def _wait_spool_empty(self, deadline: float) -> bool:
-        while any(self._spool.glob("*.parquet")):
-            if time.monotonic() >= deadline or not self._uploader.is_alive():
-                return False
-            time.sleep(0.05)
-        return True
+        Returns ``False`` if the store could not take everything within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        return self._batcher.flush(deadline) and self._uploader.wait_uploaded(deadline)
+
+    def close(self, timeout: float = 60.0) -> WriterStats:
+        """Flush everything and stop; shards that cannot be uploaded in time stay spooled."""
+        if self._closed:
+            return self.stats()
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        self._batcher.stop()
+        uploaded = self._uploader.wait_uploaded(deadline)
+        self._uploader.stop(timeout=max(1.0, deadline - time.monotonic()))
+        stats = self.stats()
+        if not uploaded:
+            logger.warning(
+                "lake writer closed with %d shard(s) (%d bytes) still spooled in %s: the store "
+                "could not take them within %.0f s; a writer started with the same spool_dir "
+                "uploads them",
+                stats.spooled_shards,
+                stats.spooled_bytes,
+                self._spool.path,
+                timeout,
+            )
+        self._spool.close()
+        return stats
+
+    def __enter__(self) -> LakeWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
