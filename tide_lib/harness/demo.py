@@ -259,7 +259,6 @@ def run_demo(
 
     The stack is left running (the caller stops it); the engines are stopped.
     """
-    from tide_lib.evaluation.plot import plot_timeline  # noqa: PLC0415
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
     from tide_lib.serving.process import EngineProcess  # noqa: PLC0415
     from tide_lib.stack import StackManager, free_ports  # noqa: PLC0415
@@ -282,25 +281,9 @@ def run_demo(
         "min_new_tokens": settings.tokens_per_cycle,
         "force_promote": settings.force_promote,
     }
-    # The same cycle settings as the environment of Airflow's processes: a run the
-    # schedule starts (from these defaults) and a triggered one (conf) do the same.
-    environment = {
-        "TIDE_CYCLE__TARGET_ID": target_id,
-        "TIDE_CYCLE__TARGET_PATH": str(target_dir.resolve()),
-        "TIDE_CYCLE__SERVERS": json.dumps(servers),
-        "TIDE_CYCLE__MIN_NEW_TOKENS": str(settings.tokens_per_cycle),
-        "TIDE_CYCLE__FORCE_PROMOTE": str(settings.force_promote).lower(),
-        "TIDE_TRAINING__STEPS": str(train.steps),
-        "TIDE_TRAINING__TTT_LENGTH": str(train.ttt_length),
-        "TIDE_TRAINING__LEARNING_RATE": str(train.learning_rate),
-        "TIDE_TRAINING__DRAFT_VOCAB_SIZE": str(train.draft_vocab_size),
-        "TIDE_GATE__K": str(settings.num_steps),
-        "TIDE_LAKE__SHARD_MAX_AGE_S": "2",
-        "TIDE_LAKE__COMMIT_SETTLE_S": str(_COMMIT_SETTLE_S),
-    }
     engines: list[EngineProcess] = []
     traffic: _Traffic | None = None
-    with _environment(environment):
+    with _environment(_airflow_environment(cycle_conf, settings, train)):
         manager = StackManager(config)
         _restart_airflow(manager)
         manager.up()
@@ -317,37 +300,14 @@ def run_demo(
         static_version = f"{registry.name}-v{static.version}"
         try:
             say(f"starting {settings.engines} engines serving {static_version} with capture ...")
-            for port in ports:
-                engines.append(
-                    EngineProcess.start(
-                        target_dir,
-                        port,
-                        [
-                            "--speculative-draft-model-path",
-                            str(static_dir),
-                            "--speculative-num-steps",
-                            str(settings.num_steps),
-                            "--served-model-name",
-                            target_id,
-                            "--weight-version",
-                            static_version,
-                        ],
-                        work_dir / "logs" / f"engine-{port}.log",
-                        {
-                            "TIDE_STORE__ENDPOINT": config.store.endpoint,
-                            "TIDE_MLFLOW__TRACKING_URI": config.mlflow.tracking_uri,
-                            "TIDE_LAKE__SPOOL_DIR": str(work_dir / "spool" / str(port)),
-                            "TIDE_SCRATCH_DIR": str(work_dir / "scratch" / str(port)),
-                        },
-                    )
-                )
+            launch = ["--speculative-draft-model-path", str(static_dir)]
+            launch += ["--speculative-num-steps", str(settings.num_steps)]
+            launch += ["--served-model-name", target_id, "--weight-version", static_version]
+            for port in ports:  # one at a time: those started are stopped on a failure
+                engines.append(_start_engine(config, target_dir, port, launch, work_dir))
             airflow = _Airflow(manager.config)
             airflow.wait_for_dag()
-            for run in airflow.runs():
-                leftover = datetime.fromisoformat(run["run_after"]) < demo_started
-                if run["state"] in ("queued", "running") and leftover:
-                    say(f"failing {run['dag_run_id']}, left running by an earlier demo")
-                    airflow.fail(run["dag_run_id"])
+            _fail_leftover_runs(airflow, demo_started, say)
             korean = load_corpus().domain("ko_chat", held_out=False)
             traffic = _Traffic(servers, [render_prompt(d.turns[0]) for d in korean], settings)
             traffic.start()
@@ -374,6 +334,66 @@ def run_demo(
             "urls": {"airflow": airflow_url, "mlflow": mlflow_url},
         }
     )
+    _write_summary(summary, settings, out_json, out_png)
+    return summary
+
+
+def _airflow_environment(
+    cycle_conf: dict[str, Any], settings: DemoSettings, train: TrainConfig
+) -> dict[str, str]:
+    """The cycle's settings as the environment of Airflow's processes: a run the schedule
+    starts (from these defaults) and a triggered one (conf) do the same."""
+    return {
+        "TIDE_CYCLE__TARGET_ID": cycle_conf["target_id"],
+        "TIDE_CYCLE__TARGET_PATH": cycle_conf["target_path"],
+        "TIDE_CYCLE__SERVERS": json.dumps(cycle_conf["servers"]),
+        "TIDE_CYCLE__MIN_NEW_TOKENS": str(settings.tokens_per_cycle),
+        "TIDE_CYCLE__FORCE_PROMOTE": str(settings.force_promote).lower(),
+        "TIDE_TRAINING__STEPS": str(train.steps),
+        "TIDE_TRAINING__TTT_LENGTH": str(train.ttt_length),
+        "TIDE_TRAINING__LEARNING_RATE": str(train.learning_rate),
+        "TIDE_TRAINING__DRAFT_VOCAB_SIZE": str(train.draft_vocab_size),
+        "TIDE_GATE__K": str(settings.num_steps),
+        "TIDE_LAKE__SHARD_MAX_AGE_S": "2",
+        "TIDE_LAKE__COMMIT_SETTLE_S": str(_COMMIT_SETTLE_S),
+    }
+
+
+def _start_engine(
+    config: TideConfig, target_dir: Path, port: int, launch: list[str], work_dir: Path
+) -> Any:
+    """One reference engine with capture into the stack's lake; its log under work_dir."""
+    from tide_lib.serving.process import EngineProcess  # noqa: PLC0415
+
+    return EngineProcess.start(
+        target_dir,
+        port,
+        launch,
+        work_dir / "logs" / f"engine-{port}.log",
+        {
+            "TIDE_STORE__ENDPOINT": config.store.endpoint,
+            "TIDE_MLFLOW__TRACKING_URI": config.mlflow.tracking_uri,
+            "TIDE_LAKE__SPOOL_DIR": str(work_dir / "spool" / str(port)),
+            "TIDE_SCRATCH_DIR": str(work_dir / "scratch" / str(port)),
+        },
+    )
+
+
+def _fail_leftover_runs(airflow: _Airflow, demo_started: datetime, say: Any) -> None:
+    """Runs an earlier demo left queued or running would hold the pool: fail them."""
+    for run in airflow.runs():
+        leftover = datetime.fromisoformat(run["run_after"]) < demo_started
+        if run["state"] in ("queued", "running") and leftover:
+            say(f"failing {run['dag_run_id']}, left running by an earlier demo")
+            airflow.fail(run["dag_run_id"])
+
+
+def _write_summary(
+    summary: dict[str, Any], settings: DemoSettings, out_json: Path, out_png: Path
+) -> None:
+    """The JSON summary and the PNG timeline of acceptance length and promotions."""
+    from tide_lib.evaluation.plot import plot_timeline  # noqa: PLC0415
+
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(summary, indent=2) + "\n")
     promotions = [(p["minutes"], p["version"].rsplit("-", 1)[-1]) for p in summary["promotions"]]
@@ -384,7 +404,6 @@ def run_demo(
         k=settings.num_steps,
         title=f"TIDE demo: Korean traffic on an English draft ({settings.preset} target)",
     )
-    return summary
 
 
 _COLUMNS = (("min", 5), ("cycle", 5), ("airflow", 34), ("tokens", 7), ("serving", 8))
