@@ -358,7 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Groups of other packages (the harness: bench, workload, demo) register themselves
     # as entry points, so the product never imports them.
     for plugin in sorted(entry_points(group=COMMAND_PLUGINS), key=lambda e: e.name):
-        plugin.load()(commands)
+        try:
+            plugin.load()(commands)
+        except Exception as error:  # a broken extra never takes `serve` or `fleet` down
+            logger.warning("`tide %s` is unavailable: %s: %s", plugin.name, plugin.value, error)
     return parser
 
 

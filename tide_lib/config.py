@@ -127,6 +127,12 @@ class ObjectStoreConfig(StrictModel):
     artifact_bucket: str = Field("tide-mlflow", description="bucket of MLflow artifacts")
     timeout_s: float = Field(5.0, gt=0, description="connect/read timeout of one S3 call")
 
+    @field_validator("session_token", "ca_bundle", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        """An empty value (a connection exported "none" for it) means none."""
+        return None if value == "" else value
+
     @field_validator("endpoint")
     @classmethod
     def _endpoint_is_url(cls, value: str) -> str:

@@ -16,7 +16,7 @@ from tide_lib.orchestration.sensors import LakeTokensSensor, LakeTokensTrigger, 
 def test_a_lake_error_while_waiting_fails_the_task_rather_than_skipping_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def unreachable(params: dict[str, object], run_id: str) -> int:
+    def unreachable(params: dict[str, object], run_id: str, **_: object) -> int:
         raise ConnectionError("store at 127.0.0.1:1 refused the connection")
 
     monkeypatch.setattr(sensors, "_count", unreachable)
@@ -38,7 +38,7 @@ def test_a_lake_error_while_waiting_fails_the_task_rather_than_skipping_it(
 
 def test_new_tokens_complete_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     counts = iter([3, 12])
-    monkeypatch.setattr(sensors, "_count", lambda params, run_id: next(counts))
+    monkeypatch.setattr(sensors, "_count", lambda params, run_id, **_: next(counts))
     trigger = LakeTokensTrigger({}, "manual__1", min_tokens=10, poke_interval=0.01)
 
     async def first_event() -> dict[str, object]:

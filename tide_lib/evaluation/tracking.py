@@ -40,12 +40,10 @@ def log_decision(
     from mlflow.entities import Metric  # noqa: PLC0415
 
     client = MlflowClient(tracking_uri)
-    for key, value in decision_tags(decision, k).items():
-        client.set_model_version_tag(model_name, version, key, value[:5000])
     report = decision_report(decision, k, names={"challenger": f"{model_name} v{version}"})
     registered = client.get_model_version(model_name, version)
     run_id = registered.run_id
-    if run_id:
+    if run_id:  # figures first: the tags end with the one that marks the record complete
         client.log_text(run_id, report, f"gate/decision-v{version}.md")
         now = int(time.time() * 1000)
         model_id = logged_model_id(registered.source or "")  # the figures are the model's too
@@ -54,6 +52,8 @@ def log_decision(
             for key, value in decision_metrics(decision, k).items()
         ]
         client.log_batch(run_id, metrics=metrics)
+    for key, value in decision_tags(decision, k).items():
+        client.set_model_version_tag(model_name, version, key, value[:5000])
     logger.info("gate on %s v%s: %s", model_name, version, decision.reason)
     return report
 

@@ -83,15 +83,22 @@ def adaptation_schedule() -> timedelta | None:
     return timedelta(minutes=minutes) if minutes else None
 
 
-def config_from_params(params: dict[str, Any]) -> TideConfig:
+def config_from_params(params: dict[str, Any], *, export: bool = True) -> TideConfig:
     """The run's configuration: the environment's settings, read now (with the Airflow
     connections of :mod:`~tide_lib.orchestration.connections` over them), overridden by
-    what the form filled in (empty fields keep the setting), validated by the same models."""
-    from tide_lib.orchestration.connections import use_airflow_connections  # noqa: PLC0415
+    what the form filled in (empty fields keep the setting), validated by the same models.
+
+    ``export`` puts the connections' values into this process's environment too (a task
+    process, for what it starts); a trigger, which shares its process, passes False.
+    """
+    from tide_lib.orchestration.connections import connection_settings  # noqa: PLC0415
 
     base = load_config()
-    if use_airflow_connections(base):
-        base = load_config()
+    connections = connection_settings(base)
+    if connections.used:
+        if export:
+            connections.export()
+        base = load_config(**connections.overrides)
     cycle = {
         name: params[name]
         for name in CycleConfig.model_fields

@@ -22,11 +22,13 @@ __all__ = ["LakeTokensSensor", "LakeTokensTrigger", "LakeUnreadableError"]
 logger = logging.getLogger(__name__)
 
 
-def _count(params: dict[str, Any], run_id: str) -> int:
+def _count(params: dict[str, Any], run_id: str, *, export: bool = True) -> int:
+    """New tokens for this run; the trigger passes ``export=False``: the triggerer's process
+    is shared by every trigger, so connection values must not land in its environment."""
     from tide_lib.orchestration.cycle import cycle_tokens  # noqa: PLC0415
     from tide_lib.orchestration.params import config_from_params  # noqa: PLC0415
 
-    return cycle_tokens(config_from_params(params), run_id)
+    return cycle_tokens(config_from_params(params, export=export), run_id)
 
 
 def _min_tokens(params: dict[str, Any]) -> int:
@@ -60,7 +62,7 @@ class LakeTokensTrigger(BaseTrigger):  # type: ignore[misc]  # untyped base clas
     async def run(self) -> AsyncIterator[TriggerEvent]:
         while True:
             try:
-                tokens = await asyncio.to_thread(_count, self.params, self.run_id)
+                tokens = await asyncio.to_thread(_count, self.params, self.run_id, export=False)
             except Exception as error:  # the lake failed, not the wait: fail (and retry)
                 yield TriggerEvent({"error": f"{type(error).__name__}: {error}"})
                 return

@@ -319,7 +319,8 @@ def _generate_response(result: EngineResult) -> dict[str, Any]:
 
 
 def _server_info(engine: Engine) -> dict[str, Any]:
-    """``/server_info``: SGLang's fields, the lifetime acceptance in ``internal_states``."""
+    """``/server_info``: SGLang's fields; ``internal_states`` holds the acceptance length
+    pooled since the last draft swap."""
     serve = engine.serve
     choice = engine.k_controller.snapshot()
     return {

@@ -65,7 +65,7 @@ def package_dir(package: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"package {package!r} is not installed; `make venv` installs it "
-            "(see requirements.txt / requirements-nodeps.txt)"
+            "(pyproject's `demo` extra, or requirements-nodeps.txt for konlpy)"
         )
     return Path(next(iter(spec.submodule_search_locations)))
 

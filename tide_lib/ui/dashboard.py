@@ -35,7 +35,6 @@ _MAX_CYCLES = 20
 
 def dashboard_data(config: TideConfig, target_id: str) -> dict[str, Any]:
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
-    from tide_lib.evaluation.tracking import logged_accept_lengths  # noqa: PLC0415
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
 
     registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
@@ -50,7 +49,7 @@ def dashboard_data(config: TideConfig, target_id: str) -> dict[str, Any]:
                 "decision": version.tags.get(Tags.DECISION, "pending"),
                 "reason": decision.reason if decision else "",
                 "window_tokens": version.tags.get(Tags.WINDOW_TOKENS, ""),
-                "accept_length": logged_accept_lengths(registry, version, config.gate.k),
+                "accept_length": _accept_lengths(registry, version, decision, config.gate.k),
                 "created": version.created_ms,
             }
         )
@@ -66,6 +65,19 @@ def dashboard_data(config: TideConfig, target_id: str) -> dict[str, Any]:
         "cycles": cycles,
         "k": config.gate.k,
     }
+
+
+def _accept_lengths(registry: Any, version: Any, decision: Any, k: int) -> dict[str, float]:
+    """The version's logged acceptance-length metrics; where they cannot be read (or a
+    judged version has none), the figures its decision tags recorded."""
+    from tide_lib.evaluation.tracking import logged_accept_lengths  # noqa: PLC0415
+
+    try:
+        logged = logged_accept_lengths(registry, version, k)
+    except Exception as error:  # one version's metrics never take the page down
+        logger.warning("metrics of %s v%s unreadable: %s", registry.name, version.version, error)
+        logged = {}
+    return logged or (dict(decision.challenger) if decision else {})
 
 
 def _plot(data: dict[str, Any]) -> str:
