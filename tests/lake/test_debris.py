@@ -28,7 +28,7 @@ from tide_lib.lake import (
     watermark,
 )
 from tide_lib.lake.layout import CommitMarker, commit_key, commit_prefix, new_shard_id, shard_key
-from tide_lib.lake.schema import records_to_table
+from tide_lib.lake.schema import TargetLimits, records_to_table
 
 pytestmark = pytest.mark.slow
 SLUG = target_slug("demo/target")
@@ -179,7 +179,7 @@ def test_defect4_writer_refuses_bad_values_with_a_count(
 ) -> None:
     with (
         caplog.at_level(logging.WARNING, logger="tide_lib.lake.writer"),
-        LakeWriter(lake_store, lake_config, hidden_size=16, vocab_size=1000) as writer,
+        LakeWriter(lake_store, lake_config, limits=TargetLimits(16, 1000)) as writer,
     ):
         assert writer.submit(make_record(0))
         for record in _bad_records():
@@ -209,7 +209,7 @@ def test_defect4_reader_skips_bad_records_that_reached_the_lake(
     bad = _bad_records()
     _commit_raw(lake_store, lake_config, [good[0], *bad[:3]], datetime.now(UTC))
     _commit_raw(lake_store, lake_config, [bad[3], good[1]], datetime.now(UTC))
-    reader = LakeReader(lake_store, lake_config, hidden_size=16, vocab_size=1000)
+    reader = LakeReader(lake_store, lake_config, limits=TargetLimits(16, 1000))
     samples = list(reader.iter_samples(reader.list_shards(SLUG)))
     assert [s.request_id for s in samples] == ["req-0", "req-5"]
     assert reader.debris.invalid_records == 4

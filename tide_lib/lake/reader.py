@@ -48,6 +48,7 @@ from tide_lib.lake.schema import (
     LEGACY_RECORD_SCHEMAS,
     NUM_AUX_LAYERS,
     RECORD_SCHEMA,
+    TargetLimits,
     reserved_segment,
     segment_problem,
     values_problem,
@@ -130,7 +131,7 @@ class TrainingSample:
 class LakeReader:
     """Lists, counts and streams committed shards of one target.
 
-    ``hidden_size`` and ``vocab_size`` are the target's (from its ``config.json``):
+    ``limits`` are the target's (:func:`~tide_lib.lake.schema.target_limits`):
     records that disagree are skipped; records with NaN/inf states are skipped always.
     """
 
@@ -139,13 +140,11 @@ class LakeReader:
         store: ObjectStore,
         config: LakeConfig,
         *,
-        hidden_size: int | None = None,
-        vocab_size: int | None = None,
+        limits: TargetLimits | None = None,
     ) -> None:
         self.store = store
         self.config = config
-        self.hidden_size = hidden_size
-        self.vocab_size = vocab_size
+        self.limits = limits
         self.debris = DebrisCounts()
         self._markers: dict[str, CommitMarker] = {}
         self._noted: set[str] = set()  # keys already logged (a sensor lists every poke)
@@ -372,8 +371,7 @@ class LakeReader:
             sample.input_ids,
             sample.hidden_state,
             sample.aux_hidden_state,
-            hidden_size=self.hidden_size,
-            vocab_size=self.vocab_size,
+            self.limits,
         )
         if problem is None:
             return sample

@@ -43,6 +43,7 @@ __all__ = [
     "UNSEGMENTED",
     "CapturedRecord",
     "InvalidRecordError",
+    "TargetLimits",
     "record_nbytes",
     "records_to_table",
     "reserved_segment",
@@ -252,30 +253,36 @@ def validate_record(record: CapturedRecord) -> None:
             )
 
 
-def target_limits(target_dir: str | Path) -> dict[str, int | None]:
-    """``hidden_size`` and ``vocab_size`` of an HF target (its ``config.json``, or the
-    ``text_config`` inside it), for :func:`values_problem`; None where a host lacks them."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class TargetLimits:
+    """What a record must fit: the target's hidden size and vocabulary (None: unknown,
+    and then unchecked). The writer refuses records beyond them, the reader skips them."""
+
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+
+
+def target_limits(target_dir: str | Path | None) -> TargetLimits:
+    """The :class:`TargetLimits` of an HF target (its ``config.json``, or the
+    ``text_config`` inside it); unknown where there is none or a host lacks it."""
+    if target_dir is None:
+        return TargetLimits()
     path = Path(target_dir) / "config.json"
-    limits: dict[str, int | None] = {"hidden_size": None, "vocab_size": None}
     try:
         declared = json.loads(path.read_text())
     except (OSError, ValueError):
         logger.info("no readable target config at %s: records are checked for NaN/inf only", path)
-        return limits
+        return TargetLimits()
     text = declared.get("text_config") if isinstance(declared.get("text_config"), dict) else {}
-    for name in limits:
-        value = declared.get(name, text.get(name))
-        limits[name] = value if isinstance(value, int) else None
-    return limits
+    values = {name: declared.get(name, text.get(name)) for name in ("hidden_size", "vocab_size")}
+    return TargetLimits(**{k: v if isinstance(v, int) else None for k, v in values.items()})
 
 
 def values_problem(
     input_ids: Any,
     hidden_states: Any,
     aux_hidden_states: Any,
-    *,
-    hidden_size: int | None = None,
-    vocab_size: int | None = None,
+    limits: TargetLimits | None = None,
 ) -> str | None:
     """Why a record's values must not train a draft, or None if they may.
 
@@ -283,6 +290,7 @@ def values_problem(
     its token ids against the target's vocabulary (when known) and every state
     for NaN/inf (always). Reads every value: never call it on a serving thread.
     """
+    hidden_size, vocab_size = (limits.hidden_size, limits.vocab_size) if limits else (None, None)
     width = _shape(hidden_states)[-1]
     if hidden_size is not None and width != hidden_size:
         return f"hidden size {width}, the target's is {hidden_size}"

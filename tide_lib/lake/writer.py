@@ -46,6 +46,7 @@ from tide_lib.config import LakeConfig
 from tide_lib.lake.layout import CommitMarker, commit_key, new_shard_id, shard_key, target_slug
 from tide_lib.lake.schema import (
     CapturedRecord,
+    TargetLimits,
     record_nbytes,
     records_to_table,
     segment_problem,
@@ -160,15 +161,12 @@ class _Batcher:
         config: LakeConfig,
         spool: _Spool,
         on_shard: Callable[[], None],
-        *,
-        hidden_size: int | None,
-        vocab_size: int | None,
+        limits: TargetLimits | None,
     ) -> None:
         self.config = config
         self.spool = spool
         self._on_shard = on_shard
-        self.hidden_size = hidden_size
-        self.vocab_size = vocab_size
+        self.limits = limits
         self._queue: queue.Queue[CapturedRecord] = queue.Queue(maxsize=config.queue_max_records)
         self._lock = threading.Lock()
         self._flushed = threading.Condition(self._lock)
@@ -344,8 +342,7 @@ class _Batcher:
                 record.input_ids,
                 record.hidden_states,
                 record.aux_hidden_states,
-                hidden_size=self.hidden_size,
-                vocab_size=self.vocab_size,
+                self.limits,
             )
         except Exception as error:  # a record that cannot even be checked is not written
             return f"its values could not be checked ({error})"
@@ -532,7 +529,7 @@ class LakeWriter:
 
     Use as a context manager, or call :meth:`close` on shutdown: it flushes the
     queue and uploads what it can within ``timeout``; the rest stays spooled.
-    ``hidden_size`` and ``vocab_size`` are the target's (from its ``config.json``):
+    ``limits`` are the target's (:func:`~tide_lib.lake.schema.target_limits`):
     records that disagree are refused; NaN/inf states are refused always.
     """
 
@@ -541,8 +538,7 @@ class LakeWriter:
         store: ObjectStore,
         config: LakeConfig,
         *,
-        hidden_size: int | None = None,
-        vocab_size: int | None = None,
+        limits: TargetLimits | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -552,8 +548,7 @@ class LakeWriter:
             config,
             self._spool,
             self._uploader.wake,
-            hidden_size=hidden_size,
-            vocab_size=vocab_size,
+            limits,
         )
         self._closed = False
 

@@ -112,7 +112,7 @@ def _sample_reader(config: TideConfig) -> LakeReader:
     They come from the target's ``config.json`` where this host has the target; a
     host without it still skips records whose states are NaN/inf.
     """
-    return LakeReader(_store(config), config.lake, **target_limits(config.cycle.target_path))
+    return LakeReader(_store(config), config.lake, limits=target_limits(config.cycle.target_path))
 
 
 def _log_debris(reader: LakeReader, what: str) -> None:

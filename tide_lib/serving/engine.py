@@ -287,9 +287,8 @@ class Engine:
     @staticmethod
     def _capture_writer(config: TideConfig) -> LakeWriter:
         """The lake writer; it refuses records unfit for the served target (sizes, NaN)."""
-        limits = target_limits(config.serve.model_path) if config.serve.model_path else {}
         store = ObjectStore(config.store, config.store.lake_bucket)
-        return LakeWriter(store, config.lake, **limits)
+        return LakeWriter(store, config.lake, limits=target_limits(config.serve.model_path))
 
     def _capture(
         self, request: EngineRequest, generation: Generation, started_at: datetime, version: str

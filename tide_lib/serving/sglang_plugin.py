@@ -280,7 +280,7 @@ class SGLangCapture:
         self.writer = writer or LakeWriter(
             ObjectStore(config.store, config.store.lake_bucket),
             config.lake,
-            **(target_limits(target_dir) if target_dir else {}),
+            limits=target_limits(target_dir),
         )
         self.max_held_bytes = config.serve.capture_max_held_bytes
         self.warmup_prompts = warmup_prompts or set()
