@@ -157,6 +157,23 @@ def _swap_under_load(
     return swap_seconds, failed, len(futures)
 
 
+def _bench_engines(
+    config: TideConfig, target_dir: Path, draft_dir: Path, num_steps: int
+) -> dict[str, Engine]:
+    """The four engines compared: capture on, capture off (fixed k), adaptive k, plain."""
+    fixed = {"speculative_num_steps": num_steps}
+    return {
+        "on": reference_engine(config, target_dir, draft_dir, capture=True, **fixed),
+        "spec": reference_engine(config, target_dir, draft_dir, capture=False, **fixed),
+        "adaptive": reference_engine(
+            config, target_dir, draft_dir, capture=False, speculative_adaptive=True, **fixed
+        ),
+        "plain": reference_engine(
+            config, target_dir, draft_dir, capture=False, disable_speculation=True
+        ),
+    }
+
+
 def run_serve_bench(
     config: TideConfig,
     target_dir: Path,
@@ -190,24 +207,9 @@ def run_serve_bench(
             )
         lake = config.lake.model_copy(update={"spool_dir": work / "spool", "prefix": "bench-serve"})
         config = config.model_copy(update={"lake": lake})
-        capture_on = reference_engine(
-            config, target_dir, draft_dir, capture=True, speculative_num_steps=num_steps
-        )
-        capture_off = reference_engine(
-            config, target_dir, draft_dir, capture=False, speculative_num_steps=num_steps
-        )
-        adaptive = reference_engine(
-            config,
-            target_dir,
-            draft_dir,
-            capture=False,
-            speculative_num_steps=num_steps,
-            speculative_adaptive=True,
-        )
-        plain = reference_engine(
-            config, target_dir, draft_dir, capture=False, disable_speculation=True
-        )
-        engines = {"on": capture_on, "spec": capture_off, "adaptive": adaptive, "plain": plain}
+        engines = _bench_engines(config, target_dir, draft_dir, num_steps)
+        capture_on, capture_off, adaptive = engines["on"], engines["spec"], engines["adaptive"]
+        plain = engines["plain"]
         try:
             ids = [capture_off.encode(prompt) for prompt in eval_prompts[:prompts]]
             warm = [capture_off.encode(prompt) for prompt in train_prompts[: max(warmup, 1)]]
@@ -224,18 +226,16 @@ def run_serve_bench(
             for engine in engines.values():
                 engine.close()
 
-    def rate(run: EngineRun) -> float:
-        return run.tokens_per_s
-
+    rate = {name: run.tokens_per_s for name, run in speculation.items()}
     spec = speculation["spec"]
     result: dict[str, Any] = {
-        "capture_on_tokens_per_s": rate(capture["on"]),
-        "capture_off_tokens_per_s": rate(capture["off"]),
-        "spec_tokens_per_s": rate(spec),
-        "adaptive_tokens_per_s": rate(speculation["adaptive"]),
-        "plain_tokens_per_s": rate(speculation["plain"]),
-        "adaptive_vs_plain": rate(speculation["adaptive"]) / rate(speculation["plain"]),
-        "spec_vs_plain": rate(spec) / rate(speculation["plain"]),
+        "capture_on_tokens_per_s": capture["on"].tokens_per_s,
+        "capture_off_tokens_per_s": capture["off"].tokens_per_s,
+        "spec_tokens_per_s": rate["spec"],
+        "adaptive_tokens_per_s": rate["adaptive"],
+        "plain_tokens_per_s": rate["plain"],
+        "adaptive_vs_plain": rate["adaptive"] / rate["plain"],
+        "spec_vs_plain": rate["spec"] / rate["plain"],
         "adaptive_k": chosen["chosen_k"],
         "adaptive": {
             "timed_requests_by_k": {
