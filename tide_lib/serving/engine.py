@@ -40,7 +40,7 @@ import torch
 
 from tide_lib.config import ConfigError, ServeConfig, TideConfig
 from tide_lib.errors import TideError
-from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
+from tide_lib.lake import LakeWriter, ObjectStore
 from tide_lib.lake.schema import segment_problem, target_limits
 from tide_lib.registry.uris import DraftFetchError
 from tide_lib.serving.acceptance import AcceptanceCount
@@ -301,20 +301,11 @@ class Engine:
             with self._lock:
                 self.counters.capture_skipped += 1
             return
-        sample = generation.training_sample(request.rid, version)
-        record = CapturedRecord(
-            request_id=request.rid,
+        record = generation.captured_record(
+            request.rid,
             target_id=self.target_id,
             draft_version=version,
             started_at=started_at,
-            finished_at=sample.finished_at,
-            input_ids=sample.input_ids.to(torch.int32),
-            loss_mask=sample.loss_mask.to(torch.int8),
-            hidden_states=sample.hidden_state,
-            aux_hidden_states=sample.aux_hidden_state,
-            spec_verify_ct=generation.verify_steps,
-            spec_accept_tokens=generation.accepted_draft_tokens,
-            completion_tokens=len(generation.output_ids),
             segment=request.segment,
         )
         if self.writer.submit(record):

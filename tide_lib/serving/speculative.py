@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tide_lib.lake.reader import TrainingSample
+from tide_lib.lake.schema import CapturedRecord
 from tide_lib.serving.k_policy import RoundTimings
 from tide_lib.target_model.hidden import HiddenStateCapture
 
@@ -45,16 +46,49 @@ class Generation:
     aux_states: torch.Tensor  # [T, 3H]
     timings: RoundTimings = dataclasses.field(default_factory=lambda: RoundTimings(0, []))
 
-    def training_sample(self, request_id: str, draft_version: str = "") -> TrainingSample:
-        """The tokens the target read, their loss mask (1 on output) and float16 states."""
+    def _read_tokens(self) -> tuple[list[int], list[int]]:
+        """The tokens the target read and their loss mask (1 on output)."""
         length = int(self.final_states.shape[0])
         prompt = len(self.prompt_ids)
+        return (self.prompt_ids + self.output_ids)[:length], [0] * prompt + [1] * (length - prompt)
+
+    def captured_record(
+        self,
+        request_id: str,
+        *,
+        target_id: str,
+        draft_version: str,
+        started_at: datetime,
+        segment: str | None = None,
+    ) -> CapturedRecord:
+        """This request as the lake stores it (the capture contract of ``lake.schema``)."""
+        ids, mask = self._read_tokens()
+        return CapturedRecord(
+            request_id=request_id,
+            target_id=target_id,
+            draft_version=draft_version,
+            started_at=started_at,
+            finished_at=datetime.now(UTC),
+            input_ids=torch.tensor(ids, dtype=torch.int32),
+            loss_mask=torch.tensor(mask, dtype=torch.int8),
+            hidden_states=self.final_states.to(torch.float16),
+            aux_hidden_states=self.aux_states.to(torch.float16),
+            spec_verify_ct=self.verify_steps,
+            spec_accept_tokens=self.accepted_draft_tokens,
+            completion_tokens=len(self.output_ids),
+            segment=segment,
+        )
+
+    def training_sample(self, request_id: str, draft_version: str = "") -> TrainingSample:
+        """This request as training reads it, without a trip through the lake (benchmarks
+        that train on a target's own answers)."""
+        ids, mask = self._read_tokens()
         return TrainingSample(
             request_id=request_id,
             draft_version=draft_version,
             finished_at=datetime.now(UTC),
-            input_ids=torch.tensor((self.prompt_ids + self.output_ids)[:length]),
-            loss_mask=torch.tensor([0] * prompt + [1] * (length - prompt)),
+            input_ids=torch.tensor(ids),
+            loss_mask=torch.tensor(mask),
             hidden_state=self.final_states.to(torch.float16),
             aux_hidden_state=self.aux_states.to(torch.float16),
             spec_verify_ct=self.verify_steps,
