@@ -117,6 +117,31 @@ def protected_segments(
     )
 
 
+def _forgotten(
+    protected: tuple[str, ...],
+    challenger: dict[str, float],
+    champion: dict[str, float],
+    *,
+    margins: dict[str, float],
+    tolerance: float,
+    shares: tuple[dict[str, float], dict[str, float]],
+) -> str | None:
+    """Why the challenger forgot a protected segment (a drop beyond the tolerance and its
+    margin of error), or None if it forgot none."""
+    for segment in protected:
+        if segment not in champion:
+            continue
+        drop, margin = champion[segment] - challenger[segment], margins.get(segment, 0.0)
+        if drop - margin > tolerance + _EPSILON:
+            noise = f" + margin of error {margin:.3f}" if margin else ""
+            return (
+                f"segment {segment!r} ({_share_text(segment, *shares)}): "
+                f"{challenger[segment]:.3f} vs champion {champion[segment]:.3f} "
+                f"(drop {drop:.3f} > tolerance {tolerance:.3f}{noise})"
+            )
+    return None
+
+
 def decide(
     challenger: dict[str, float],
     champion: dict[str, float] | None,
@@ -167,20 +192,16 @@ def decide(
     common = {s: v for s, v in challenger.items() if s in champion}
     weighted_champion = _weighted({s: champion[s] for s in common}, shares)
     weighted_common = _weighted(common, shares)
-    margins = drop_margins or {}
-    for segment in protected:
-        if segment not in champion:
-            continue
-        drop, margin = champion[segment] - challenger[segment], margins.get(segment, 0.0)
-        if drop - margin > config.tolerance + _EPSILON:
-            noise = f" + margin of error {margin:.3f}" if margin else ""
-            return verdict(
-                False,
-                f"segment {segment!r} ({_share_text(segment, shares, older)}): "
-                f"{challenger[segment]:.3f} vs champion {champion[segment]:.3f} "
-                f"(drop {drop:.3f} > tolerance {config.tolerance:.3f}{noise})",
-                weighted_champion,
-            )
+    forgotten = _forgotten(
+        protected,
+        challenger,
+        champion,
+        margins=drop_margins or {},
+        tolerance=config.tolerance,
+        shares=(shares, older),
+    )
+    if forgotten is not None:
+        return verdict(False, forgotten, weighted_champion)
     gain = weighted_common - weighted_champion
     if gain < config.margin - _EPSILON:
         return verdict(
