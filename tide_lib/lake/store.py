@@ -116,7 +116,7 @@ class ObjectStore:
             config.host_port,
             access_key=config.access_key,
             secret_key=config.secret(),
-            session_token=(token.get_secret_value() or None) if token is not None else None,
+            session_token=token.get_secret_value() if token is not None else None,
             secure=config.secure,
             region=config.region,
             http_client=http,

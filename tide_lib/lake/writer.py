@@ -179,10 +179,6 @@ class _Batcher:
         self.thread = threading.Thread(target=self._loop, name="tide-lake-batcher", daemon=True)
         self.thread.start()
 
-    @property
-    def stopping(self) -> bool:
-        return self._stopping.is_set()
-
     def submit(self, record: CapturedRecord) -> bool:
         nbytes = record_nbytes(record)
         with self._lock:  # stop() cannot slip between the check and the put

@@ -22,20 +22,21 @@ __all__ = ["LakeTokensSensor", "LakeTokensTrigger", "LakeUnreadableError"]
 logger = logging.getLogger(__name__)
 
 
-def _count(params: dict[str, Any], run_id: str, *, export: bool = True) -> int:
-    """New tokens for this run; the trigger passes ``export=False``: the triggerer's process
-    is shared by every trigger, so connection values must not land in its environment."""
+def _measure(params: dict[str, Any], run_id: str, *, export: bool = True) -> tuple[int, int]:
+    """``(new tokens, cycle.min_new_tokens)`` of this run, from one reading of its
+    configuration (connections included). The trigger passes ``export=False``: the
+    triggerer's process is shared by every trigger, so connection values must not land
+    in its environment."""
     from tide_lib.orchestration.cycle import cycle_tokens  # noqa: PLC0415
     from tide_lib.orchestration.params import config_from_params  # noqa: PLC0415
 
-    return cycle_tokens(config_from_params(params, export=export), run_id)
+    config = config_from_params(params, export=export)
+    return cycle_tokens(config, run_id), config.cycle.min_new_tokens
 
 
-def _min_tokens(params: dict[str, Any]) -> int:
-    """``cycle.min_new_tokens`` of this run: the form's value, else the deployment's."""
-    from tide_lib.orchestration.params import config_from_params  # noqa: PLC0415
-
-    return config_from_params(params).cycle.min_new_tokens
+def _count(params: dict[str, Any], run_id: str, *, export: bool = True) -> int:
+    """New tokens for this run (what the trigger polls)."""
+    return _measure(params, run_id, export=export)[0]
 
 
 class LakeTokensTrigger(BaseTrigger):  # type: ignore[misc]  # untyped base class
@@ -86,11 +87,12 @@ class LakeTokensSensor(BaseSensorOperator):
 
     def poke(self, context: Any) -> bool:
         params = dict(context["params"])
-        return _count(params, context["run_id"]) >= _min_tokens(params)
+        tokens, needed = _measure(params, context["run_id"])
+        return tokens >= needed
 
     def execute(self, context: Any) -> Any:
         params = dict(context["params"])
-        tokens, needed = _count(params, context["run_id"]), _min_tokens(params)
+        tokens, needed = _measure(params, context["run_id"])
         if tokens >= needed:
             return tokens
         if not self.deferrable:
