@@ -46,12 +46,14 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
 
     # Its first measurement (segments of two requests or more) is its baseline: the same
     # traffic again is no drift, and the cycle trains nothing (a workload without shift).
-    segments = cycle._window_sample(config, first)[1]
+    segments = cycle._window_sample(config, first, cycle.cycle_segmenter(config, first)[0])[1]
     _capture(config, tiny_target, documents=12)
     second = cycle.snapshot_window(config, "c2")
     verdict = cycle.check_drift(config, second)
     assert not verdict.drift and "no drift" in verdict.reason
     assert verdict.champion_version == champion and set(verdict.measured) == set(segments)
+    # Grouped as its baseline was (c1's clusters), although c2 refits its own.
+    assert verdict.segmenter_key == never_judged.segmenter_key == cycle._segmenter_key(config, "c1")
     first_figures = {s: never_judged.measured[s] for s in never_judged.margins}
     assert verdict.baseline == first_figures
     assert cycle.check_drift(config, second) == verdict  # decided once, read back on a rerun
@@ -59,7 +61,9 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
 
     # Its baseline was higher than it now serves: the window has drifted.
     raised = {s: v + 2 * config.cycle.drift_tolerance for s, v in verdict.measured.items()}
-    cycle._store_baseline(config, champion, raised, "gate")
+    cycle._store_baseline(
+        config, cycle._Baseline(champion, raised, {}, verdict.segmenter_key), "gate"
+    )
     _capture(config, tiny_target, documents=12)
     third = cycle.snapshot_window(config, "c3")
     drifted = cycle.check_drift(config, third)

@@ -293,11 +293,15 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
     segmenter, _ = cycle_segmenter(config, snapshot)
     drift = _saved_drift(config, snapshot.cycle_id)
     drifted = set(drift.drifted) if drift is not None else set()
+    # The drift check named its segments with the segmenter of the champion's baseline.
+    drift_segmenter = _stored_segmenter(config, drift.segmenter_key) if drift else None
+    drift_segmenter = drift_segmenter or segmenter
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
     def save(sample: TrainingSample, window: bool) -> None:
         segment = segment_of(sample, segmenter)
-        part = WINDOW_DIR if window and (not drifted or segment in drifted) else REPLAY_DIR
+        learn = not drifted or segment_of(sample, drift_segmenter) in drifted
+        part = WINDOW_DIR if window and learn else REPLAY_DIR
         sample.save_specforge(out / part, counts[part], segment=segment)
         counts[part] += 1
 
@@ -324,6 +328,17 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
 
 def _segmenter_key(config: TideConfig, cycle_id: str) -> str:
     return _state_key(config, f"cycles/{cycle_id}/segmenter.json")
+
+
+def _stored_segmenter(config: TideConfig, key: str | None) -> Segmenter | None:
+    """The segmenter stored at ``key``; None (logged) when there is none or it is unreadable."""
+    if not key:
+        return None
+    try:
+        return Segmenter.from_json(_store(config).get_bytes(key))
+    except Exception as error:  # a lost segmenter costs comparability, never the cycle
+        logger.warning("segmenter %s unreadable (%s): using this cycle's own", key, error)
+        return None
 
 
 def _latest_segmenter(config: TideConfig, cycle_id: str) -> Segmenter | None:
@@ -513,20 +528,23 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         return Drift(
             drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
         )
-    baseline, baseline_margins = _champion_baseline(
-        config, registry, champion, cycle_id=snapshot.cycle_id
-    )
-    samples, shares = _window_sample(config, snapshot)
+    known = _champion_baseline(config, registry, champion, cycle_id=snapshot.cycle_id)
+    baseline, baseline_margins = known.accept_length, known.margins
+    # Segments as the baseline's figures were grouped: clusters are refit every cycle,
+    # and a cluster of another fit holds other requests (a different figure, not drift).
+    grouping = _stored_segmenter(config, known.segmenter_key) if baseline else None
+    segmenter_key = known.segmenter_key if grouping is not None else None
+    if grouping is None:
+        grouping, segmenter_key = cycle_segmenter(config, snapshot)
+    samples, shares = _window_sample(config, snapshot, grouping)
     counts = _champion_counts(config, registry, champion.version, samples)
     measured = {segment: count.accept_length for segment, count in counts.items()}
     margins = {segment: length_margin(count.per_request) for segment, count in counts.items()}
     finite = {segment: m for segment, m in margins.items() if math.isfinite(m)}
     if not baseline:  # its first measurement (segments of 2+ requests) is the baseline
-        first = {segment: measured[segment] for segment in finite}
-        if first:
-            _store_baseline(
-                config, champion.version, first, _FIRST, finite, cycle_id=snapshot.cycle_id
-            )
+        first = _Baseline(champion.version, {s: measured[s] for s in finite}, finite, segmenter_key)
+        if first.accept_length:
+            _store_baseline(config, first, _FIRST, cycle_id=snapshot.cycle_id)
         best = max(measured.values(), default=0.0)
         return Drift(
             drift=True,
@@ -544,6 +562,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
             drifted=sorted(
                 s for s, v in measured.items() if v < best - config.cycle.drift_tolerance
             ),
+            segmenter_key=segmenter_key,
         )
     verdict = judge_drift(
         measured,
@@ -554,15 +573,15 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         margins=margins,
         baseline_margins=baseline_margins,
     )
-    if not verdict.drift:  # segments it serves well from now on are part of its baseline
-        known = {s: measured[s] for s in finite if s not in baseline}
-        _store_baseline(
-            config,
+    if not verdict.drift:  # segments it serves well from now on join its baseline
+        new = {s: measured[s] for s in finite if s not in baseline}
+        grown = _Baseline(
             champion.version,
-            {**baseline, **known},
-            "measured",
-            {**baseline_margins, **{s: finite[s] for s in known}},
+            {**baseline, **new},
+            {**baseline_margins, **{s: finite[s] for s in new}},
+            segmenter_key,
         )
+        _store_baseline(config, grown, "measured")
     return Drift(
         drift=verdict.drift,
         reason=f"champion v{champion.version}: {verdict.reason}",
@@ -572,14 +591,15 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         baseline=baseline,
         drifted=sorted(verdict.drifted),
         saved_train_seconds=None if verdict.drift else registry.last_run_seconds(),
+        segmenter_key=segmenter_key,
     )
 
 
 def _window_sample(
-    config: TideConfig, snapshot: Snapshot
+    config: TideConfig, snapshot: Snapshot, segmenter: Segmenter
 ) -> tuple[dict[str, list[TrainingSample]], dict[str, float]]:
-    """An even sample of the window's requests by segment, and each segment's token share."""
-    segmenter, _ = cycle_segmenter(config, snapshot)
+    """An even sample of the window's requests by segment (of ``segmenter``), and each
+    segment's token share."""
     reader = _sample_reader(config)
     rate = min(1.0, config.cycle.drift_sample_tokens / max(snapshot.window_tokens, 1))
     samples: dict[str, list[TrainingSample]] = {}
@@ -632,31 +652,49 @@ def _version_acceptance(
 _FIRST = "first measurement"  # baseline.json's source when the drift check set it
 
 
+@dataclasses.dataclass(frozen=True)
+class _Baseline:
+    """A champion's acceptance per segment, each figure's margin of error (absent: exact
+    or unknown), and the lake key of the segmenter that grouped the requests measured."""
+
+    version: str
+    accept_length: dict[str, float]
+    margins: dict[str, float]
+    segmenter_key: str | None
+
+
 def _champion_baseline(
     config: TideConfig, registry: DraftRegistry, champion: Any, cycle_id: str | None = None
-) -> tuple[dict[str, float], dict[str, float]]:
-    """The champion's acceptance per segment and each figure's margin of error: as the
-    gate measured it at its promotion (the figures on its version), as the champion a
-    rejected challenger could not beat (stored by :func:`evaluate_and_gate`), or as the
-    drift check first measured it (not in ``cycle_id`` itself: a retry of the check that
-    set it must not compare the window with itself). Empty if none happened yet."""
+) -> _Baseline:
+    """The champion's baseline: as the gate measured it at its promotion (the figures on
+    its version), as the champion a rejected challenger could not beat (stored by
+    :func:`evaluate_and_gate`), or as the drift check first measured it (not in
+    ``cycle_id`` itself: a retry of the check that set it must not compare the window
+    with itself). Empty figures if none happened yet."""
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
+    none = _Baseline(champion.version, {}, {}, None)
     store, key = _store(config), _state_key(config, "baseline.json")
     if store.exists(key):
         stored = json.loads(store.get_bytes(key))
         own = stored.get("source") == _FIRST and stored.get("cycle_id") == cycle_id
         if stored.get("version") == champion.version and stored.get("k") == config.gate.k:
             if own:
-                return {}, {}
-            figures = {str(s): float(v) for s, v in stored["accept_length"].items()}
-            return figures, {str(s): float(v) for s, v in stored.get("margins", {}).items()}
-    judged = decision_from_tags(dict(champion.tags or {}), config.gate.k)
-    baseline = evidenced_figures(judged.challenger, judged.protected) if judged is not None else {}
-    if not baseline:
-        return {}, {}
-    _store_baseline(config, champion.version, baseline, "gate")
-    return baseline, {}
+                return none
+            return _Baseline(
+                champion.version,
+                {str(s): float(v) for s, v in stored["accept_length"].items()},
+                {str(s): float(v) for s, v in stored.get("margins", {}).items()},
+                stored.get("segmenter"),
+            )
+    tags = dict(champion.tags or {})
+    judged = decision_from_tags(tags, config.gate.k)
+    figures = evidenced_figures(judged.challenger, judged.protected) if judged is not None else {}
+    if not figures:
+        return none
+    baseline = _Baseline(champion.version, figures, {}, tags.get(Tags.SEGMENTER))
+    _store_baseline(config, baseline, "gate")
+    return baseline
 
 
 def evidenced_figures(figures: dict[str, float], protected: tuple[str, ...]) -> dict[str, float]:
@@ -666,19 +704,14 @@ def evidenced_figures(figures: dict[str, float], protected: tuple[str, ...]) -> 
 
 
 def _store_baseline(
-    config: TideConfig,
-    version: str,
-    accept_length: dict[str, float],
-    source: str,
-    margins: dict[str, float] | None = None,
-    *,
-    cycle_id: str | None = None,
+    config: TideConfig, baseline: _Baseline, source: str, *, cycle_id: str | None = None
 ) -> None:
     payload = {
-        "version": version,
+        "version": baseline.version,
         "k": config.gate.k,
-        "accept_length": accept_length,
-        "margins": margins or {},
+        "accept_length": baseline.accept_length,
+        "margins": baseline.margins,
+        "segmenter": baseline.segmenter_key,
         "cycle_id": cycle_id,
     }
     _store(config).put_bytes(
@@ -871,7 +904,7 @@ def evaluate_and_gate(
         registry.set_tags(version, {Tags.SEGMENTER: traffic.segmenter_key})
         decision = _judge(config, registry, snapshot, version, traffic)
         log_decision(config.mlflow.tracking_uri, registry.name, version, decision, k)
-        _keep_champion_baseline(config, registry, version, decision)
+        _keep_champion_baseline(config, registry, version, decision, traffic.segmenter_key)
     return Decision(
         promote=decision.promote or config.cycle.force_promote,
         reason=decision.reason,
@@ -881,7 +914,11 @@ def evaluate_and_gate(
 
 
 def _keep_champion_baseline(
-    config: TideConfig, registry: DraftRegistry, version: str, decision: GateDecision
+    config: TideConfig,
+    registry: DraftRegistry,
+    version: str,
+    decision: GateDecision,
+    segmenter_key: str,
 ) -> None:
     """A champion never judged before (a seeded one) that held its place: the gate's
     figures on it are its baseline, so later cycles train only if its traffic drifts."""
@@ -890,10 +927,13 @@ def _keep_champion_baseline(
     champion = registry.alias(CHAMPION)
     if decision.promote or not decision.champion or champion is None:
         return
-    if champion.version != version and not _champion_baseline(config, registry, champion)[0]:
-        baseline = evidenced_figures(decision.champion, decision.protected)
-        if baseline:
-            _store_baseline(config, champion.version, baseline, "gate: held its place")
+    if champion.version == version:
+        return
+    if not _champion_baseline(config, registry, champion).accept_length:
+        figures = evidenced_figures(decision.champion, decision.protected)
+        if figures:
+            held = _Baseline(champion.version, figures, {}, segmenter_key)
+            _store_baseline(config, held, "gate: held its place")
 
 
 def _judge(

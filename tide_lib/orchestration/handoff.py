@@ -111,6 +111,11 @@ class Drift(HandOff):
     saved_train_seconds: float | None = Field(
         None, description="no drift: the last trained cycle's training time, not spent"
     )
+    segmenter_key: str | None = Field(
+        None,
+        description="lake key of the segmenter whose segments these figures name (the "
+        "baseline's, so that a cluster means the same requests on both sides)",
+    )
 
 
 class Decision(HandOff):
