@@ -667,6 +667,16 @@ class CycleConfig(StrictModel):
     drift_sample_tokens: int = Field(
         20000, ge=1, description="window tokens the champion is measured on (an even sample)"
     )
+    learning_gain: float = Field(
+        0.25,
+        ge=0,
+        description=(
+            "a champion whose promotion gained at least this acceptance length on a segment "
+            "holding gate.min_segment_share of its window trains once more on the next window "
+            "without drift (that traffic is still being learned; a cycle that gains less "
+            "ends it). 0 turns the rule off"
+        ),
+    )
     servers: list[str] = Field(default_factory=list, description="fleet base URLs")
     schedule_minutes: int = Field(
         60,

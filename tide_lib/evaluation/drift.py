@@ -22,6 +22,14 @@ error (``margins``, one-sided 95%, combined with the baseline's own when it was
 measured on a sample too): a segment of three requests that the champion serves
 at 2.0 against a baseline of 2.2 is noise, not drift. No drifted segment:
 the cycle records "no drift", moves the watermark and trains nothing.
+
+A champion that the gate promoted for a large gain is the exception
+(:func:`still_learning`): it was fitted on one window of traffic that is new to
+the fleet, and it serves the next window of that traffic as well as it served
+the last, so the drift rule would stop adapting it at the level one window
+reaches. The cycle after such a promotion trains once more; the chain stops as
+soon as a cycle gains less (rejected, its best checkpoint the parent, or
+promoted for a smaller gain).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-__all__ = ["DriftVerdict", "judge_drift"]
+__all__ = ["DriftVerdict", "judge_drift", "still_learning"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,3 +104,25 @@ def _plus_minus(margin: float) -> str:
     if not margin:
         return ""
     return " (+/- inf: too few requests)" if math.isinf(margin) else f" (+/- {margin:.3f})"
+
+
+def still_learning(
+    challenger: Mapping[str, float],
+    champion: Mapping[str, float],
+    weights: Mapping[str, float],
+    *,
+    min_gain: float,
+    min_share: float,
+) -> dict[str, float]:
+    """Segments a promotion gained at least ``min_gain`` on (segment -> gain): figures
+    of the promoted draft (``challenger``) and of the one it replaced, at the gate,
+    counting segments that held ``min_share`` of the window's tokens. Empty when
+    ``min_gain`` is 0 (the rule is off)."""
+    if min_gain <= 0:
+        return {}
+    gains = {
+        segment: value - champion[segment]
+        for segment, value in challenger.items()
+        if segment in champion and weights.get(segment, 0.0) >= min_share
+    }
+    return {segment: gain for segment, gain in sorted(gains.items()) if gain >= min_gain}

@@ -528,6 +528,9 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         return Drift(
             drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
         )
+    learning = _still_learning(config, champion, snapshot.cycle_id)
+    if learning is not None:
+        return learning
     known = _champion_baseline(config, registry, champion, cycle_id=snapshot.cycle_id)
     baseline, baseline_margins = known.accept_length, known.margins
     # Segments as the baseline's figures were grouped: clusters are refit every cycle,
@@ -595,21 +598,69 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     )
 
 
+def _still_learning(config: TideConfig, champion: Any, cycle_id: str) -> Drift | None:
+    """Train once more after a promotion that gained a lot (see
+    :func:`tide_lib.evaluation.drift.still_learning`); None when the rule does not apply
+    or a cycle already trained on it (``learning.json`` names the version and cycle)."""
+    from tide_lib.evaluation.drift import still_learning  # noqa: PLC0415
+    from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
+
+    tags = dict(champion.tags or {})
+    judged = decision_from_tags(tags, config.gate.k)
+    if judged is None or not judged.promote or judged.champion is None:
+        return None
+    gains = still_learning(
+        judged.challenger,
+        judged.champion,
+        judged.weights,
+        min_gain=config.cycle.learning_gain,
+        min_share=config.gate.min_segment_share,
+    )
+    store, key = _store(config), _state_key(config, "learning.json")
+    if not gains:
+        return None
+    if store.exists(key):
+        tried = json.loads(store.get_bytes(key))
+        if tried.get("version") == champion.version and tried.get("cycle_id") != cycle_id:
+            return None  # the cycle after its promotion trained already
+    payload = {"version": champion.version, "cycle_id": cycle_id}
+    store.put_bytes(key, json.dumps(payload).encode(), content_type="application/json")
+    listed = ", ".join(f"{segment} +{gain:.3f}" for segment, gain in gains.items())
+    return Drift(
+        drift=True,
+        reason=f"training: champion v{champion.version} was promoted for {listed} "
+        f"(at least cycle.learning_gain {config.cycle.learning_gain:.3f}): that traffic is "
+        "still being learned, so one more cycle trains on it",
+        champion_version=champion.version,
+        measured={},
+        baseline=judged.challenger,
+        drifted=sorted(gains),
+        segmenter_key=tags.get(Tags.SEGMENTER),
+    )
+
+
 def _window_sample(
     config: TideConfig, snapshot: Snapshot, segmenter: Segmenter
 ) -> tuple[dict[str, list[TrainingSample]], dict[str, float]]:
-    """An even sample of the window's requests by segment (of ``segmenter``), and each
-    segment's token share."""
+    """An even sample of the window's distinct requests by segment (of ``segmenter``),
+    and each segment's token share (copies included: they are traffic).
+
+    Copies of a request (the same prompt answered the same way) are measured once:
+    n copies are one piece of evidence, and counting them n times shrinks a figure's
+    margin of error below the spread between windows, so the check saw drift in noise.
+    """
     reader = _sample_reader(config)
     rate = min(1.0, config.cycle.drift_sample_tokens / max(snapshot.window_tokens, 1))
     samples: dict[str, list[TrainingSample]] = {}
     tokens: dict[str, int] = {}
+    seen: set[bytes] = set()
     for sample in reader.iter_samples(_markers(reader, snapshot.window)):
         segment = segment_of(sample, segmenter)
         tokens[segment] = tokens.get(segment, 0) + int(sample.input_ids.numel())
-        draw = hashlib.sha256(f"drift:{sample.request_id}".encode()).digest()
-        if int.from_bytes(draw[:4]) / 2**32 < rate:
+        digest = content_digest(sample.input_ids)
+        if digest not in seen and content_fraction(sample.input_ids, b"drift") < rate:
             samples.setdefault(segment, []).append(sample)
+        seen.add(digest)
     _log_debris(reader, f"cycle {snapshot.cycle_id} drift check")
     total = sum(tokens.values()) or 1
     return samples, {segment: count / total for segment, count in tokens.items()}
