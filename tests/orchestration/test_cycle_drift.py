@@ -16,6 +16,8 @@ import pytest
 
 from tests.orchestration.test_cycle_retries import _capture, _config
 from tide_lib.config import TideConfig
+from tide_lib.evaluation.gate import GateDecision, decision_tags
+from tide_lib.names import Tags
 from tide_lib.orchestration import cycle
 from tide_lib.registry import DraftRegistry
 
@@ -69,6 +71,43 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
     drifted = cycle.check_drift(config, third)
     assert drifted.drift and "fell by more than" in drifted.reason
     assert drifted.baseline == raised and drifted.saved_train_seconds is None
+
+
+def test_a_promotion_for_a_large_gain_trains_once_more_then_the_drift_rule_decides(
+    stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
+) -> None:
+    config = _drift_config(stack, tmp_path, tiny_target)
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    champion = registry.seed_champion(tiny_drafts["ko"]).version
+    promoted = GateDecision(
+        promote=True,
+        reason="gain",
+        challenger={"cluster-0": 2.5, "cluster-1": 2.0},
+        champion={"cluster-0": 1.5, "cluster-1": 1.9},
+        weights={"cluster-0": 0.6, "cluster-1": 0.4},
+        weighted_challenger=2.3,
+        weighted_champion=1.66,
+        protected=("cluster-0", "cluster-1"),
+    )
+    # Its gate's segmenter is gone from the lake: the cycle falls back to its own.
+    lost = "no/such/segmenter.json"
+    registry.set_tags(champion, {**decision_tags(promoted, config.gate.k), Tags.SEGMENTER: lost})
+
+    _capture(config, tiny_target, documents=6)
+    first = cycle.snapshot_window(config, "c1")
+    learning = cycle.check_drift(config, first)
+    assert learning.drift and "still being learned" in learning.reason
+    assert learning.drifted == ["cluster-0"]  # what it gained on is learned, the rest kept
+    assert learning.segmenter_key == lost
+    cycle.advance_watermark(config, first)
+
+    # The cycle after its promotion trained: from now on only drift trains it.
+    _capture(config, tiny_target, documents=6)
+    second = cycle.snapshot_window(config, "c2")
+    judged = cycle.check_drift(config, second)
+    assert "still being learned" not in judged.reason
+    assert judged.baseline == promoted.challenger and judged.champion_version == champion
+    assert judged.segmenter_key == cycle._segmenter_key(config, "c2")
 
 
 def test_without_a_champion_or_with_the_check_off_the_cycle_trains(
