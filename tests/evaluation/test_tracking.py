@@ -11,6 +11,7 @@ from tide_lib.config import GateConfig, TideConfig
 from tide_lib.evaluation.gate import decide
 from tide_lib.evaluation.plot import plot_acceptance
 from tide_lib.evaluation.tracking import log_acceptance_plot, log_decision
+from tide_lib.registry import DraftRegistry
 
 
 def test_plot_is_a_png(tmp_path: Path) -> None:
@@ -27,10 +28,9 @@ def test_decision_and_plot_reach_mlflow(stack: TideConfig, tmp_path: Path) -> No
     version = client.create_model_version(
         "tide-draft-eval-test", "s3://x/draft", run_id=run.info.run_id
     )
+    registry = DraftRegistry(stack.mlflow.tracking_uri, "eval-test")
     decision = decide({"recent": 2.5, "older": 3.05}, {"recent": 2.0, "older": 3.1}, GateConfig())
-    report = log_decision(
-        stack.mlflow.tracking_uri, "tide-draft-eval-test", version.version, decision, k=4
-    )
+    report = log_decision(registry, version.version, decision, k=4)
     tags = client.get_model_version("tide-draft-eval-test", version.version).tags
     assert tags["tide.gate.decision"] == "promote" and tags["tide.al.recent.k4"] == "2.5000"
     metrics = client.get_run(run.info.run_id).data.metrics  # charts in the MLflow UI

@@ -65,7 +65,7 @@ def test_register_promote_and_download(
     artifacts = {Path(a.path).name for a in registry.client.list_logged_model_artifacts(model_id)}
     assert {"config.json", "model.safetensors"} <= artifacts
     decision = decide({"ko": 2.5}, {"ko": 2.0}, GateConfig())
-    log_decision(stack.mlflow.tracking_uri, registry.name, second.version, decision, k=3)
+    log_decision(registry, second.version, decision, k=3)
     model_metrics = {m.key: m.value for m in registry.client.get_logged_model(model_id).metrics}
     assert model_metrics["eval.accept_length.ko.k3"] == 2.5
     assert registry.find_by_tag("tide.cycle_id", "c2") == registry.get(second.version)

@@ -36,7 +36,7 @@ def populated(stack: TideConfig, tiny_drafts: dict[str, Path]) -> tuple[TideConf
         version = registry.register(tiny_drafts[language], run, cycle_id=f"cycle-{cycle}").version
         figures = {"recent": recent, "older": older}
         decision = decide(figures, champion, GateConfig(k=4))
-        log_decision(stack.mlflow.tracking_uri, registry.name, version, decision, k=4)
+        log_decision(registry, version, decision, k=4)
         if decision.promote:
             registry.promote(version)
             champion = figures

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +21,6 @@ from tide_lib.evaluation.gate import (
     decision_tags,
 )
 from tide_lib.evaluation.plot import plot_acceptance
-from tide_lib.registry.uris import logged_model_id
 
 if TYPE_CHECKING:
     from tide_lib.registry import DraftRegistry, DraftVersion
@@ -32,29 +30,18 @@ __all__ = ["log_acceptance_plot", "log_decision", "logged_accept_lengths"]
 logger = logging.getLogger(__name__)
 
 
-def log_decision(
-    tracking_uri: str, model_name: str, version: str, decision: GateDecision, k: int
-) -> str:
-    """Tag the registered version with the decision; attach the report to its run. Returns it."""
-    from mlflow import MlflowClient  # noqa: PLC0415
-    from mlflow.entities import Metric  # noqa: PLC0415
-
-    client = MlflowClient(tracking_uri)
-    report = decision_report(decision, k, names={"challenger": f"{model_name} v{version}"})
-    registered = client.get_model_version(model_name, version)
-    run_id = registered.run_id
-    if run_id:  # figures first: the tags end with the one that marks the record complete
-        client.log_text(run_id, report, f"gate/decision-v{version}.md")
-        now = int(time.time() * 1000)
-        model_id = logged_model_id(registered.source or "")  # the figures are the model's too
-        metrics = [
-            Metric(key, value, now, int(version), model_id=model_id)
-            for key, value in decision_metrics(decision, k).items()
-        ]
-        client.log_batch(run_id, metrics=metrics)
-    for key, value in decision_tags(decision, k).items():
-        client.set_model_version_tag(model_name, version, key, value[:5000])
-    logger.info("gate on %s v%s: %s", model_name, version, decision.reason)
+def log_decision(registry: DraftRegistry, version: str, decision: GateDecision, k: int) -> str:
+    """Record the gate's decision on a registered version: the report and the figures
+    on its run (and logged model), then the version tags. Returns the report."""
+    registered = registry.get(version)
+    report = decision_report(decision, k, names={"challenger": f"{registry.name} v{version}"})
+    # figures first: the tags end with the one that marks the record complete
+    registry.log_version_text(registered, report, f"gate/decision-v{version}.md")
+    registry.log_version_metrics(registered, decision_metrics(decision, k))
+    registry.set_tags(
+        version, {key: value[:5000] for key, value in decision_tags(decision, k).items()}
+    )
+    logger.info("gate on %s v%s: %s", registry.name, version, decision.reason)
     return report
 
 

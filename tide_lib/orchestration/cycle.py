@@ -954,7 +954,7 @@ def evaluate_and_gate(
         traffic = held_out_traffic(config, snapshot)
         registry.set_tags(version, {Tags.SEGMENTER: traffic.segmenter_key})
         decision = _judge(config, registry, snapshot, version, traffic)
-        log_decision(config.mlflow.tracking_uri, registry.name, version, decision, k)
+        log_decision(registry, version, decision, k)
         _keep_champion_baseline(config, registry, version, decision, traffic.segmenter_key)
     return Decision(
         promote=decision.promote or config.cycle.force_promote,

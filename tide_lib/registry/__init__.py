@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,24 @@ class DraftRegistry:
             return dict(self.client.get_run(version.run_id).data.metrics)
         return {}
 
+    def log_version_metrics(self, version: DraftVersion, metrics: dict[str, float]) -> None:
+        """Log figures of ``version`` on its run and its logged model, step = the version
+        number, so the MLflow UI charts them across versions (:meth:`logged_metrics` reads
+        them back). A version without a run has nowhere to hold them: nothing is logged."""
+        from mlflow.entities import Metric  # noqa: PLC0415
+
+        if not version.run_id:
+            return
+        now, step = int(time.time() * 1000), int(version.version)
+        model_id = logged_model_id(version.source)
+        batch = [Metric(key, value, now, step, model_id=model_id) for key, value in metrics.items()]
+        self.client.log_batch(version.run_id, metrics=batch)
+
+    def log_version_text(self, version: DraftVersion, text: str, artifact_file: str) -> None:
+        """A text artifact (a report) on ``version``'s run, if it has one."""
+        if version.run_id:
+            self.client.log_text(version.run_id, text, artifact_file)
+
     def find_by_tag(self, key: str, value: str) -> DraftVersion | None:
         """The version tagged ``key=value``, found by the server's filter (not client-side)."""
         quote = "'" if "'" not in value else '"'
@@ -170,7 +189,8 @@ class DraftRegistry:
         existing = self.find_by_tag(Tags.CYCLE_ID, cycle_id)
         if existing is not None:
             logger.info("cycle %s already registered %s v%s", cycle_id, self.name, existing.version)
-            if CHALLENGER not in existing.aliases and existing.version == self._latest_version():
+            latest = self.versions(last=1)[-1].version
+            if CHALLENGER not in existing.aliases and existing.version == latest:
                 # a retry after the version was created but before the alias was set
                 self.client.set_registered_model_alias(self.name, CHALLENGER, existing.version)
                 return self.get(existing.version)
@@ -192,10 +212,6 @@ class DraftRegistry:
         self.client.set_registered_model_alias(self.name, CHALLENGER, raw.version)
         logger.info("registered %s v%s (challenger) from run %s", self.name, raw.version, run_id)
         return self.get(raw.version)
-
-    def _latest_version(self) -> str:
-        found = self.client.search_model_versions(f"name = '{self.name}'")
-        return str(max(int(raw.version) for raw in found))
 
     def model_uri(self, version: str) -> str:
         """``models:/<name>/<version>``: what a host is handed to fetch this version itself."""
