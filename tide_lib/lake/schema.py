@@ -128,6 +128,33 @@ class CapturedRecord:
     completion_tokens: int = 0
     segment: str | None = None
 
+    @classmethod
+    def of_forward(
+        cls,
+        request_id: str,
+        started_at: datetime,
+        tokens: tuple[list[int], list[int]],
+        states: tuple[Any, Any],
+        **fields: Any,
+    ) -> CapturedRecord:
+        """A request the target has just run, finished now, in the lake's dtypes: ``tokens``
+        = (ids, loss mask) as int32/int8, ``states`` = (final ``[T, H]``, aux ``[T, 3H]``)
+        torch tensors as float16; ``fields`` the rest (``target_id``, ``draft_version``,
+        counts, ``segment``)."""
+        import torch  # noqa: PLC0415  (callers ran the target: torch is loaded)
+
+        (ids, mask), (final, aux) = tokens, states
+        return cls(
+            request_id=request_id,
+            started_at=started_at,
+            finished_at=datetime.now(UTC),
+            input_ids=torch.tensor(ids, dtype=torch.int32),
+            loss_mask=torch.tensor(mask, dtype=torch.int8),
+            hidden_states=final.to(torch.float16),
+            aux_hidden_states=aux.to(torch.float16),
+            **fields,
+        )
+
 
 def reserved_segment(segment: str) -> bool:
     """Is ``segment`` one of TIDE's own names (``all``, ``cluster-*``, any case)?"""

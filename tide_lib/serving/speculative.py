@@ -62,17 +62,13 @@ class Generation:
         segment: str | None = None,
     ) -> CapturedRecord:
         """This request as the lake stores it (the capture contract of ``lake.schema``)."""
-        ids, mask = self._read_tokens()
-        return CapturedRecord(
-            request_id=request_id,
+        return CapturedRecord.of_forward(
+            request_id,
+            started_at,
+            self._read_tokens(),
+            (self.final_states, self.aux_states),
             target_id=target_id,
             draft_version=draft_version,
-            started_at=started_at,
-            finished_at=datetime.now(UTC),
-            input_ids=torch.tensor(ids, dtype=torch.int32),
-            loss_mask=torch.tensor(mask, dtype=torch.int8),
-            hidden_states=self.final_states.to(torch.float16),
-            aux_hidden_states=self.aux_states.to(torch.float16),
             spec_verify_ct=self.verify_steps,
             spec_accept_tokens=self.accepted_draft_tokens,
             completion_tokens=len(self.output_ids),

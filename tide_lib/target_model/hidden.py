@@ -132,15 +132,12 @@ def capture_records(
         with torch.no_grad(), capture.capturing():
             model(input_ids=torch.tensor([ids]))
         final, aux = capture.take()
-        yield CapturedRecord(
-            request_id=f"{document.domain}-{index}",
+        yield CapturedRecord.of_forward(
+            f"{document.domain}-{index}",
+            started,
+            (ids, mask),
+            (final[0], aux[0]),
             target_id=target_id,
             draft_version=draft_version,
-            started_at=started,
-            finished_at=datetime.now(UTC),
-            input_ids=torch.tensor(ids, dtype=torch.int32),
-            loss_mask=torch.tensor(mask, dtype=torch.int8),
-            hidden_states=final[0].to(torch.float16),
-            aux_hidden_states=aux[0].to(torch.float16),
             completion_tokens=int(sum(mask)),
         )
