@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from tide_lib.evaluation.drift import judge_drift, still_learning
+from tide_lib.evaluation.gate import GateDecision
 from tide_lib.evaluation.offline import length_margin
 
 
@@ -83,15 +85,20 @@ def test_a_baseline_measured_on_a_sample_widens_the_margin() -> None:
     assert not noisy.drift  # 0.4 - 0.283 < 0.15
 
 
+def _promotion(promoted: dict[str, float], replaced: dict[str, float] | None) -> GateDecision:
+    weights = {"en": 0.45, "ko": 0.5, "law": 0.05}
+    return GateDecision(True, "", promoted, replaced, weights, 0.0, 0.0)
+
+
 def test_a_promotion_for_a_large_gain_on_real_traffic_keeps_learning() -> None:
     promoted = {"en": 2.9, "ko": 1.9, "law": 1.9}
     replaced = {"en": 3.0, "ko": 1.2, "law": 1.2}
-    weights = {"en": 0.45, "ko": 0.5, "law": 0.05}
-    gains = still_learning(promoted, replaced, weights, min_gain=0.25, min_share=0.1)
+    gains = still_learning(_promotion(promoted, replaced), min_gain=0.25, min_share=0.1)
     # ko gained 0.7 on half the window; law as much on a sliver; en lost.
     assert gains == {"ko": pytest.approx(0.7)}
-    small = still_learning(promoted, {**replaced, "ko": 1.7}, weights, min_gain=0.25, min_share=0.1)
-    assert small == {}  # a gain under the threshold ends the chain
-    assert still_learning(promoted, replaced, weights, min_gain=0.0, min_share=0.1) == {}
-    new_segment = still_learning({"ko": 2.0}, {}, {"ko": 1.0}, min_gain=0.25, min_share=0.1)
-    assert new_segment == {}  # no figure of the replaced draft: no gain to speak of
+    smaller = _promotion(promoted, {**replaced, "ko": 1.7})
+    assert still_learning(smaller, min_gain=0.25, min_share=0.1) == {}  # the chain ends
+    assert still_learning(_promotion(promoted, replaced), min_gain=0.0, min_share=0.1) == {}
+    assert still_learning(_promotion(promoted, None), min_gain=0.25, min_share=0.1) == {}
+    rejected = dataclasses.replace(_promotion(promoted, replaced), promote=False)
+    assert still_learning(rejected, min_gain=0.25, min_share=0.1) == {}

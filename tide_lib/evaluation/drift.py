@@ -37,6 +37,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tide_lib.evaluation.gate import GateDecision
 
 __all__ = ["DriftVerdict", "judge_drift", "still_learning"]
 
@@ -107,22 +111,18 @@ def _plus_minus(margin: float) -> str:
 
 
 def still_learning(
-    challenger: Mapping[str, float],
-    champion: Mapping[str, float],
-    weights: Mapping[str, float],
-    *,
-    min_gain: float,
-    min_share: float,
+    promotion: GateDecision, *, min_gain: float, min_share: float
 ) -> dict[str, float]:
-    """Segments a promotion gained at least ``min_gain`` on (segment -> gain): figures
-    of the promoted draft (``challenger``) and of the one it replaced, at the gate,
-    counting segments that held ``min_share`` of the window's tokens. Empty when
-    ``min_gain`` is 0 (the rule is off)."""
-    if min_gain <= 0:
+    """Segments a promotion gained at least ``min_gain`` on (segment -> gain): the gate's
+    figures of the promoted draft against the draft it replaced, on segments that held
+    ``min_share`` of the window's tokens. Empty when ``min_gain`` is 0 (the rule is off)
+    or the decision was not a promotion over a measured champion."""
+    before = promotion.champion
+    if min_gain <= 0 or not promotion.promote or before is None:
         return {}
     gains = {
-        segment: value - champion[segment]
-        for segment, value in challenger.items()
-        if segment in champion and weights.get(segment, 0.0) >= min_share
+        segment: value - before[segment]
+        for segment, value in promotion.challenger.items()
+        if segment in before and promotion.weights.get(segment, 0.0) >= min_share
     }
     return {segment: gain for segment, gain in sorted(gains.items()) if gain >= min_gain}

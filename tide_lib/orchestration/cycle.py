@@ -607,18 +607,14 @@ def _still_learning(config: TideConfig, champion: Any, cycle_id: str) -> Drift |
 
     tags = dict(champion.tags or {})
     judged = decision_from_tags(tags, config.gate.k)
-    if judged is None or not judged.promote or judged.champion is None:
+    if judged is None:
         return None
     gains = still_learning(
-        judged.challenger,
-        judged.champion,
-        judged.weights,
-        min_gain=config.cycle.learning_gain,
-        min_share=config.gate.min_segment_share,
+        judged, min_gain=config.cycle.learning_gain, min_share=config.gate.min_segment_share
     )
-    store, key = _store(config), _state_key(config, "learning.json")
     if not gains:
         return None
+    store, key = _store(config), _state_key(config, "learning.json")
     if store.exists(key):
         tried = json.loads(store.get_bytes(key))
         if tried.get("version") == champion.version and tried.get("cycle_id") != cycle_id:
