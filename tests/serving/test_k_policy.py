@@ -7,6 +7,7 @@ import pytest
 from tide_lib.serving.k_policy import (
     MAX_SEGMENTS,
     KController,
+    RealizedRates,
     RoundTimings,
     choose_k,
     expected_tokens_per_round,
@@ -237,3 +238,35 @@ def test_exploration_slows_while_the_choice_holds_and_resumes_after_a_swap() -> 
     controller.draft_swapped()
     after_swap = _serve(controller, SyntheticServer(**costs, rates=[0.9] * MAX_K), 16)
     assert sum(k != 0 for k in after_swap) >= 2  # the new draft is tried, then explored again
+
+
+def test_realized_rates_count_what_each_k_emitted_per_second() -> None:
+    realized = RealizedRates()
+    realized.observe(RoundTimings(0, [], target_forwards=[(1, 0.01)] * 10, decode_seconds=0.1))
+    realized.observe(RoundTimings(3, [(3, 3), (3, 0)], decode_seconds=0.05))  # 4 + 1 tokens
+    assert realized.tokens_per_s(0) == pytest.approx(100.0)
+    assert realized.tokens_per_s(3) == pytest.approx(100.0)
+    assert realized.veto(3, min_gain=0.02) == 0  # a tie does not pay for speculating
+    assert realized.veto(2, min_gain=0.02) == 2  # never served: the model decides
+    realized.observe(RoundTimings(1, [(1, 1)] * 5, decode_seconds=0.05))  # 200 tokens/s
+    assert realized.veto(3, min_gain=0.02) == 1  # the best k that did pay
+    realized.forget_speculation()
+    assert realized.snapshot() == {"0": pytest.approx(100.0)}
+
+
+def test_a_k_that_served_slower_than_plain_is_not_chosen_whatever_the_model_expects() -> None:
+    controller = KController(MAX_K, adaptive=True)
+    server = SyntheticServer(draft_s=0.0005, plain_s=0.01, per_token_s=0.0, rates=[0.95] * MAX_K)
+    _serve(controller, server, 4)
+    assert controller.snapshot()["chosen_k"] == MAX_K  # the cost model: drafting pays
+    # What the ks really delivered, wall time per emitted token: speculation lost (on CPU
+    # the model expected k=4 5% above plain decoding; it served 8% below).
+    controller.realized.seconds_per_token = {0: 0.010, MAX_K: 0.012}
+    snapshot = controller.snapshot()
+    assert snapshot["chosen_k"] == 0 and snapshot["recommended_k"] == 0
+    assert snapshot["realized_tokens_per_s"]["0"] == pytest.approx(100.0)
+    assert [controller.pick() for _ in range(8)].count(0) >= 7  # exploration aside
+    controller.realized.seconds_per_token[2] = 0.008  # k=2 did beat plain decoding
+    assert controller.snapshot()["chosen_k"] == 2
+    controller.draft_swapped()  # a new draft: the model's choice is tried again
+    assert controller.snapshot()["chosen_k"] == MAX_K

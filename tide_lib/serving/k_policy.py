@@ -19,6 +19,12 @@ k so estimates stay current (every ``explore_every`` requests at first, half as
 often after each exploration that left the choice as it was, down to one in
 ``8 * explore_every``; a new choice or a draft swap starts over), and a draft
 swap forgets acceptance.
+
+The cost model is a model: on CPU it misjudged speculation by several per cent
+(k=4 expected 5% above plain decoding, served 8% below it). So the throughput each
+k really delivered (decode seconds per emitted token, a running average) has the
+last word: a k whose realized tokens/s does not beat plain decoding's realized rate
+by ``min_gain`` is not served; the best realized k that does is, else plain.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ __all__ = [
     "CostModel",
     "KChoice",
     "KController",
+    "RealizedRates",
     "RoundTimings",
     "choose_k",
     "expected_tokens_per_round",
@@ -229,6 +236,53 @@ class CostModel:
         }
 
 
+class RealizedRates:
+    """Decode seconds per emitted token that each k really delivered (running averages):
+    the check on :func:`choose_k`'s model. Plain decoding emits a token per step; a round
+    at k emits its accepted drafts and the bonus."""
+
+    def __init__(self) -> None:
+        self.seconds_per_token: dict[int, float] = {}
+
+    def observe(self, timings: RoundTimings) -> None:
+        if timings.k:
+            emitted = sum(accepted + 1 for _, accepted in timings.rounds)
+        else:
+            emitted = len(timings.target_forwards)
+        if emitted and timings.decode_seconds > 0:
+            old = self.seconds_per_token.get(timings.k)
+            self.seconds_per_token[timings.k] = CostModel._blend(
+                old, timings.decode_seconds / emitted
+            )
+
+    def tokens_per_s(self, k: int) -> float | None:
+        seconds = self.seconds_per_token.get(k)
+        return 1.0 / seconds if seconds else None
+
+    def veto(self, k: int, min_gain: float) -> int:
+        """``k`` unless it was served and did not beat plain decoding (both measured) by
+        ``min_gain``; then the best measured k that did, else 0."""
+        plain = self.tokens_per_s(0)
+        if k == 0 or plain is None:
+            return k
+
+        def pays(candidate: int) -> bool:
+            rate = self.tokens_per_s(candidate)
+            return rate is None or rate > plain * (1.0 + min_gain)
+
+        if pays(k):
+            return k
+        measured = [c for c in self.seconds_per_token if c and pays(c)]
+        return max(measured, key=lambda c: self.tokens_per_s(c) or 0.0, default=0)
+
+    def forget_speculation(self) -> None:
+        """A new draft: what speculation delivered no longer holds (plain's rate does)."""
+        self.seconds_per_token = {k: s for k, s in self.seconds_per_token.items() if k == 0}
+
+    def snapshot(self) -> dict[str, float]:
+        return {str(k): 1.0 / s for k, s in sorted(self.seconds_per_token.items()) if s}
+
+
 class AcceptanceEstimate:
     """Per-position conditional acceptance of chain drafting, with decaying counts.
 
@@ -295,6 +349,7 @@ class KController:
         # Per segment (None: unlabelled): [last choice, interval, requests until exploring].
         self._exploring: dict[str | None, list[int]] = {}
         self.requests_by_k = [0] * (max_k + 1)
+        self.realized = RealizedRates()
 
     # -- estimates -------------------------------------------------------------------------
 
@@ -314,9 +369,11 @@ class KController:
         draft = self.costs.draft_step_s
         if verify is None or draft is None:
             return None
-        return choose_k(
+        modelled = choose_k(
             self._acceptance(segment), draft, verify, max_k=self.max_k, min_gain=self.min_gain
         )
+        k = self.realized.veto(modelled.k, self.min_gain)
+        return modelled if k == modelled.k else KChoice(k, modelled.tokens_per_s)
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -363,6 +420,7 @@ class KController:
     def observe(self, timings: RoundTimings, segment: str | None = None) -> None:
         with self._lock:
             self.costs.observe(timings)
+            self.realized.observe(timings)
             estimates = [self._overall]
             if segment is not None:
                 estimate = self._segments.pop(segment, None) or AcceptanceEstimate(
@@ -382,6 +440,7 @@ class KController:
             self._overall = AcceptanceEstimate(self.max_k, self.decay)
             self._segments.clear()
             self._exploring.clear()  # explore at the first pace again
+            self.realized.forget_speculation()
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -395,6 +454,7 @@ class KController:
                 "max_k": self.max_k,
                 **overall,
                 "costs": self.costs.snapshot(self.max_k),
+                "realized_tokens_per_s": self.realized.snapshot(),
                 "requests_by_k": {str(k): n for k, n in enumerate(self.requests_by_k)},
                 "segments": segments,
             }
