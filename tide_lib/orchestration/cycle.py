@@ -528,9 +528,6 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         return Drift(
             drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
         )
-    learning = _still_learning(config, champion, snapshot.cycle_id)
-    if learning is not None:
-        return learning
     known = _champion_baseline(config, registry, champion, cycle_id=snapshot.cycle_id)
     baseline, baseline_margins = known.accept_length, known.margins
     # Segments as the baseline's figures were grouped: clusters are refit every cycle,
@@ -585,6 +582,10 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
             segmenter_key,
         )
         _store_baseline(config, grown, "measured")
+        # Traffic it was just promoted for, served as well as then, may still be learning.
+        learning = _still_learning(config, champion, snapshot.cycle_id, verdict.reason)
+        if learning is not None:
+            return learning
     return Drift(
         drift=verdict.drift,
         reason=f"champion v{champion.version}: {verdict.reason}",
@@ -598,10 +599,15 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     )
 
 
-def _still_learning(config: TideConfig, champion: Any, cycle_id: str) -> Drift | None:
-    """Train once more after a promotion that gained a lot (see
-    :func:`tide_lib.evaluation.drift.still_learning`); None when the rule does not apply
-    or a cycle already trained on it (``learning.json`` names the version and cycle)."""
+def _still_learning(
+    config: TideConfig, champion: Any, cycle_id: str, no_drift: str
+) -> Drift | None:
+    """A champion without drift that was promoted for a large gain trains once more (see
+    :func:`tide_lib.evaluation.drift.still_learning`): the segments it gained on (as its
+    gate grouped them) are learned, the rest of the window kept. None when the rule does
+    not apply or a cycle already trained on it (``learning.json`` names the version and
+    the cycle). Checked only after the drift rule: new traffic is drift, and is learned
+    as such, not as the segments of an older promotion."""
     from tide_lib.evaluation.drift import still_learning  # noqa: PLC0415
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
@@ -626,7 +632,7 @@ def _still_learning(config: TideConfig, champion: Any, cycle_id: str) -> Drift |
         drift=True,
         reason=f"training: champion v{champion.version} was promoted for {listed} "
         f"(at least cycle.learning_gain {config.cycle.learning_gain:.3f}): that traffic is "
-        "still being learned, so one more cycle trains on it",
+        f"still being learned, so one more cycle trains on it ({no_drift})",
         champion_version=champion.version,
         measured={},
         baseline=judged.challenger,
