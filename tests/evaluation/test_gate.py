@@ -213,7 +213,7 @@ def test_a_drop_within_its_noise_does_not_reject() -> None:
 def test_a_baseline_holds_only_figures_the_gate_had_evidence_for() -> None:
     """The drift check compares the champion with its figures at the gate: a segment the
     gate saw on too few held-out tokens (a one-request 4.0) is no baseline to drift from."""
-    from tide_lib.orchestration.cycle import evidenced_figures
+    from tide_lib.orchestration.drift_check import evidenced_figures
 
     tokens = {"korean": 400, "english": 300, "tiny": 3}
     decision = decide(

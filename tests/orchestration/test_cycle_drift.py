@@ -18,7 +18,7 @@ from tests.orchestration.test_cycle_retries import _capture, _config
 from tide_lib.config import TideConfig
 from tide_lib.evaluation.gate import GateDecision, decision_tags
 from tide_lib.names import Tags
-from tide_lib.orchestration import cycle
+from tide_lib.orchestration import cycle, drift_check, state
 from tide_lib.registry import DraftRegistry
 
 pytestmark = pytest.mark.slow
@@ -42,20 +42,20 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
     assert never_judged.drift and "had no baseline" in never_judged.reason
     assert never_judged.margins and set(never_judged.margins) <= set(never_judged.measured)
     # A retry of that check (its record lost) must not compare the window with itself.
-    cycle._store(config).remove(cycle._drift_key(config, "c1"))
+    state.lake_store(config).remove(drift_check.drift_key(config, "c1"))
     assert cycle.check_drift(config, first).drift
     cycle.advance_watermark(config, first)
 
     # Its first measurement (segments of two requests or more) is its baseline: the same
     # traffic again is no drift, and the cycle trains nothing (a workload without shift).
-    segments = cycle._window_sample(config, first, cycle.cycle_segmenter(config, first)[0])[1]
+    segments = drift_check._window_sample(config, first, cycle.cycle_segmenter(config, first)[0])[1]
     _capture(config, tiny_target, documents=12)
     second = cycle.snapshot_window(config, "c2")
     verdict = cycle.check_drift(config, second)
     assert not verdict.drift and "no drift" in verdict.reason
     assert verdict.champion_version == champion and set(verdict.measured) == set(segments)
     # Grouped as its baseline was (c1's clusters), although c2 refits its own.
-    assert verdict.segmenter_key == never_judged.segmenter_key == cycle._segmenter_key(config, "c1")
+    assert verdict.segmenter_key == never_judged.segmenter_key == state.segmenter_key(config, "c1")
     first_figures = {s: never_judged.measured[s] for s in never_judged.margins}
     assert verdict.baseline == first_figures
     assert cycle.check_drift(config, second) == verdict  # decided once, read back on a rerun
@@ -63,8 +63,8 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
 
     # Its baseline was higher than it now serves: the window has drifted.
     raised = {s: v + 2 * config.cycle.drift_tolerance for s, v in verdict.measured.items()}
-    cycle._store_baseline(
-        config, cycle._Baseline(champion, raised, {}, verdict.segmenter_key), "gate"
+    drift_check.store_baseline(
+        config, drift_check.Baseline(champion, raised, {}, verdict.segmenter_key), "gate"
     )
     _capture(config, tiny_target, documents=12)
     third = cycle.snapshot_window(config, "c3")
@@ -114,7 +114,7 @@ def test_a_promotion_for_a_large_gain_trains_once_more_then_the_drift_rule_decid
     assert judged.champion_version == champion
     assert promoted.challenger.items() <= judged.baseline.items()
     # grouped by the segmenter its baseline was measured with: c1's (the gate's was lost)
-    assert judged.segmenter_key == cycle._segmenter_key(config, "c1")
+    assert judged.segmenter_key == state.segmenter_key(config, "c1")
 
 
 def test_without_a_champion_or_with_the_check_off_the_cycle_trains(

@@ -11,25 +11,18 @@ it ends. Each step is safe to rerun:
 - **promotion** of a version that is already champion does nothing;
 - the **watermark** only moves forward, and only in the last step.
 
-State lives in the lake bucket under ``<prefix>/_state/target=<slug>/``.
-
-Traffic is judged by segment (:mod:`tide_lib.evaluation.segments`): a client's
-label, else a cluster of the target's states. Each cycle fits its segmenter once
-(warm-started from the previous cycle's) and keeps it at
-``_state/target=<slug>/cycles/<cycle_id>/segmenter.json``; the version it
-registers is tagged with that key.
+State lives in the lake bucket under ``<prefix>/_state/target=<slug>/``
+(:mod:`tide_lib.orchestration.state`); the drift check that decides whether a
+cycle trains at all is :mod:`tide_lib.orchestration.drift_check`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
-import math
 import random
-import tempfile
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -41,15 +34,30 @@ from tide_lib.evaluation.offline import (
     content_digest,
     content_fraction,
     drop_margin,
-    length_margin,
 )
-from tide_lib.evaluation.segments import Segmenter, fit_segmenter, segment_of
-from tide_lib.lake import LakeReader, ObjectStore, target_slug
+from tide_lib.evaluation.segments import segment_of
+from tide_lib.lake import LakeReader, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
 from tide_lib.lake.reader import TrainingSample, watermark
-from tide_lib.lake.schema import target_limits
 from tide_lib.names import Tags
-from tide_lib.orchestration.handoff import Decision, Drift, Promotion, Snapshot, Trained
+from tide_lib.orchestration.drift_check import (
+    check_drift,
+    keep_champion_baseline,
+    saved_drift,
+    version_acceptance,
+)
+from tide_lib.orchestration.handoff import Decision, Promotion, Snapshot, Trained
+from tide_lib.orchestration.state import (
+    cycle_segmenter,
+    draft_registry,
+    lake_store,
+    log_debris,
+    markers_of,
+    sample_reader,
+    state_key,
+    stored_segmenter,
+    task_scratch,
+)
 
 if TYPE_CHECKING:
     from tide_lib.evaluation.gate import GateDecision
@@ -79,46 +87,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _store(config: TideConfig) -> ObjectStore:
-    return ObjectStore(config.store, config.store.lake_bucket)
-
-
 def _reader(config: TideConfig) -> LakeReader:
-    return LakeReader(_store(config), config.lake)
-
-
-def _registry(config: TideConfig) -> DraftRegistry:
-    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
-
-    return DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
-
-
-def _state_key(config: TideConfig, name: str) -> str:
-    return f"{config.lake.prefix}/_state/target={target_slug(config.cycle.target_id)}/{name}"
+    return LakeReader(lake_store(config), config.lake)
 
 
 def read_watermark(config: TideConfig) -> str | None:
     """The order (a commit key, see ``CommitMarker.order``) up to which the lake is consumed."""
-    store, key = _store(config), _state_key(config, "watermark.json")
+    store, key = lake_store(config), state_key(config, "watermark.json")
     if not store.exists(key):
         return None
     value: str | None = json.loads(store.get_bytes(key))["watermark"]
     return value
-
-
-def _sample_reader(config: TideConfig) -> LakeReader:
-    """A reader that skips records not fit for this target: its hidden and vocabulary sizes.
-
-    They come from the target's ``config.json`` where this host has the target; a
-    host without it still skips records whose states are NaN/inf.
-    """
-    return LakeReader(_store(config), config.lake, limits=target_limits(config.cycle.target_path))
-
-
-def _log_debris(reader: LakeReader, what: str) -> None:
-    debris = {k: v for k, v in dataclasses.asdict(reader.debris).items() if v}
-    if debris:
-        logger.warning("%s skipped lake debris: %s", what, debris)
 
 
 def new_tokens(config: TideConfig) -> int:
@@ -138,11 +117,11 @@ def cycle_tokens(config: TideConfig, cycle_id: str) -> int:
 
 
 def _snapshot_key(config: TideConfig, cycle_id: str) -> str:
-    return _state_key(config, f"cycles/{cycle_id}.json")
+    return state_key(config, f"cycles/{cycle_id}.json")
 
 
 def _saved_snapshot(config: TideConfig, cycle_id: str) -> Snapshot | None:
-    store, key = _store(config), _snapshot_key(config, cycle_id)
+    store, key = lake_store(config), _snapshot_key(config, cycle_id)
     if not store.exists(key):
         return None
     return Snapshot.model_validate_json(store.get_bytes(key))
@@ -196,7 +175,7 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> Snapshot:
         replay_tokens=sum(m.num_tokens for m in replay),
         older_listed=len(older),
     )
-    _store(config).put_bytes(
+    lake_store(config).put_bytes(
         _snapshot_key(config, cycle_id),
         snapshot.model_dump_json().encode(),
         content_type="application/json",
@@ -211,7 +190,7 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> Snapshot:
         len(held_out),
         len(older),
     )
-    _log_debris(reader, f"cycle {cycle_id} snapshot")
+    log_debris(reader, f"cycle {cycle_id} snapshot")
     return snapshot
 
 
@@ -240,15 +219,6 @@ def _take(reader: LakeReader, keys: list[str], budget_tokens: float) -> list[Com
     return taken
 
 
-def _markers(reader: LakeReader, keys: list[str]) -> list[CommitMarker]:
-    markers = []
-    for key in keys:
-        marker = reader.marker(key)
-        if marker is not None:
-            markers.append(marker)
-    return markers
-
-
 def _held_out(sample: TrainingSample, percent: int) -> bool:
     """Held out of training in every cycle: judges forgetting once the traffic is older.
 
@@ -269,7 +239,7 @@ def _window_split(
     held out too, so a small window still has recent traffic to judge on.
     """
     percent = config.cycle.held_out_percent
-    for position, sample in enumerate(reader.iter_samples(_markers(reader, snapshot.window))):
+    for position, sample in enumerate(reader.iter_samples(markers_of(reader, snapshot.window))):
         yield position == 0 or _held_out(sample, percent), sample
 
 
@@ -289,12 +259,12 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
     Lake debris (a marker whose shard is gone, a corrupt shard, bad records) is
     quarantined or skipped, counted and logged; the cycle goes on without it.
     """
-    reader = _sample_reader(config)
+    reader = sample_reader(config)
     segmenter, _ = cycle_segmenter(config, snapshot)
-    drift = _saved_drift(config, snapshot.cycle_id)
+    drift = saved_drift(config, snapshot.cycle_id)
     drifted = set(drift.drifted) if drift is not None else set()
     # The drift check named its segments with the segmenter of the champion's baseline.
-    drift_segmenter = _stored_segmenter(config, drift.segmenter_key) if drift else None
+    drift_segmenter = stored_segmenter(config, drift.segmenter_key) if drift else None
     drift_segmenter = drift_segmenter or segmenter
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
@@ -312,7 +282,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
             judged.add(digest)
         elif digest not in judged:
             save(sample, window=True)
-    for sample in reader.iter_samples(_markers(reader, snapshot.replay)):
+    for sample in reader.iter_samples(markers_of(reader, snapshot.replay)):
         held = _held_out(sample, config.cycle.held_out_percent)
         if not held and content_digest(sample.input_ids) not in judged:
             save(sample, window=False)
@@ -322,77 +292,8 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
         counts[WINDOW_DIR],
         counts[REPLAY_DIR],
     )
-    _log_debris(reader, f"cycle {snapshot.cycle_id} export")
+    log_debris(reader, f"cycle {snapshot.cycle_id} export")
     return sum(counts.values())
-
-
-def _segmenter_key(config: TideConfig, cycle_id: str) -> str:
-    return _state_key(config, f"cycles/{cycle_id}/segmenter.json")
-
-
-def _stored_segmenter(config: TideConfig, key: str | None) -> Segmenter | None:
-    """The segmenter stored at ``key``; None (logged) when there is none or it is unreadable."""
-    if not key:
-        return None
-    try:
-        return Segmenter.from_json(_store(config).get_bytes(key))
-    except Exception as error:  # a lost segmenter costs comparability, never the cycle
-        logger.warning("segmenter %s unreadable (%s): using this cycle's own", key, error)
-        return None
-
-
-def _latest_segmenter(config: TideConfig, cycle_id: str) -> Segmenter | None:
-    """The segmenter of the latest other cycle that fitted one (its centroids keep names)."""
-    store, pointer = _store(config), _state_key(config, "segmenter.json")
-    if not store.exists(pointer):
-        return None
-    try:
-        latest = json.loads(store.get_bytes(pointer))
-        if latest.get("cycle_id") == cycle_id:
-            return None  # this cycle's own (a rerun): never fit on itself
-        return Segmenter.from_json(store.get_bytes(latest["key"]))
-    except Exception as error:  # a lost or unreadable segmenter costs only stable names
-        logger.warning(
-            "previous segmenter unreadable (%s): this cycle's clusters start afresh", error
-        )
-        return None
-
-
-def cycle_segmenter(config: TideConfig, snapshot: Snapshot) -> tuple[Segmenter, str]:
-    """The cycle's segmenter and its lake key: fitted once, then read back on every host.
-
-    Fitted on the unlabelled requests of the window and of the older held-out commits
-    (what the gate judges), warm-started from the previous cycle's centroids.
-    """
-    store, key = _store(config), _segmenter_key(config, snapshot.cycle_id)
-    if store.exists(key):
-        _point_to_segmenter(config, snapshot, key)  # a retry finishes what it began
-        return Segmenter.from_json(store.get_bytes(key)), key
-    reader = _sample_reader(config)
-    markers = _markers(reader, [*snapshot.window, *snapshot.held_out_older])
-    segmenter = fit_segmenter(
-        reader.iter_samples(markers),
-        num_clusters=config.cycle.segment_clusters,
-        min_share=config.gate.min_segment_share,
-        max_labels=config.cycle.segment_labels_max,
-        previous=_latest_segmenter(config, snapshot.cycle_id),
-        seed=config.training.seed,
-    )
-    store.put_bytes(key, segmenter.to_json(), content_type="application/json")
-    _point_to_segmenter(config, snapshot, key)
-    _log_debris(reader, f"cycle {snapshot.cycle_id} segmenter")
-    return segmenter, key
-
-
-def _point_to_segmenter(config: TideConfig, snapshot: Snapshot, key: str) -> None:
-    """Point the next cycle's warm start at this segmenter, unless a later window has one."""
-    store, pointer = _store(config), _state_key(config, "segmenter.json")
-    if store.exists(pointer):
-        current = json.loads(store.get_bytes(pointer))
-        if str(current.get("window_until", "")) >= snapshot.watermark_after:
-            return  # this cycle's, or a later one's (a cleared older run never moves it back)
-    payload = {"cycle_id": snapshot.cycle_id, "key": key, "window_until": snapshot.watermark_after}
-    store.put_bytes(pointer, json.dumps(payload).encode(), content_type="application/json")
 
 
 @dataclasses.dataclass
@@ -436,7 +337,7 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
     """The gate's traffic, read from the lake: held-out requests of the window and of the
     older commits, grouped by segment (a client's label, else the cycle's clusters)."""
     segmenter, key = cycle_segmenter(config, snapshot)
-    reader = _sample_reader(config)
+    reader = sample_reader(config)
     samples: dict[str, list[TrainingSample]] = {}
     window_tokens: dict[str, int] = {}
     older_tokens: dict[str, int] = {}
@@ -457,14 +358,14 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
             judge(segment, sample)
     held_older = 0
     budget = config.cycle.held_out_older_tokens
-    for sample in reader.iter_samples(_markers(reader, snapshot.held_out_older)):
+    for sample in reader.iter_samples(markers_of(reader, snapshot.held_out_older)):
         if held_older >= budget:
             break
         segment, tokens = segment_of(sample, segmenter), int(sample.input_ids.numel())
         older_tokens[segment] = older_tokens.get(segment, 0) + tokens
         if _held_out(sample, config.cycle.held_out_percent) and judge(segment, sample):
             held_older += tokens
-    _log_debris(reader, f"cycle {snapshot.cycle_id} held-out")
+    log_debris(reader, f"cycle {snapshot.cycle_id} held-out")
     return HeldOutTraffic(samples, window_tokens, older_tokens, key)
 
 
@@ -473,317 +374,8 @@ def held_out_samples(config: TideConfig, snapshot: Snapshot) -> dict[str, list[T
     return held_out_traffic(config, snapshot).samples
 
 
-def _drift_key(config: TideConfig, cycle_id: str) -> str:
-    return _state_key(config, f"cycles/{cycle_id}/drift.json")
-
-
-def _saved_drift(config: TideConfig, cycle_id: str) -> Drift | None:
-    store, key = _store(config), _drift_key(config, cycle_id)
-    return Drift.model_validate_json(store.get_bytes(key)) if store.exists(key) else None
-
-
-def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
-    """Does the champion still fit this window? Decided once per cycle (a rerun reads it).
-
-    The champion is replayed offline on an even sample of the window (every request,
-    held out or not: it never trained on them), per segment, and judged against its
-    baseline by :func:`tide_lib.evaluation.drift.judge_drift`. No drift: the cycle
-    trains nothing and only moves the watermark.
-    """
-    saved = _saved_drift(config, snapshot.cycle_id)
-    if saved is not None:
-        return saved
-    store, key = _store(config), _drift_key(config, snapshot.cycle_id)
-    try:
-        drift = _measure_drift(config, snapshot)
-    except Exception as error:  # a check that cannot measure must not stop adaptation
-        logger.exception("cycle %s: the drift check failed; training", snapshot.cycle_id)
-        drift = Drift(
-            drift=True,
-            reason=f"training: the drift check failed ({type(error).__name__}: {error})",
-            champion_version=None,
-            measured={},
-            baseline={},
-        )
-    store.put_bytes(key, drift.model_dump_json().encode(), content_type="application/json")
-    logger.info("cycle %s: %s", snapshot.cycle_id, drift.reason)
-    return drift
-
-
-def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
-    from tide_lib.evaluation.drift import judge_drift  # noqa: PLC0415
-    from tide_lib.registry import CHAMPION  # noqa: PLC0415
-
-    registry = _registry(config)
-    champion = registry.alias(CHAMPION)
-    forced = config.cycle.force_promote
-    if not config.cycle.skip_without_drift or forced or champion is None:
-        why = (
-            "no champion yet"
-            if champion is None
-            else "cycle.force_promote is on"
-            if forced
-            else "cycle.skip_without_drift is off"
-        )
-        return Drift(
-            drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
-        )
-    known = _champion_baseline(config, registry, champion, cycle_id=snapshot.cycle_id)
-    baseline, baseline_margins = known.accept_length, known.margins
-    # Segments as the baseline's figures were grouped: clusters are refit every cycle,
-    # and a cluster of another fit holds other requests (a different figure, not drift).
-    grouping = _stored_segmenter(config, known.segmenter_key) if baseline else None
-    segmenter_key = known.segmenter_key if grouping is not None else None
-    if grouping is None:
-        grouping, segmenter_key = cycle_segmenter(config, snapshot)
-    samples, shares = _window_sample(config, snapshot, grouping)
-    counts = _champion_counts(config, registry, champion.version, samples)
-    measured = {segment: count.accept_length for segment, count in counts.items()}
-    margins = {segment: length_margin(count.per_request) for segment, count in counts.items()}
-    finite = {segment: m for segment, m in margins.items() if math.isfinite(m)}
-    if not baseline:  # its first measurement (segments of 2+ requests) is the baseline
-        first = _Baseline(champion.version, {s: measured[s] for s in finite}, finite, segmenter_key)
-        if first.accept_length:
-            _store_baseline(config, first, _FIRST, cycle_id=snapshot.cycle_id)
-        best = max(measured.values(), default=0.0)
-        return Drift(
-            drift=True,
-            reason=f"training: champion v{champion.version} had no baseline (never judged on "
-            "enough held-out traffic); "
-            + (
-                "its figures on this window are its baseline from now on"
-                if first
-                else "no segment of this window has two requests to measure one on"
-            ),
-            champion_version=champion.version,
-            measured=measured,
-            margins=finite,
-            baseline={},
-            drifted=sorted(
-                s for s, v in measured.items() if v < best - config.cycle.drift_tolerance
-            ),
-            segmenter_key=segmenter_key,
-        )
-    verdict = judge_drift(
-        measured,
-        shares,
-        baseline,
-        tolerance=config.cycle.drift_tolerance,
-        min_share=config.gate.min_segment_share,
-        margins=margins,
-        baseline_margins=baseline_margins,
-    )
-    if not verdict.drift:  # segments it serves well from now on join its baseline
-        new = {s: measured[s] for s in finite if s not in baseline}
-        grown = _Baseline(
-            champion.version,
-            {**baseline, **new},
-            {**baseline_margins, **{s: finite[s] for s in new}},
-            segmenter_key,
-        )
-        _store_baseline(config, grown, "measured")
-        # Traffic it was just promoted for, served as well as then, may still be learning.
-        learning = _still_learning(config, champion, snapshot.cycle_id, verdict.reason)
-        if learning is not None:
-            return learning
-    return Drift(
-        drift=verdict.drift,
-        reason=f"champion v{champion.version}: {verdict.reason}",
-        champion_version=champion.version,
-        measured=measured,
-        margins=finite,
-        baseline=baseline,
-        drifted=sorted(verdict.drifted),
-        saved_train_seconds=None if verdict.drift else registry.last_run_seconds(),
-        segmenter_key=segmenter_key,
-    )
-
-
-def _still_learning(
-    config: TideConfig, champion: Any, cycle_id: str, no_drift: str
-) -> Drift | None:
-    """A champion without drift that was promoted for a large gain trains once more (see
-    :func:`tide_lib.evaluation.drift.still_learning`): the segments it gained on (as its
-    gate grouped them) are learned, the rest of the window kept. None when the rule does
-    not apply or a cycle already trained on it (``learning.json`` names the version and
-    the cycle). Checked only after the drift rule: new traffic is drift, and is learned
-    as such, not as the segments of an older promotion."""
-    from tide_lib.evaluation.drift import still_learning  # noqa: PLC0415
-    from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
-
-    tags = dict(champion.tags or {})
-    judged = decision_from_tags(tags, config.gate.k)
-    if judged is None:
-        return None
-    gains = still_learning(
-        judged, min_gain=config.cycle.learning_gain, min_share=config.gate.min_segment_share
-    )
-    if not gains:
-        return None
-    store, key = _store(config), _state_key(config, "learning.json")
-    if store.exists(key):
-        tried = json.loads(store.get_bytes(key))
-        if tried.get("version") == champion.version and tried.get("cycle_id") != cycle_id:
-            return None  # the cycle after its promotion trained already
-    payload = {"version": champion.version, "cycle_id": cycle_id}
-    store.put_bytes(key, json.dumps(payload).encode(), content_type="application/json")
-    listed = ", ".join(f"{segment} +{gain:.3f}" for segment, gain in gains.items())
-    return Drift(
-        drift=True,
-        reason=f"training: champion v{champion.version} was promoted for {listed} "
-        f"(at least cycle.learning_gain {config.cycle.learning_gain:.3f}): that traffic is "
-        f"still being learned, so one more cycle trains on it ({no_drift})",
-        champion_version=champion.version,
-        measured={},
-        baseline=judged.challenger,
-        drifted=sorted(gains),
-        segmenter_key=tags.get(Tags.SEGMENTER),
-    )
-
-
-def _window_sample(
-    config: TideConfig, snapshot: Snapshot, segmenter: Segmenter
-) -> tuple[dict[str, list[TrainingSample]], dict[str, float]]:
-    """An even sample of the window's distinct requests by segment (of ``segmenter``),
-    and each segment's token share (copies included: they are traffic).
-
-    Copies of a request (the same prompt answered the same way) are measured once:
-    n copies are one piece of evidence, and counting them n times shrinks a figure's
-    margin of error below the spread between windows, so the check saw drift in noise.
-    """
-    reader = _sample_reader(config)
-    rate = min(1.0, config.cycle.drift_sample_tokens / max(snapshot.window_tokens, 1))
-    samples: dict[str, list[TrainingSample]] = {}
-    tokens: dict[str, int] = {}
-    seen: set[bytes] = set()
-    for sample in reader.iter_samples(_markers(reader, snapshot.window)):
-        segment = segment_of(sample, segmenter)
-        tokens[segment] = tokens.get(segment, 0) + int(sample.input_ids.numel())
-        digest = content_digest(sample.input_ids)
-        if digest not in seen and content_fraction(sample.input_ids, b"drift") < rate:
-            samples.setdefault(segment, []).append(sample)
-        seen.add(digest)
-    _log_debris(reader, f"cycle {snapshot.cycle_id} drift check")
-    total = sum(tokens.values()) or 1
-    return samples, {segment: count / total for segment, count in tokens.items()}
-
-
-def _champion_counts(
-    config: TideConfig,
-    registry: DraftRegistry,
-    version: str,
-    samples: dict[str, list[TrainingSample]],
-) -> dict[str, AcceptanceCount]:
-    """Offline acceptance counts of ``version`` per segment at ``gate.k``."""
-    from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
-
-    prepare_specforge("cpu")
-    k = config.gate.k
-    with task_scratch(config, f"drift-v{version}") as work:
-        return _version_acceptance(config, registry, version, samples, ks=[k], work=work)[k]
-
-
-def _version_acceptance(
-    config: TideConfig,
-    registry: DraftRegistry,
-    version: str,
-    samples: dict[str, list[TrainingSample]],
-    *,
-    ks: list[int],
-    work: Path,
-) -> dict[int, dict[str, AcceptanceCount]]:
-    """Download ``version`` into ``work`` and replay it offline: k -> segment -> counts."""
-    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
-    from tide_lib.training.draft import load_draft  # noqa: PLC0415
-
-    target = config.cycle.target_path
-    draft = load_draft(registry.download(version, work / f"v{version}"), target)
-    counts = offline_acceptance(draft, target, samples, ks)
-    return {k: {segment: by_k[k] for segment, by_k in counts.items()} for k in ks}
-
-
-_FIRST = "first measurement"  # baseline.json's source when the drift check set it
-
-
-@dataclasses.dataclass(frozen=True)
-class _Baseline:
-    """A champion's acceptance per segment, each figure's margin of error (absent: exact
-    or unknown), and the lake key of the segmenter that grouped the requests measured."""
-
-    version: str
-    accept_length: dict[str, float]
-    margins: dict[str, float]
-    segmenter_key: str | None
-
-
-def _champion_baseline(
-    config: TideConfig, registry: DraftRegistry, champion: Any, cycle_id: str | None = None
-) -> _Baseline:
-    """The champion's baseline: as the gate measured it at its promotion (the figures on
-    its version), as the champion a rejected challenger could not beat (stored by
-    :func:`evaluate_and_gate`), or as the drift check first measured it (not in
-    ``cycle_id`` itself: a retry of the check that set it must not compare the window
-    with itself). Empty figures if none happened yet."""
-    from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
-
-    none = _Baseline(champion.version, {}, {}, None)
-    store, key = _store(config), _state_key(config, "baseline.json")
-    if store.exists(key):
-        stored = json.loads(store.get_bytes(key))
-        own = stored.get("source") == _FIRST and stored.get("cycle_id") == cycle_id
-        if stored.get("version") == champion.version and stored.get("k") == config.gate.k:
-            if own:
-                return none
-            return _Baseline(
-                champion.version,
-                {str(s): float(v) for s, v in stored["accept_length"].items()},
-                {str(s): float(v) for s, v in stored.get("margins", {}).items()},
-                stored.get("segmenter"),
-            )
-    tags = dict(champion.tags or {})
-    judged = decision_from_tags(tags, config.gate.k)
-    figures = evidenced_figures(judged.challenger, judged.protected) if judged is not None else {}
-    if not figures:
-        return none
-    baseline = _Baseline(champion.version, figures, {}, tags.get(Tags.SEGMENTER))
-    _store_baseline(config, baseline, "gate")
-    return baseline
-
-
-def evidenced_figures(figures: dict[str, float], protected: tuple[str, ...]) -> dict[str, float]:
-    """The figures a baseline may hold: those of segments the gate protected, i.e. measured
-    on enough held-out requests (a one-request figure of 4.0 is no baseline to drift from)."""
-    return {segment: value for segment, value in figures.items() if segment in protected}
-
-
-def _store_baseline(
-    config: TideConfig, baseline: _Baseline, source: str, *, cycle_id: str | None = None
-) -> None:
-    payload = {
-        "version": baseline.version,
-        "k": config.gate.k,
-        "accept_length": baseline.accept_length,
-        "margins": baseline.margins,
-        "segmenter": baseline.segmenter_key,
-        "cycle_id": cycle_id,
-    }
-    _store(config).put_bytes(
-        _state_key(config, "baseline.json"),
-        json.dumps({**payload, "source": source}).encode(),
-        content_type="application/json",
-    )
-
-
-@contextlib.contextmanager
-def task_scratch(config: TideConfig, name: str) -> Iterator[Path]:
-    """A scratch directory of this task's own under ``scratch_dir``, removed when it ends."""
-    config.scratch_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=config.scratch_dir) as tmp:
-        yield Path(tmp)
-
-
 def _checkpoint_prefix(config: TideConfig, cycle_id: str) -> str:
-    return _state_key(config, f"cycles/{cycle_id}/checkpoints")
+    return state_key(config, f"cycles/{cycle_id}/checkpoints")
 
 
 def train(config: TideConfig, snapshot: Snapshot) -> Trained:
@@ -794,7 +386,7 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
     cycle has one MLflow run: a failed attempt marks it FAILED, a retry resumes it,
     and a retry after the draft was logged reuses that draft.
     """
-    registry = _registry(config)
+    registry = draft_registry(config)
     cycle_id = snapshot.cycle_id
     registered = registry.find_by_tag(Tags.CYCLE_ID, cycle_id)
     if registered is not None and registered.run_id:
@@ -907,7 +499,7 @@ def register(config: TideConfig, snapshot: Snapshot, trained: Trained) -> str:
     """Register the challenger from its URI (once per cycle); drop the cycle's checkpoints."""
     import specforge  # noqa: PLC0415
 
-    version = _registry(config).register(
+    version = draft_registry(config).register(
         trained.draft_uri,
         trained.run_id,
         cycle_id=snapshot.cycle_id,
@@ -948,7 +540,7 @@ def evaluate_and_gate(
     del trained  # the registered version is what is judged
     prepare_specforge("cpu")
     k = config.gate.k
-    registry = _registry(config)
+    registry = draft_registry(config)
     decision = decision_from_tags(registry.get(version).tags, k)
     if decision is not None:
         logger.info("v%s was judged before: %s", version, decision.reason)
@@ -957,36 +549,13 @@ def evaluate_and_gate(
         registry.set_tags(version, {Tags.SEGMENTER: traffic.segmenter_key})
         decision = _judge(config, registry, snapshot, version, traffic)
         log_decision(registry, version, decision, k)
-        _keep_champion_baseline(config, registry, version, decision, traffic.segmenter_key)
+        keep_champion_baseline(config, registry, version, decision, traffic.segmenter_key)
     return Decision(
         promote=decision.promote or config.cycle.force_promote,
         reason=decision.reason,
         challenger=decision.challenger,
         champion=decision.champion,
     )
-
-
-def _keep_champion_baseline(
-    config: TideConfig,
-    registry: DraftRegistry,
-    version: str,
-    decision: GateDecision,
-    segmenter_key: str,
-) -> None:
-    """A champion never judged before (a seeded one) that held its place: the gate's
-    figures on it are its baseline, so later cycles train only if its traffic drifts."""
-    from tide_lib.registry import CHAMPION  # noqa: PLC0415
-
-    champion = registry.alias(CHAMPION)
-    if decision.promote or not decision.champion or champion is None:
-        return
-    if champion.version == version:
-        return
-    if not _champion_baseline(config, registry, champion).accept_length:
-        figures = evidenced_figures(decision.champion, decision.protected)
-        if figures:
-            held = _Baseline(champion.version, figures, {}, segmenter_key)
-            _store_baseline(config, held, "gate: held its place")
 
 
 def _judge(
@@ -1005,7 +574,7 @@ def _judge(
     with task_scratch(config, f"evaluate-{snapshot.cycle_id}") as work:
 
         def counts(number: str) -> dict[int, dict[str, AcceptanceCount]]:
-            return _version_acceptance(config, registry, number, traffic.samples, ks=ks, work=work)
+            return version_acceptance(config, registry, number, traffic.samples, ks=ks, work=work)
 
         challenger_counts = counts(version)
         champion_version = registry.alias(CHAMPION)
@@ -1046,7 +615,7 @@ def promote(config: TideConfig, version: str, decision: Decision) -> Promotion:
     """
     from tide_lib.registry import CHAMPION  # noqa: PLC0415
 
-    registry = _registry(config)
+    registry = draft_registry(config)
     if not decision.promote or config.cycle.dry_run:
         why = "dry run" if config.cycle.dry_run else decision.reason
         logger.info("not promoting v%s: %s", version, why)
@@ -1090,7 +659,7 @@ def _served(registry: DraftRegistry, version: str) -> tuple[str, str]:
 
 def advance_watermark(config: TideConfig, snapshot: Snapshot) -> str:
     """Mark the window consumed; never moves backwards."""
-    store, key = _store(config), _state_key(config, "watermark.json")
+    store, key = lake_store(config), state_key(config, "watermark.json")
     current = read_watermark(config)
     consumed_until = snapshot.watermark_after
     if current is not None and current >= consumed_until:
@@ -1110,7 +679,7 @@ def rollback(config: TideConfig, version: str, run_id: str | None = None) -> dic
     """
     from tide_lib.registry import CHAMPION  # noqa: PLC0415
 
-    registry = _registry(config)
+    registry = draft_registry(config)
     remembered = _rollback_target(config, run_id) if run_id else None
     if remembered is not None:
         number = remembered
@@ -1122,7 +691,7 @@ def rollback(config: TideConfig, version: str, run_id: str | None = None) -> dic
     else:
         number = _resolve_version(registry, version)
         if run_id:
-            _store(config).put_bytes(
+            lake_store(config).put_bytes(
                 _rollback_key(config, run_id),
                 json.dumps({"requested": version, "version": number}).encode(),
                 content_type="application/json",
@@ -1150,12 +719,12 @@ def _resolve_version(registry: DraftRegistry, version: str) -> str:
 
 
 def _rollback_key(config: TideConfig, run_id: str) -> str:
-    return _state_key(config, f"rollbacks/{run_id}.json")
+    return state_key(config, f"rollbacks/{run_id}.json")
 
 
 def _rollback_target(config: TideConfig, run_id: str) -> str | None:
     """The version an earlier attempt of DAG run ``run_id`` resolved, if any."""
-    store, key = _store(config), _rollback_key(config, run_id)
+    store, key = lake_store(config), _rollback_key(config, run_id)
     if not store.exists(key):
         return None
     number: str = json.loads(store.get_bytes(key))["version"]
@@ -1191,7 +760,7 @@ def apply_retention(config: TideConfig, now: Any = None) -> dict[str, int]:
     """
     from datetime import UTC, datetime, timedelta  # noqa: PLC0415
 
-    store, reader = _store(config), _reader(config)
+    store, reader = lake_store(config), _reader(config)
     slug = target_slug(config.cycle.target_id)
     consumed_until = read_watermark(config)
     cutoff = (now or datetime.now(UTC)) - timedelta(days=config.lake.retention_days)

@@ -1,0 +1,385 @@
+"""The cycle's drift check: does the champion still fit this window's traffic?
+
+Train only when it pays (:mod:`tide_lib.evaluation.drift` holds the rules as pure
+functions). Before training, the champion is replayed offline on an even sample
+of the window, per segment, and compared with its *baseline*, kept in the lake
+(``_state/.../baseline.json``) with the segmenter that grouped its figures: as
+the gate measured it at its promotion, as the champion a rejected challenger
+could not beat, or as the first check measured it. No drift: the cycle trains
+nothing. The verdict is decided once per cycle (``cycles/<id>/drift.json``) and
+read back by a rerun or a retry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tide_lib.config import TideConfig
+from tide_lib.evaluation.offline import (
+    AcceptanceCount,
+    content_digest,
+    content_fraction,
+    length_margin,
+)
+from tide_lib.evaluation.segments import Segmenter, segment_of
+from tide_lib.lake.reader import TrainingSample
+from tide_lib.names import Tags
+from tide_lib.orchestration.handoff import Drift, Snapshot
+from tide_lib.orchestration.state import (
+    cycle_segmenter,
+    draft_registry,
+    lake_store,
+    log_debris,
+    markers_of,
+    sample_reader,
+    state_key,
+    stored_segmenter,
+    task_scratch,
+)
+
+if TYPE_CHECKING:
+    from tide_lib.evaluation.gate import GateDecision
+    from tide_lib.registry import DraftRegistry
+
+__all__ = [
+    "Baseline",
+    "champion_baseline",
+    "check_drift",
+    "drift_key",
+    "evidenced_figures",
+    "keep_champion_baseline",
+    "saved_drift",
+    "store_baseline",
+    "version_acceptance",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def drift_key(config: TideConfig, cycle_id: str) -> str:
+    return state_key(config, f"cycles/{cycle_id}/drift.json")
+
+
+def saved_drift(config: TideConfig, cycle_id: str) -> Drift | None:
+    store, key = lake_store(config), drift_key(config, cycle_id)
+    return Drift.model_validate_json(store.get_bytes(key)) if store.exists(key) else None
+
+
+def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
+    """Does the champion still fit this window? Decided once per cycle (a rerun reads it).
+
+    The champion is replayed offline on an even sample of the window (every request,
+    held out or not: it never trained on them), per segment, and judged against its
+    baseline by :func:`tide_lib.evaluation.drift.judge_drift`. No drift: the cycle
+    trains nothing and only moves the watermark.
+    """
+    saved = saved_drift(config, snapshot.cycle_id)
+    if saved is not None:
+        return saved
+    store, key = lake_store(config), drift_key(config, snapshot.cycle_id)
+    try:
+        drift = _measure_drift(config, snapshot)
+    except Exception as error:  # a check that cannot measure must not stop adaptation
+        logger.exception("cycle %s: the drift check failed; training", snapshot.cycle_id)
+        drift = Drift(
+            drift=True,
+            reason=f"training: the drift check failed ({type(error).__name__}: {error})",
+            champion_version=None,
+            measured={},
+            baseline={},
+        )
+    store.put_bytes(key, drift.model_dump_json().encode(), content_type="application/json")
+    logger.info("cycle %s: %s", snapshot.cycle_id, drift.reason)
+    return drift
+
+
+def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
+    from tide_lib.evaluation.drift import judge_drift  # noqa: PLC0415
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
+
+    registry = draft_registry(config)
+    champion = registry.alias(CHAMPION)
+    forced = config.cycle.force_promote
+    if not config.cycle.skip_without_drift or forced or champion is None:
+        why = (
+            "no champion yet"
+            if champion is None
+            else "cycle.force_promote is on"
+            if forced
+            else "cycle.skip_without_drift is off"
+        )
+        return Drift(
+            drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
+        )
+    known = champion_baseline(config, registry, champion, cycle_id=snapshot.cycle_id)
+    baseline, baseline_margins = known.accept_length, known.margins
+    # Segments as the baseline's figures were grouped: clusters are refit every cycle,
+    # and a cluster of another fit holds other requests (a different figure, not drift).
+    grouping = stored_segmenter(config, known.segmenter_key) if baseline else None
+    segmenter_key = known.segmenter_key if grouping is not None else None
+    if grouping is None:
+        grouping, segmenter_key = cycle_segmenter(config, snapshot)
+    samples, shares = _window_sample(config, snapshot, grouping)
+    counts = _champion_counts(config, registry, champion.version, samples)
+    measured = {segment: count.accept_length for segment, count in counts.items()}
+    margins = {segment: length_margin(count.per_request) for segment, count in counts.items()}
+    finite = {segment: m for segment, m in margins.items() if math.isfinite(m)}
+    if not baseline:  # its first measurement (segments of 2+ requests) is the baseline
+        first = Baseline(champion.version, {s: measured[s] for s in finite}, finite, segmenter_key)
+        if first.accept_length:
+            store_baseline(config, first, _FIRST, cycle_id=snapshot.cycle_id)
+        best = max(measured.values(), default=0.0)
+        return Drift(
+            drift=True,
+            reason=f"training: champion v{champion.version} had no baseline (never judged on "
+            "enough held-out traffic); "
+            + (
+                "its figures on this window are its baseline from now on"
+                if first
+                else "no segment of this window has two requests to measure one on"
+            ),
+            champion_version=champion.version,
+            measured=measured,
+            margins=finite,
+            baseline={},
+            drifted=sorted(
+                s for s, v in measured.items() if v < best - config.cycle.drift_tolerance
+            ),
+            segmenter_key=segmenter_key,
+        )
+    verdict = judge_drift(
+        measured,
+        shares,
+        baseline,
+        tolerance=config.cycle.drift_tolerance,
+        min_share=config.gate.min_segment_share,
+        margins=margins,
+        baseline_margins=baseline_margins,
+    )
+    if not verdict.drift:  # segments it serves well from now on join its baseline
+        new = {s: measured[s] for s in finite if s not in baseline}
+        grown = Baseline(
+            champion.version,
+            {**baseline, **new},
+            {**baseline_margins, **{s: finite[s] for s in new}},
+            segmenter_key,
+        )
+        store_baseline(config, grown, "measured")
+        # Traffic it was just promoted for, served as well as then, may still be learning.
+        learning = _still_learning(config, champion, snapshot.cycle_id, verdict.reason)
+        if learning is not None:
+            return learning
+    return Drift(
+        drift=verdict.drift,
+        reason=f"champion v{champion.version}: {verdict.reason}",
+        champion_version=champion.version,
+        measured=measured,
+        margins=finite,
+        baseline=baseline,
+        drifted=sorted(verdict.drifted),
+        saved_train_seconds=None if verdict.drift else registry.last_run_seconds(),
+        segmenter_key=segmenter_key,
+    )
+
+
+def _still_learning(
+    config: TideConfig, champion: Any, cycle_id: str, no_drift: str
+) -> Drift | None:
+    """A champion without drift that was promoted for a large gain trains once more (see
+    :func:`tide_lib.evaluation.drift.still_learning`): the segments it gained on (as its
+    gate grouped them) are learned, the rest of the window kept. None when the rule does
+    not apply or a cycle already trained on it (``learning.json`` names the version and
+    the cycle). Checked only after the drift rule: new traffic is drift, and is learned
+    as such, not as the segments of an older promotion."""
+    from tide_lib.evaluation.drift import still_learning  # noqa: PLC0415
+    from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
+
+    tags = dict(champion.tags or {})
+    judged = decision_from_tags(tags, config.gate.k)
+    if judged is None:
+        return None
+    gains = still_learning(
+        judged, min_gain=config.cycle.learning_gain, min_share=config.gate.min_segment_share
+    )
+    if not gains:
+        return None
+    store, key = lake_store(config), state_key(config, "learning.json")
+    if store.exists(key):
+        tried = json.loads(store.get_bytes(key))
+        if tried.get("version") == champion.version and tried.get("cycle_id") != cycle_id:
+            return None  # the cycle after its promotion trained already
+    payload = {"version": champion.version, "cycle_id": cycle_id}
+    store.put_bytes(key, json.dumps(payload).encode(), content_type="application/json")
+    listed = ", ".join(f"{segment} +{gain:.3f}" for segment, gain in gains.items())
+    return Drift(
+        drift=True,
+        reason=f"training: champion v{champion.version} was promoted for {listed} "
+        f"(at least cycle.learning_gain {config.cycle.learning_gain:.3f}): that traffic is "
+        f"still being learned, so one more cycle trains on it ({no_drift})",
+        champion_version=champion.version,
+        measured={},
+        baseline=judged.challenger,
+        drifted=sorted(gains),
+        segmenter_key=tags.get(Tags.SEGMENTER),
+    )
+
+
+def _window_sample(
+    config: TideConfig, snapshot: Snapshot, segmenter: Segmenter
+) -> tuple[dict[str, list[TrainingSample]], dict[str, float]]:
+    """An even sample of the window's distinct requests by segment (of ``segmenter``),
+    and each segment's token share (copies included: they are traffic).
+
+    Copies of a request (the same prompt answered the same way) are measured once:
+    n copies are one piece of evidence, and counting them n times shrinks a figure's
+    margin of error below the spread between windows, so the check saw drift in noise.
+    """
+    reader = sample_reader(config)
+    rate = min(1.0, config.cycle.drift_sample_tokens / max(snapshot.window_tokens, 1))
+    samples: dict[str, list[TrainingSample]] = {}
+    tokens: dict[str, int] = {}
+    seen: set[bytes] = set()
+    for sample in reader.iter_samples(markers_of(reader, snapshot.window)):
+        segment = segment_of(sample, segmenter)
+        tokens[segment] = tokens.get(segment, 0) + int(sample.input_ids.numel())
+        digest = content_digest(sample.input_ids)
+        if digest not in seen and content_fraction(sample.input_ids, b"drift") < rate:
+            samples.setdefault(segment, []).append(sample)
+        seen.add(digest)
+    log_debris(reader, f"cycle {snapshot.cycle_id} drift check")
+    total = sum(tokens.values()) or 1
+    return samples, {segment: count / total for segment, count in tokens.items()}
+
+
+def _champion_counts(
+    config: TideConfig,
+    registry: DraftRegistry,
+    version: str,
+    samples: dict[str, list[TrainingSample]],
+) -> dict[str, AcceptanceCount]:
+    """Offline acceptance counts of ``version`` per segment at ``gate.k``."""
+    from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
+
+    prepare_specforge("cpu")
+    k = config.gate.k
+    with task_scratch(config, f"drift-v{version}") as work:
+        return version_acceptance(config, registry, version, samples, ks=[k], work=work)[k]
+
+
+def version_acceptance(
+    config: TideConfig,
+    registry: DraftRegistry,
+    version: str,
+    samples: dict[str, list[TrainingSample]],
+    *,
+    ks: list[int],
+    work: Path,
+) -> dict[int, dict[str, AcceptanceCount]]:
+    """Download ``version`` into ``work`` and replay it offline: k -> segment -> counts."""
+    from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
+    from tide_lib.training.draft import load_draft  # noqa: PLC0415
+
+    target = config.cycle.target_path
+    draft = load_draft(registry.download(version, work / f"v{version}"), target)
+    counts = offline_acceptance(draft, target, samples, ks)
+    return {k: {segment: by_k[k] for segment, by_k in counts.items()} for k in ks}
+
+
+_FIRST = "first measurement"  # baseline.json's source when the drift check set it
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """A champion's acceptance per segment, each figure's margin of error (absent: exact
+    or unknown), and the lake key of the segmenter that grouped the requests measured."""
+
+    version: str
+    accept_length: dict[str, float]
+    margins: dict[str, float]
+    segmenter_key: str | None
+
+
+def champion_baseline(
+    config: TideConfig, registry: DraftRegistry, champion: Any, cycle_id: str | None = None
+) -> Baseline:
+    """The champion's baseline: as the gate measured it at its promotion (the figures on
+    its version), as the champion a rejected challenger could not beat (stored by
+    :func:`evaluate_and_gate`), or as the drift check first measured it (not in
+    ``cycle_id`` itself: a retry of the check that set it must not compare the window
+    with itself). Empty figures if none happened yet."""
+    from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
+
+    none = Baseline(champion.version, {}, {}, None)
+    store, key = lake_store(config), state_key(config, "baseline.json")
+    if store.exists(key):
+        stored = json.loads(store.get_bytes(key))
+        own = stored.get("source") == _FIRST and stored.get("cycle_id") == cycle_id
+        if stored.get("version") == champion.version and stored.get("k") == config.gate.k:
+            if own:
+                return none
+            return Baseline(
+                champion.version,
+                {str(s): float(v) for s, v in stored["accept_length"].items()},
+                {str(s): float(v) for s, v in stored.get("margins", {}).items()},
+                stored.get("segmenter"),
+            )
+    tags = dict(champion.tags or {})
+    judged = decision_from_tags(tags, config.gate.k)
+    figures = evidenced_figures(judged.challenger, judged.protected) if judged is not None else {}
+    if not figures:
+        return none
+    baseline = Baseline(champion.version, figures, {}, tags.get(Tags.SEGMENTER))
+    store_baseline(config, baseline, "gate")
+    return baseline
+
+
+def evidenced_figures(figures: dict[str, float], protected: tuple[str, ...]) -> dict[str, float]:
+    """The figures a baseline may hold: those of segments the gate protected, i.e. measured
+    on enough held-out requests (a one-request figure of 4.0 is no baseline to drift from)."""
+    return {segment: value for segment, value in figures.items() if segment in protected}
+
+
+def store_baseline(
+    config: TideConfig, baseline: Baseline, source: str, *, cycle_id: str | None = None
+) -> None:
+    payload = {
+        "version": baseline.version,
+        "k": config.gate.k,
+        "accept_length": baseline.accept_length,
+        "margins": baseline.margins,
+        "segmenter": baseline.segmenter_key,
+        "cycle_id": cycle_id,
+    }
+    lake_store(config).put_bytes(
+        state_key(config, "baseline.json"),
+        json.dumps({**payload, "source": source}).encode(),
+        content_type="application/json",
+    )
+
+
+def keep_champion_baseline(
+    config: TideConfig,
+    registry: DraftRegistry,
+    version: str,
+    decision: GateDecision,
+    segmenter_key: str,
+) -> None:
+    """A champion never judged before (a seeded one) that held its place: the gate's
+    figures on it are its baseline, so later cycles train only if its traffic drifts."""
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
+
+    champion = registry.alias(CHAMPION)
+    if decision.promote or not decision.champion or champion is None:
+        return
+    if champion.version == version:
+        return
+    if not champion_baseline(config, registry, champion).accept_length:
+        figures = evidenced_figures(decision.champion, decision.protected)
+        if figures:
+            held = Baseline(champion.version, figures, {}, segmenter_key)
+            store_baseline(config, held, "gate: held its place")

@@ -1,0 +1,167 @@
+"""Where a cycle keeps its state, and the cycle's segmenter.
+
+Every step of a cycle runs on a host of its own, so what steps share lives in
+the lake bucket under ``<prefix>/_state/target=<slug>/`` (snapshots, drift
+verdicts, baselines, segmenters, checkpoints) or in the MLflow registry; a step
+downloads what it needs into a scratch directory of its own. This module names
+those places and opens them.
+
+Traffic is judged by segment (:mod:`tide_lib.evaluation.segments`): a client's
+label, else a cluster of the target's states. Each cycle fits its segmenter once
+(warm-started from the previous cycle's) and keeps it at
+``_state/target=<slug>/cycles/<cycle_id>/segmenter.json``; the version it
+registers is tagged with that key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tide_lib.config import TideConfig
+from tide_lib.evaluation.segments import Segmenter, fit_segmenter
+from tide_lib.lake import LakeReader, ObjectStore, target_slug
+from tide_lib.lake.layout import CommitMarker
+from tide_lib.lake.schema import target_limits
+from tide_lib.orchestration.handoff import Snapshot
+
+if TYPE_CHECKING:
+    from tide_lib.registry import DraftRegistry
+
+__all__ = [
+    "cycle_segmenter",
+    "draft_registry",
+    "lake_store",
+    "log_debris",
+    "markers_of",
+    "sample_reader",
+    "segmenter_key",
+    "state_key",
+    "stored_segmenter",
+    "task_scratch",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def lake_store(config: TideConfig) -> ObjectStore:
+    return ObjectStore(config.store, config.store.lake_bucket)
+
+
+def draft_registry(config: TideConfig) -> DraftRegistry:
+    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
+
+    return DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+
+
+def state_key(config: TideConfig, name: str) -> str:
+    return f"{config.lake.prefix}/_state/target={target_slug(config.cycle.target_id)}/{name}"
+
+
+def sample_reader(config: TideConfig) -> LakeReader:
+    """A reader that skips records not fit for this target: its hidden and vocabulary sizes.
+
+    They come from the target's ``config.json`` where this host has the target; a
+    host without it still skips records whose states are NaN/inf.
+    """
+    return LakeReader(
+        lake_store(config), config.lake, limits=target_limits(config.cycle.target_path)
+    )
+
+
+def log_debris(reader: LakeReader, what: str) -> None:
+    debris = {k: v for k, v in dataclasses.asdict(reader.debris).items() if v}
+    if debris:
+        logger.warning("%s skipped lake debris: %s", what, debris)
+
+
+def markers_of(reader: LakeReader, keys: list[str]) -> list[CommitMarker]:
+    markers = []
+    for key in keys:
+        marker = reader.marker(key)
+        if marker is not None:
+            markers.append(marker)
+    return markers
+
+
+@contextlib.contextmanager
+def task_scratch(config: TideConfig, name: str) -> Iterator[Path]:
+    """A scratch directory of this task's own under ``scratch_dir``, removed when it ends."""
+    config.scratch_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=config.scratch_dir) as tmp:
+        yield Path(tmp)
+
+
+def segmenter_key(config: TideConfig, cycle_id: str) -> str:
+    return state_key(config, f"cycles/{cycle_id}/segmenter.json")
+
+
+def stored_segmenter(config: TideConfig, key: str | None) -> Segmenter | None:
+    """The segmenter stored at ``key``; None (logged) when there is none or it is unreadable."""
+    if not key:
+        return None
+    try:
+        return Segmenter.from_json(lake_store(config).get_bytes(key))
+    except Exception as error:  # a lost segmenter costs comparability, never the cycle
+        logger.warning("segmenter %s unreadable (%s): using this cycle's own", key, error)
+        return None
+
+
+def _latest_segmenter(config: TideConfig, cycle_id: str) -> Segmenter | None:
+    """The segmenter of the latest other cycle that fitted one (its centroids keep names)."""
+    store, pointer = lake_store(config), state_key(config, "segmenter.json")
+    if not store.exists(pointer):
+        return None
+    try:
+        latest = json.loads(store.get_bytes(pointer))
+        if latest.get("cycle_id") == cycle_id:
+            return None  # this cycle's own (a rerun): never fit on itself
+        return Segmenter.from_json(store.get_bytes(latest["key"]))
+    except Exception as error:  # a lost or unreadable segmenter costs only stable names
+        logger.warning(
+            "previous segmenter unreadable (%s): this cycle's clusters start afresh", error
+        )
+        return None
+
+
+def cycle_segmenter(config: TideConfig, snapshot: Snapshot) -> tuple[Segmenter, str]:
+    """The cycle's segmenter and its lake key: fitted once, then read back on every host.
+
+    Fitted on the unlabelled requests of the window and of the older held-out commits
+    (what the gate judges), warm-started from the previous cycle's centroids.
+    """
+    store, key = lake_store(config), segmenter_key(config, snapshot.cycle_id)
+    if store.exists(key):
+        _point_to_segmenter(config, snapshot, key)  # a retry finishes what it began
+        return Segmenter.from_json(store.get_bytes(key)), key
+    reader = sample_reader(config)
+    markers = markers_of(reader, [*snapshot.window, *snapshot.held_out_older])
+    segmenter = fit_segmenter(
+        reader.iter_samples(markers),
+        num_clusters=config.cycle.segment_clusters,
+        min_share=config.gate.min_segment_share,
+        max_labels=config.cycle.segment_labels_max,
+        previous=_latest_segmenter(config, snapshot.cycle_id),
+        seed=config.training.seed,
+    )
+    store.put_bytes(key, segmenter.to_json(), content_type="application/json")
+    _point_to_segmenter(config, snapshot, key)
+    log_debris(reader, f"cycle {snapshot.cycle_id} segmenter")
+    return segmenter, key
+
+
+def _point_to_segmenter(config: TideConfig, snapshot: Snapshot, key: str) -> None:
+    """Point the next cycle's warm start at this segmenter, unless a later window has one."""
+    store, pointer = lake_store(config), state_key(config, "segmenter.json")
+    if store.exists(pointer):
+        current = json.loads(store.get_bytes(pointer))
+        if str(current.get("window_until", "")) >= snapshot.watermark_after:
+            return  # this cycle's, or a later one's (a cleared older run never moves it back)
+    payload = {"cycle_id": snapshot.cycle_id, "key": key, "window_until": snapshot.watermark_after}
+    store.put_bytes(pointer, json.dumps(payload).encode(), content_type="application/json")
