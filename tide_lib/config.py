@@ -672,9 +672,9 @@ class CycleConfig(StrictModel):
         ge=0,
         description=(
             "a champion whose promotion gained at least this acceptance length on a segment "
-            "holding gate.min_segment_share of its window trains once more on the next window "
-            "without drift (that traffic is still being learned; a cycle that gains less "
-            "ends it). 0 turns the rule off"
+            "the gate protected trains once more at its first check, even without drift "
+            "(that traffic is still being learned; a cycle that gains less ends the chain). "
+            "0 turns the rule off"
         ),
     )
     servers: list[str] = Field(default_factory=list, description="fleet base URLs")

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from tide_lib.evaluation.segments import Segmenter, fit_segmenter, segment_of
+from tide_lib.evaluation.segments import (
+    Segmenter,
+    fit_segmenter,
+    segment_as_grouped,
+    segment_of,
+)
 from tide_lib.lake.reader import TrainingSample
 
 HIDDEN = 32
@@ -144,6 +149,21 @@ def test_labels_beyond_the_cap_are_clustered_and_the_cap_survives_storage() -> N
     legacy = b'{"format": 1, "centroids": [], "cluster_ids": [], "segment_of_cluster": [], '
     legacy += b'"shares": []}'
     assert Segmenter.from_json(legacy).keeps("anything")  # stored before the cap: all kept
+
+
+def test_an_older_grouping_keeps_its_clusters_and_a_new_label_is_its_own_segment() -> None:
+    """The drift check groups a window as the champion's baseline was grouped; a label
+    that arrived since (new traffic) is its own segment, not lumped into a cluster."""
+    rng, centers = np.random.default_rng(5), _centers(3)
+    english = [_sample(f"e{i}", centers[0], rng, segment="english") for i in range(20)]
+    plain = [_sample(f"u{i}", centers[1], rng) for i in range(20)]
+    korean = [_sample(f"k{i}", centers[2], rng, segment="korean") for i in range(20)]
+    older = fit_segmenter([*english, *plain], num_clusters=1, min_share=0.1, max_labels=1)
+    current = fit_segmenter([*korean, *plain], num_clusters=2, min_share=0.1, max_labels=1)
+    assert not older.keeps("korean")  # to the older fit, korean would be a cluster
+    assert {segment_as_grouped(s, older, current) for s in korean} == {"korean"}
+    assert {segment_as_grouped(s, older, current) for s in plain} == {segment_of(plain[0], older)}
+    assert {segment_as_grouped(s, older, current) for s in english} == {"english"}
 
 
 @pytest.mark.parametrize("label", ["all", "ALL", "cluster-3", "Cluster-x"])

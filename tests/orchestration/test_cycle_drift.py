@@ -48,7 +48,8 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
 
     # Its first measurement (segments of two requests or more) is its baseline: the same
     # traffic again is no drift, and the cycle trains nothing (a workload without shift).
-    segments = drift_check._window_sample(config, first, cycle.cycle_segmenter(config, first)[0])[1]
+    own = cycle.cycle_segmenter(config, first)[0]
+    segments = drift_check._window_sample(config, first, own, own)[1]
     _capture(config, tiny_target, documents=12)
     second = cycle.snapshot_window(config, "c2")
     verdict = cycle.check_drift(config, second)
@@ -93,28 +94,30 @@ def test_a_promotion_for_a_large_gain_trains_once_more_then_the_drift_rule_decid
         weighted_champion=1.66,
         protected=("cluster-0", "cluster-1"),
     )
-    # Its gate's segmenter is gone from the lake: the cycle falls back to its own.
-    lost = "no/such/segmenter.json"
-    registry.set_tags(champion, {**decision_tags(promoted, config.gate.k), Tags.SEGMENTER: lost})
-
     _capture(config, tiny_target, documents=6)
     first = cycle.snapshot_window(config, "c1")
+    gate_segmenter = state.cycle_segmenter(config, first)[1]  # what its gate grouped by
+    registry.set_tags(
+        champion, {**decision_tags(promoted, config.gate.k), Tags.SEGMENTER: gate_segmenter}
+    )
     learning = cycle.check_drift(config, first)
     assert learning.drift and "still being learned" in learning.reason
     assert "no drift" in learning.reason  # checked after the drift rule
     assert learning.drifted == ["cluster-0"]  # what it gained on is learned, the rest kept
-    assert learning.segmenter_key == lost
+    assert learning.segmenter_key == gate_segmenter
+    # A retry of that check (its record lost) is still the first check since the promotion.
+    state.lake_store(config).remove(drift_check.drift_key(config, "c1"))
+    assert cycle.check_drift(config, first).drifted == ["cluster-0"]
     cycle.advance_watermark(config, first)
 
-    # The cycle after its promotion trained: from now on only drift trains it.
+    # The cycle after its first check: only drift trains it now.
     _capture(config, tiny_target, documents=6)
     second = cycle.snapshot_window(config, "c2")
     judged = cycle.check_drift(config, second)
     assert not judged.drift and "still being learned" not in judged.reason
     assert judged.champion_version == champion
     assert promoted.challenger.items() <= judged.baseline.items()
-    # grouped by the segmenter its baseline was measured with: c1's (the gate's was lost)
-    assert judged.segmenter_key == state.segmenter_key(config, "c1")
+    assert judged.segmenter_key == gate_segmenter  # grouped as its baseline was
 
 
 def test_without_a_champion_or_with_the_check_off_the_cycle_trains(

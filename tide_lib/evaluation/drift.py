@@ -27,9 +27,9 @@ A champion that the gate promoted for a large gain is the exception
 (:func:`still_learning`): it was fitted on one window of traffic that is new to
 the fleet, and it serves the next window of that traffic as well as it served
 the last, so the drift rule would stop adapting it at the level one window
-reaches. The cycle after such a promotion trains once more; the chain stops as
-soon as a cycle gains less (rejected, its best checkpoint the parent, or
-promoted for a smaller gain).
+reaches. The first check after such a promotion trains once more (if it found
+no drift; drift trains anyway); the chain stops as soon as a cycle gains less
+(rejected, its best checkpoint the parent, or promoted for a smaller gain).
 """
 
 from __future__ import annotations
@@ -114,15 +114,18 @@ def still_learning(
     promotion: GateDecision, *, min_gain: float, min_share: float
 ) -> dict[str, float]:
     """Segments a promotion gained at least ``min_gain`` on (segment -> gain): the gate's
-    figures of the promoted draft against the draft it replaced, on segments that held
-    ``min_share`` of the window's tokens. Empty when ``min_gain`` is 0 (the rule is off)
-    or the decision was not a promotion over a measured champion."""
+    figures of the promoted draft against the draft it replaced, on segments the gate
+    protected (measured on enough held-out traffic) that held ``min_share`` of the
+    window's tokens. Empty when ``min_gain`` is 0 (the rule is off) or the decision was
+    not a promotion over a measured champion."""
     before = promotion.champion
     if min_gain <= 0 or not promotion.promote or before is None:
         return {}
     gains = {
         segment: value - before[segment]
         for segment, value in promotion.challenger.items()
-        if segment in before and promotion.weights.get(segment, 0.0) >= min_share
+        if segment in before
+        and segment in promotion.protected
+        and promotion.weights.get(segment, 0.0) >= min_share
     }
     return {segment: gain for segment, gain in sorted(gains.items()) if gain >= min_gain}

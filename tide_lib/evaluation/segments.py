@@ -37,6 +37,7 @@ __all__ = [
     "Segmenter",
     "fit_segmenter",
     "pooled_state",
+    "segment_as_grouped",
     "segment_of",
 ]
 
@@ -132,6 +133,16 @@ def segment_of(sample: TrainingSample, segmenter: Segmenter | None) -> str:
     if sample.segment is not None and (segmenter is None or segmenter.keeps(sample.segment)):
         return sample.segment
     return segmenter.assign(sample) if segmenter is not None else UNSEGMENTED
+
+
+def segment_as_grouped(sample: TrainingSample, grouping: Segmenter, current: Segmenter) -> str:
+    """The segment of ``sample`` as an older segmenter (``grouping``, a baseline's) named
+    it, so clusters mean the same requests on both sides; a client label this cycle's
+    segmenter (``current``) keeps is its own segment whatever ``grouping`` knew (labels
+    are the clients', stable across fits: a label that is new is new traffic)."""
+    if sample.segment is not None and current.keeps(sample.segment):
+        return sample.segment
+    return segment_of(sample, grouping)
 
 
 def fit_segmenter(

@@ -35,7 +35,7 @@ from tide_lib.evaluation.offline import (
     content_fraction,
     drop_margin,
 )
-from tide_lib.evaluation.segments import segment_of
+from tide_lib.evaluation.segments import segment_as_grouped, segment_of
 from tide_lib.lake import LakeReader, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
 from tide_lib.lake.reader import TrainingSample, watermark
@@ -263,14 +263,19 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
     segmenter, _ = cycle_segmenter(config, snapshot)
     drift = saved_drift(config, snapshot.cycle_id)
     drifted = set(drift.drifted) if drift is not None else set()
-    # The drift check named its segments with the segmenter of the champion's baseline.
-    drift_segmenter = stored_segmenter(config, drift.segmenter_key) if drift else None
-    drift_segmenter = drift_segmenter or segmenter
+    # The drift check named its segments with the segmenter of the champion's baseline;
+    # without it those names mean nothing here, and the whole window is learned.
+    drift_segmenter = segmenter
+    if drift is not None and drift.segmenter_key:
+        drift_segmenter = stored_segmenter(config, drift.segmenter_key) or segmenter
+        if drift_segmenter is segmenter and drifted:
+            logger.warning("cycle %s: learning the whole window", snapshot.cycle_id)
+            drifted = set()
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
     def save(sample: TrainingSample, window: bool) -> None:
         segment = segment_of(sample, segmenter)
-        learn = not drifted or segment_of(sample, drift_segmenter) in drifted
+        learn = not drifted or segment_as_grouped(sample, drift_segmenter, segmenter) in drifted
         part = WINDOW_DIR if window and learn else REPLAY_DIR
         sample.save_specforge(out / part, counts[part], segment=segment)
         counts[part] += 1

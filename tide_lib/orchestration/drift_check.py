@@ -26,8 +26,9 @@ from tide_lib.evaluation.offline import (
     content_fraction,
     length_margin,
 )
-from tide_lib.evaluation.segments import Segmenter, segment_of
+from tide_lib.evaluation.segments import Segmenter, segment_as_grouped
 from tide_lib.lake.reader import TrainingSample
+from tide_lib.lake.schema import reserved_segment
 from tide_lib.names import Tags
 from tide_lib.orchestration.handoff import Drift, Snapshot
 from tide_lib.orchestration.state import (
@@ -76,7 +77,8 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     The champion is replayed offline on an even sample of the window (every request,
     held out or not: it never trained on them), per segment, and judged against its
     baseline by :func:`tide_lib.evaluation.drift.judge_drift`. No drift: the cycle
-    trains nothing and only moves the watermark.
+    trains nothing and only moves the watermark, unless this is the first check since
+    a promotion for a large gain (:func:`tide_lib.evaluation.drift.still_learning`).
     """
     saved = saved_drift(config, snapshot.cycle_id)
     if saved is not None:
@@ -116,15 +118,17 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         return Drift(
             drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
         )
+    first_check = _first_check_since_promotion(config, champion.version, snapshot.cycle_id)
     known = champion_baseline(config, registry, champion, cycle_id=snapshot.cycle_id)
-    baseline, baseline_margins = known.accept_length, known.margins
     # Segments as the baseline's figures were grouped: clusters are refit every cycle,
     # and a cluster of another fit holds other requests (a different figure, not drift).
-    grouping = stored_segmenter(config, known.segmenter_key) if baseline else None
-    segmenter_key = known.segmenter_key if grouping is not None else None
+    known, grouping = _comparable(config, known)
+    baseline, baseline_margins = known.accept_length, known.margins
+    segmenter_key = known.segmenter_key
+    current, current_key = cycle_segmenter(config, snapshot)
     if grouping is None:
-        grouping, segmenter_key = cycle_segmenter(config, snapshot)
-    samples, shares = _window_sample(config, snapshot, grouping)
+        grouping, segmenter_key = current, current_key
+    samples, shares = _window_sample(config, snapshot, grouping, current)
     counts = _champion_counts(config, registry, champion.version, samples)
     measured = {segment: count.accept_length for segment, count in counts.items()}
     margins = {segment: length_margin(count.per_request) for segment, count in counts.items()}
@@ -140,7 +144,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
             "enough held-out traffic); "
             + (
                 "its figures on this window are its baseline from now on"
-                if first
+                if first.accept_length
                 else "no segment of this window has two requests to measure one on"
             ),
             champion_version=champion.version,
@@ -171,7 +175,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         )
         store_baseline(config, grown, "measured")
         # Traffic it was just promoted for, served as well as then, may still be learning.
-        learning = _still_learning(config, champion, snapshot.cycle_id, verdict.reason)
+        learning = _still_learning(config, champion, verdict.reason) if first_check else None
         if learning is not None:
             return learning
     return Drift(
@@ -187,15 +191,51 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     )
 
 
-def _still_learning(
-    config: TideConfig, champion: Any, cycle_id: str, no_drift: str
-) -> Drift | None:
+def _first_check_since_promotion(config: TideConfig, version: str, cycle_id: str) -> bool:
+    """Is this cycle's check the champion's first since it was promoted? ``learning.json``
+    names the version and the cycle that first checked it (a retry of that cycle is
+    still the first; a later cycle is not, whatever the first one decided)."""
+    store, key = lake_store(config), state_key(config, "learning.json")
+    if store.exists(key):
+        first = json.loads(store.get_bytes(key))
+        if first.get("version") == version:
+            return bool(first.get("cycle_id") == cycle_id)
+    payload = {"version": version, "cycle_id": cycle_id}
+    store.put_bytes(key, json.dumps(payload).encode(), content_type="application/json")
+    return True
+
+
+def _comparable(config: TideConfig, known: Baseline) -> tuple[Baseline, Segmenter | None]:
+    """The baseline's figures that can be compared with this window, and the segmenter
+    that grouped them. Without that segmenter (lost, or a baseline stored before it was
+    kept) its clusters mean nothing to this cycle: only client labels, which every
+    segmenter keeps alike, stay."""
+    if not known.accept_length:
+        return known, None
+    grouping = stored_segmenter(config, known.segmenter_key)
+    if grouping is not None:
+        return known, grouping
+    labelled = {s: v for s, v in known.accept_length.items() if not reserved_segment(s)}
+    dropped = sorted(set(known.accept_length) - set(labelled))
+    if dropped:
+        logger.warning(
+            "the segmenter of v%s's baseline (%s) is not readable: its figures for %s "
+            "cannot be compared with this window's and are left out",
+            known.version,
+            known.segmenter_key,
+            ", ".join(dropped),
+        )
+    margins = {s: m for s, m in known.margins.items() if s in labelled}
+    return Baseline(known.version, labelled, margins, None), None
+
+
+def _still_learning(config: TideConfig, champion: Any, no_drift: str) -> Drift | None:
     """A champion without drift that was promoted for a large gain trains once more (see
     :func:`tide_lib.evaluation.drift.still_learning`): the segments it gained on (as its
-    gate grouped them) are learned, the rest of the window kept. None when the rule does
-    not apply or a cycle already trained on it (``learning.json`` names the version and
-    the cycle). Checked only after the drift rule: new traffic is drift, and is learned
-    as such, not as the segments of an older promotion."""
+    gate grouped them) are learned, the rest of the window kept; the whole window is
+    learned when that segmenter is gone. None when the rule does not apply. Checked only
+    on the first check after the promotion, and after the drift rule: new traffic is
+    drift, and is learned as such, not as the segments of an older promotion."""
     from tide_lib.evaluation.drift import still_learning  # noqa: PLC0415
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
@@ -208,13 +248,8 @@ def _still_learning(
     )
     if not gains:
         return None
-    store, key = lake_store(config), state_key(config, "learning.json")
-    if store.exists(key):
-        tried = json.loads(store.get_bytes(key))
-        if tried.get("version") == champion.version and tried.get("cycle_id") != cycle_id:
-            return None  # the cycle after its promotion trained already
-    payload = {"version": champion.version, "cycle_id": cycle_id}
-    store.put_bytes(key, json.dumps(payload).encode(), content_type="application/json")
+    key = tags.get(Tags.SEGMENTER)
+    readable = stored_segmenter(config, key) is not None
     listed = ", ".join(f"{segment} +{gain:.3f}" for segment, gain in gains.items())
     return Drift(
         drift=True,
@@ -223,17 +258,18 @@ def _still_learning(
         f"still being learned, so one more cycle trains on it ({no_drift})",
         champion_version=champion.version,
         measured={},
-        baseline=judged.challenger,
-        drifted=sorted(gains),
-        segmenter_key=tags.get(Tags.SEGMENTER),
+        baseline=evidenced_figures(judged.challenger, judged.protected),
+        drifted=sorted(gains) if readable else [],
+        segmenter_key=key if readable else None,
     )
 
 
 def _window_sample(
-    config: TideConfig, snapshot: Snapshot, segmenter: Segmenter
+    config: TideConfig, snapshot: Snapshot, grouping: Segmenter, current: Segmenter
 ) -> tuple[dict[str, list[TrainingSample]], dict[str, float]]:
-    """An even sample of the window's distinct requests by segment (of ``segmenter``),
-    and each segment's token share (copies included: they are traffic).
+    """An even sample of the window's distinct requests by segment (as ``grouping``
+    names them, see :func:`segment_as_grouped`), and each segment's token share (copies
+    included: they are traffic).
 
     Copies of a request (the same prompt answered the same way) are measured once:
     n copies are one piece of evidence, and counting them n times shrinks a figure's
@@ -245,7 +281,7 @@ def _window_sample(
     tokens: dict[str, int] = {}
     seen: set[bytes] = set()
     for sample in reader.iter_samples(markers_of(reader, snapshot.window)):
-        segment = segment_of(sample, segmenter)
+        segment = segment_as_grouped(sample, grouping, current)
         tokens[segment] = tokens.get(segment, 0) + int(sample.input_ids.numel())
         digest = content_digest(sample.input_ids)
         if digest not in seen and content_fraction(sample.input_ids, b"drift") < rate:

@@ -91,7 +91,8 @@ class Trained(HandOff):
 
 
 class Drift(HandOff):
-    """Whether the champion still fits the window's traffic (no drift: nothing is trained)."""
+    """Whether the cycle trains: the champion no longer fits the window's traffic (drift),
+    or it was just promoted for a large gain on traffic it is still learning."""
 
     drift: bool
     reason: str
@@ -105,16 +106,18 @@ class Drift(HandOff):
     baseline: dict[str, float] = Field(description="its acceptance length at promotion")
     drifted: list[str] = Field(
         default_factory=list,
-        description="segments it serves worse than its baseline (or, never judged, far "
-        "below its best segment); the rest of the window is trained as traffic to keep",
+        description="segments to learn: those it serves worse than its baseline (or, never "
+        "judged, far below its best segment), or those its promotion gained on (still "
+        "learning); the rest of the window is trained as traffic to keep. Empty: learn all",
     )
     saved_train_seconds: float | None = Field(
         None, description="no drift: the last trained cycle's training time, not spent"
     )
     segmenter_key: str | None = Field(
         None,
-        description="lake key of the segmenter whose segments these figures name (the "
-        "baseline's, so that a cluster means the same requests on both sides)",
+        description="lake key of the segmenter whose segments `drifted` and the figures "
+        "name: the baseline's (so that a cluster means the same requests on both sides), "
+        "or the promoting gate's (still learning)",
     )
 
 

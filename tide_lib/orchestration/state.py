@@ -103,31 +103,31 @@ def segmenter_key(config: TideConfig, cycle_id: str) -> str:
 
 
 def stored_segmenter(config: TideConfig, key: str | None) -> Segmenter | None:
-    """The segmenter stored at ``key``; None (logged) when there is none or it is unreadable."""
-    if not key:
+    """The segmenter stored at ``key``; None (logged) when there is none at that key or it
+    cannot be parsed. An error reaching the store is raised: the task is retried."""
+    store = lake_store(config)
+    if not key or not store.exists(key):
+        if key:
+            logger.warning("segmenter %s is not in the lake", key)
         return None
+    raw = store.get_bytes(key)
     try:
-        return Segmenter.from_json(lake_store(config).get_bytes(key))
-    except Exception as error:  # a lost segmenter costs comparability, never the cycle
-        logger.warning("segmenter %s unreadable (%s): using this cycle's own", key, error)
+        return Segmenter.from_json(raw)
+    except (ValueError, KeyError, TypeError) as error:
+        logger.warning("segmenter %s is unreadable: %s", key, error)
         return None
 
 
 def _latest_segmenter(config: TideConfig, cycle_id: str) -> Segmenter | None:
-    """The segmenter of the latest other cycle that fitted one (its centroids keep names)."""
+    """The segmenter of the latest other cycle that fitted one (its centroids keep names);
+    None costs only stable names: this cycle's clusters start afresh."""
     store, pointer = lake_store(config), state_key(config, "segmenter.json")
     if not store.exists(pointer):
         return None
-    try:
-        latest = json.loads(store.get_bytes(pointer))
-        if latest.get("cycle_id") == cycle_id:
-            return None  # this cycle's own (a rerun): never fit on itself
-        return Segmenter.from_json(store.get_bytes(latest["key"]))
-    except Exception as error:  # a lost or unreadable segmenter costs only stable names
-        logger.warning(
-            "previous segmenter unreadable (%s): this cycle's clusters start afresh", error
-        )
-        return None
+    latest = json.loads(store.get_bytes(pointer))
+    if latest.get("cycle_id") == cycle_id:
+        return None  # this cycle's own (a rerun): never fit on itself
+    return stored_segmenter(config, latest.get("key"))
 
 
 def cycle_segmenter(config: TideConfig, snapshot: Snapshot) -> tuple[Segmenter, str]:

@@ -56,6 +56,7 @@ _COST_EMA = 0.2  # weight of a new request's measurement in the running cost est
 _PRIOR_ROUNDS = 2.0  # pseudo-rounds of the prior behind each position's acceptance
 _SEGMENT_PRIOR_ROUNDS = 8.0  # pseudo-rounds of the overall estimate behind a segment's
 _EXPLORE_BACKOFF_LIMIT = 8  # exploration slows to one in explore_every x this requests
+MIN_REALIZED = 3  # requests at a k before what it delivered can veto the model's choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +160,8 @@ class RoundTimings:
     draft_forwards: int = 0
     target_forwards: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     decode_seconds: float = 0.0  # all of decoding after the prefill, bookkeeping included
+    emitted: int = 0  # output tokens decoding delivered (after the prefill's first)
+    draft_prefill_seconds: float = 0.0  # the draft's pass over the prompt (speculation only)
 
 
 class CostModel:
@@ -177,28 +180,28 @@ class CostModel:
         self.plain_overhead_s = 0.0  # per plain decode step
 
     @staticmethod
-    def _blend(old: float | None, new: float) -> float:
+    def blend(old: float | None, new: float) -> float:
         return new if old is None else (1.0 - _COST_EMA) * old + _COST_EMA * new
 
     def observe(self, timings: RoundTimings) -> None:
         if timings.draft_forwards:
             per_forward = timings.draft_seconds / timings.draft_forwards
-            self.draft_step_s = self._blend(self.draft_step_s, per_forward)
+            self.draft_step_s = self.blend(self.draft_step_s, per_forward)
         by_tokens: dict[int, list[float]] = {}
         for tokens, seconds in timings.target_forwards:
             by_tokens.setdefault(tokens, []).append(seconds)
         for tokens, seconds_list in by_tokens.items():
             mean = sum(seconds_list) / len(seconds_list)
-            self.target_s[tokens] = self._blend(self.target_s.get(tokens), mean)
+            self.target_s[tokens] = self.blend(self.target_s.get(tokens), mean)
         steps = len(timings.target_forwards)
         if not steps or timings.decode_seconds <= 0:
             return
         forwards = timings.draft_seconds + sum(s for _, s in timings.target_forwards)
         overhead = max(0.0, timings.decode_seconds - forwards) / steps
         if timings.k:
-            self.round_overhead_s = self._blend(self.round_overhead_s or None, overhead)
+            self.round_overhead_s = self.blend(self.round_overhead_s or None, overhead)
         else:
-            self.plain_overhead_s = self._blend(self.plain_overhead_s or None, overhead)
+            self.plain_overhead_s = self.blend(self.plain_overhead_s or None, overhead)
 
     def verify_costs(self, max_k: int) -> list[float] | None:
         """Seconds of a step at k besides its draft forwards, k = 0..max_k; None before any.
@@ -237,27 +240,30 @@ class CostModel:
 
 
 class RealizedRates:
-    """Decode seconds per emitted token that each k really delivered (running averages):
-    the check on :func:`choose_k`'s model. Plain decoding emits a token per step; a round
-    at k emits its accepted drafts and the bonus."""
+    """Output tokens per second that each k really delivered, decoding and the draft's
+    prefill included (running averages): the check on :func:`choose_k`'s model.
+
+    A k's figure counts once ``MIN_REALIZED`` requests measured it (the first request
+    of all, at the largest k, pays for warming up); plain decoding's after one.
+    """
 
     def __init__(self) -> None:
         self.seconds_per_token: dict[int, float] = {}
+        self.requests: dict[int, int] = {}
 
     def observe(self, timings: RoundTimings) -> None:
-        if timings.k:
-            emitted = sum(accepted + 1 for _, accepted in timings.rounds)
-        else:
-            emitted = len(timings.target_forwards)
-        if emitted and timings.decode_seconds > 0:
-            old = self.seconds_per_token.get(timings.k)
-            self.seconds_per_token[timings.k] = CostModel._blend(
-                old, timings.decode_seconds / emitted
-            )
+        if not timings.emitted or timings.decode_seconds <= 0:
+            return
+        seconds = (timings.decode_seconds + timings.draft_prefill_seconds) / timings.emitted
+        old = self.seconds_per_token.get(timings.k)
+        self.seconds_per_token[timings.k] = CostModel.blend(old, seconds)
+        self.requests[timings.k] = self.requests.get(timings.k, 0) + 1
 
     def tokens_per_s(self, k: int) -> float | None:
+        """The realized rate at ``k``, once measured on enough requests to count."""
+        enough = 1 if k == 0 else MIN_REALIZED
         seconds = self.seconds_per_token.get(k)
-        return 1.0 / seconds if seconds else None
+        return 1.0 / seconds if seconds and self.requests.get(k, 0) >= enough else None
 
     def veto(self, k: int, min_gain: float) -> int:
         """``k`` unless it was served and did not beat plain decoding (both measured) by
@@ -272,15 +278,18 @@ class RealizedRates:
 
         if pays(k):
             return k
-        measured = [c for c in self.seconds_per_token if c and pays(c)]
+        measured = [c for c in self.seconds_per_token if c and self.tokens_per_s(c) and pays(c)]
         return max(measured, key=lambda c: self.tokens_per_s(c) or 0.0, default=0)
 
     def forget_speculation(self) -> None:
         """A new draft: what speculation delivered no longer holds (plain's rate does)."""
         self.seconds_per_token = {k: s for k, s in self.seconds_per_token.items() if k == 0}
+        self.requests = {k: n for k, n in self.requests.items() if k == 0}
 
     def snapshot(self) -> dict[str, float]:
-        return {str(k): 1.0 / s for k, s in sorted(self.seconds_per_token.items()) if s}
+        return {
+            str(k): rate for k in sorted(self.seconds_per_token) if (rate := self.tokens_per_s(k))
+        }
 
 
 class AcceptanceEstimate:
@@ -369,11 +378,9 @@ class KController:
         draft = self.costs.draft_step_s
         if verify is None or draft is None:
             return None
-        modelled = choose_k(
+        return choose_k(
             self._acceptance(segment), draft, verify, max_k=self.max_k, min_gain=self.min_gain
         )
-        k = self.realized.veto(modelled.k, self.min_gain)
-        return modelled if k == modelled.k else KChoice(k, modelled.tokens_per_s)
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -395,10 +402,13 @@ class KController:
         if 1 not in self.costs.target_s:
             return 0  # then one plain request: the cost speculation must beat
         choice = self._choice(segment)
-        chosen = choice.k if choice is not None else self.max_k
+        modelled = choice.k if choice is not None else self.max_k
+        chosen = self.realized.veto(modelled, self.min_gain)
         if not self._time_to_explore(segment, chosen):
             return chosen
         self._explorations += 1
+        if modelled != chosen and self._explorations % 2:
+            return modelled  # what the model still expects to pay is measured again
         up, down = min(chosen + 1, self.max_k), max(chosen - 1, 0)
         first, second = (down, up) if self._explorations % 2 else (up, down)
         return first if first != chosen else second
@@ -461,15 +471,17 @@ class KController:
 
     def _describe(self, segment: str | None) -> dict[str, Any]:
         choice = self._choice(segment)
+        recommended = None if choice is None else self.realized.veto(choice.k, self.min_gain)
         if not self.speculative:
             serving = 0
-        elif not self.adaptive or choice is None:
+        elif not self.adaptive or recommended is None:
             serving = self.max_k
         else:
-            serving = choice.k
+            serving = recommended
         return {
             "chosen_k": serving,
-            "recommended_k": choice.k if choice is not None else None,
+            "recommended_k": recommended,
+            "modelled_k": choice.k if choice is not None else None,
             "expected_tokens_per_s": None
             if choice is None
             else {str(k): _finite(rate) for k, rate in enumerate(choice.tokens_per_s)},

@@ -297,7 +297,7 @@ class _Run:
         return len(self.output) < self.max_new_tokens and self.output[-1] != self.eos
 
     def plain(self) -> None:
-        started = _clock(self.decoder.device)
+        started, before = _clock(self.decoder.device), len(self.output)
         while self.running():
             logits, self.cache, finals, auxes = self.decoder._timed_forward(
                 self.output[-1:], self.cache, self.timings
@@ -307,14 +307,17 @@ class _Run:
             self.output.append(self.sample(logits[-1]))
             self.position += 1
         self.timings.decode_seconds = _clock(self.decoder.device) - started
+        self.timings.emitted = len(self.output) - before
 
     def speculate(self, k: int) -> None:
         decoder, runner = self.decoder, self.decoder.runner
         assert runner is not None
         runner.reset()
+        prefill, before = _clock(decoder.device), len(self.output)
         tokens = torch.tensor(self.prompt_ids[1:] + self.output[-1:])
         hidden, draft_logits = runner.step(tokens, runner.project(self.auxes))  # draft prefill
         started = _clock(decoder.device)
+        self.timings.draft_prefill_seconds = started - prefill
         while self.running():
             budget = min(k, self.max_new_tokens - len(self.output))
             drafted, draft_probs = self._draft(hidden[-1:], draft_logits[-1], budget)
@@ -340,6 +343,7 @@ class _Run:
                 )
             self.position += kept
         self.timings.decode_seconds = _clock(decoder.device) - started
+        self.timings.emitted = len(self.output) - before
 
     def _draft(
         self, last_hidden: torch.Tensor, last_logits: torch.Tensor, budget: int
