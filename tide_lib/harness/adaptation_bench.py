@@ -13,7 +13,9 @@ segment's requests is held out for evaluation and never captured.
    as the ``tide_adaptation`` DAG (snapshot, train warm-started from the
    champion with replay, register, evaluate + gate, promote), and the engine
    swaps the new champion in; the time from the threshold to serving is kept.
-3. An oracle draft is trained offline on all of the new traffic.
+3. An oracle draft is trained offline on the new segment's traffic alone: the
+   requests the cycles' windows held, so it learns from the same traffic the loop
+   did (traffic served after the last cycle waits for the next one in both).
 4. Every draft is evaluated offline on the held-out requests of each segment,
    for each k; the static and the final adapted draft are also timed side by
    side on held-out new-traffic prompts.
@@ -168,6 +170,7 @@ class _Loop:
     threshold_to_serving: list[float] = dataclasses.field(default_factory=list)
     champion: str = "static"
     champion_when_segment_ended: dict[str, str] = dataclasses.field(default_factory=dict)
+    consumed: int = 0  # served requests (in order) that some cycle's window held
 
 
 def _run_config(
@@ -267,6 +270,7 @@ def _serve_workload(
         engine.writer.flush(timeout=60)
         if cycle.new_tokens(loop.config) >= loop.config.cycle.min_new_tokens:
             _run_cycle(loop, engine, item["segment"])
+            loop.consumed = index + 1
         following = served[index + 1]["segment"] if index + 1 < len(served) else None
         if following != item["segment"]:
             loop.champion_when_segment_ended[item["segment"]] = loop.champion
@@ -276,19 +280,28 @@ def _serve_workload(
 def _train_oracle(
     loop: _Loop, served: list[dict[str, Any]], new_segment: str, target_dir: Path
 ) -> Path:
-    """A draft trained from the static one on all of the new segment's traffic (held-out out)."""
+    """A draft trained from the static one on the new segment's traffic alone: the same
+    requests the cycles' windows held (what the loop had to learn from; held-out out),
+    with a fresh draft's recipe and the steps of every trained cycle together."""
     from tide_lib.lake import LakeReader, ObjectStore  # noqa: PLC0415
     from tide_lib.training.trainer import train_draft  # noqa: PLC0415
 
     config = loop.config
     reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), config.lake)
     data = loop.work / "oracle-data"
-    new_ids = {f"w-{i}" for i, item in enumerate(served) if item["segment"] == new_segment}
+    new_ids = {
+        f"w-{i}" for i, item in enumerate(served[: loop.consumed]) if item["segment"] == new_segment
+    }
     count = 0
     for sample in reader.iter_samples(reader.list_shards(target_slug(config.cycle.target_id))):
         if sample.request_id in new_ids:
             sample.save_specforge(data, count)
             count += 1
+    if not count:
+        raise WorkloadError(
+            f"no cycle ran on {new_segment!r} traffic, so there is nothing to compare with an "
+            "oracle: lower --cycle-tokens or add requests of that segment"
+        )
     trained = sum(1 for c in loop.cycles if c.get("train_seconds"))
     steps = config.training.steps * max(1, trained)
     return train_draft(
