@@ -87,7 +87,8 @@ def test_a_baseline_measured_on_a_sample_widens_the_margin() -> None:
 
 def _promotion(promoted: dict[str, float], replaced: dict[str, float] | None) -> GateDecision:
     weights = {"en": 0.45, "ko": 0.5, "law": 0.05}
-    return GateDecision(True, "", promoted, replaced, weights, 0.0, 0.0)
+    protected = ("en", "ko", "law")
+    return GateDecision(True, "", promoted, replaced, weights, 0.0, 0.0, protected=protected)
 
 
 def test_a_promotion_for_a_large_gain_on_real_traffic_keeps_learning() -> None:
@@ -102,3 +103,5 @@ def test_a_promotion_for_a_large_gain_on_real_traffic_keeps_learning() -> None:
     assert still_learning(_promotion(promoted, None), min_gain=0.25, min_share=0.1) == {}
     rejected = dataclasses.replace(_promotion(promoted, replaced), promote=False)
     assert still_learning(rejected, min_gain=0.25, min_share=0.1) == {}
+    thin = dataclasses.replace(_promotion(promoted, replaced), protected=("en",))
+    assert still_learning(thin, min_gain=0.25, min_share=0.1) == {}  # ko: too few held out

@@ -261,14 +261,14 @@ def test_realized_rates_count_what_each_k_delivered_per_second() -> None:
     for _ in range(MIN_REALIZED - 1):
         realized.observe(spec)
     assert realized.tokens_per_s(3) is None  # too few requests to veto anything yet
-    assert realized.veto(3, min_gain=0.02) == 3
+    assert realized.veto(3) == 3
     realized.observe(spec)
     assert realized.tokens_per_s(3) == pytest.approx(100.0)  # the draft's prefill counts
-    assert realized.veto(3, min_gain=0.02) == 0  # a tie does not pay for speculating
-    assert realized.veto(2, min_gain=0.02) == 2  # never served: the model decides
+    assert realized.veto(3) == 0  # a tie does not pay for speculating
+    assert realized.veto(2) == 2  # never served: the model decides
     for _ in range(MIN_REALIZED):
         realized.observe(RoundTimings(1, [], decode_seconds=0.05, emitted=10))
-    assert realized.veto(3, min_gain=0.02) == 1  # the best k that did pay
+    assert realized.veto(3) == 1  # the best k that did pay
     realized.forget_speculation()
     assert realized.snapshot() == {"0": pytest.approx(100.0)}
 

@@ -24,7 +24,7 @@ The cost model is a model: on CPU it misjudged speculation by several per cent
 (k=4 expected 5% above plain decoding, served 8% below it). So the throughput each
 k really delivered (decode seconds per emitted token, a running average) has the
 last word: a k whose realized tokens/s does not beat plain decoding's realized rate
-by ``min_gain`` is not served; the best realized k that does is, else plain.
+is not served; the best realized k that does is, else plain.
 """
 
 from __future__ import annotations
@@ -265,16 +265,19 @@ class RealizedRates:
         seconds = self.seconds_per_token.get(k)
         return 1.0 / seconds if seconds and self.requests.get(k, 0) >= enough else None
 
-    def veto(self, k: int, min_gain: float) -> int:
-        """``k`` unless it was served and did not beat plain decoding (both measured) by
-        ``min_gain``; then the best measured k that did, else 0."""
+    def veto(self, k: int) -> int:
+        """``k`` unless it was served and did not beat plain decoding (both measured); then
+        the best measured k that did, else 0. (The model's choice already had to beat
+        plain decoding by ``min_gain``; what was served has only to beat it: per-request
+        rates are noisy, and a veto of a k that pays costs as much as serving one that
+        does not.)"""
         plain = self.tokens_per_s(0)
         if k == 0 or plain is None:
             return k
 
         def pays(candidate: int) -> bool:
             rate = self.tokens_per_s(candidate)
-            return rate is None or rate > plain * (1.0 + min_gain)
+            return rate is None or rate > plain
 
         if pays(k):
             return k
@@ -403,7 +406,7 @@ class KController:
             return 0  # then one plain request: the cost speculation must beat
         choice = self._choice(segment)
         modelled = choice.k if choice is not None else self.max_k
-        chosen = self.realized.veto(modelled, self.min_gain)
+        chosen = self.realized.veto(modelled)
         if not self._time_to_explore(segment, chosen):
             return chosen
         self._explorations += 1
@@ -471,7 +474,7 @@ class KController:
 
     def _describe(self, segment: str | None) -> dict[str, Any]:
         choice = self._choice(segment)
-        recommended = None if choice is None else self.realized.veto(choice.k, self.min_gain)
+        recommended = None if choice is None else self.realized.veto(choice.k)
         if not self.speculative:
             serving = 0
         elif not self.adaptive or recommended is None:
