@@ -30,18 +30,8 @@ from tide_lib.evaluation.segments import Segmenter, segment_as_grouped
 from tide_lib.lake.reader import TrainingSample
 from tide_lib.lake.schema import reserved_segment
 from tide_lib.names import Tags
+from tide_lib.orchestration import state
 from tide_lib.orchestration.handoff import Drift, Snapshot
-from tide_lib.orchestration.state import (
-    cycle_segmenter,
-    draft_registry,
-    lake_store,
-    log_debris,
-    markers_of,
-    sample_reader,
-    state_key,
-    stored_segmenter,
-    task_scratch,
-)
 
 if TYPE_CHECKING:
     from tide_lib.evaluation.gate import GateDecision
@@ -63,11 +53,11 @@ logger = logging.getLogger(__name__)
 
 
 def drift_key(config: TideConfig, cycle_id: str) -> str:
-    return state_key(config, f"cycles/{cycle_id}/drift.json")
+    return state.state_key(config, f"cycles/{cycle_id}/drift.json")
 
 
 def saved_drift(config: TideConfig, cycle_id: str) -> Drift | None:
-    store, key = lake_store(config), drift_key(config, cycle_id)
+    store, key = state.lake_store(config), drift_key(config, cycle_id)
     return Drift.model_validate_json(store.get_bytes(key)) if store.exists(key) else None
 
 
@@ -83,7 +73,7 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     saved = saved_drift(config, snapshot.cycle_id)
     if saved is not None:
         return saved
-    store, key = lake_store(config), drift_key(config, snapshot.cycle_id)
+    store, key = state.lake_store(config), drift_key(config, snapshot.cycle_id)
     try:
         drift = _measure_drift(config, snapshot)
     except Exception as error:  # a check that cannot measure must not stop adaptation
@@ -104,7 +94,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     from tide_lib.evaluation.drift import judge_drift  # noqa: PLC0415
     from tide_lib.registry import CHAMPION  # noqa: PLC0415
 
-    registry = draft_registry(config)
+    registry = state.draft_registry(config)
     champion = registry.alias(CHAMPION)
     forced = config.cycle.force_promote
     if not config.cycle.skip_without_drift or forced or champion is None:
@@ -125,7 +115,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     known, grouping = _comparable(config, known)
     baseline, baseline_margins = known.accept_length, known.margins
     segmenter_key = known.segmenter_key
-    current, current_key = cycle_segmenter(config, snapshot)
+    current, current_key = state.cycle_segmenter(config, snapshot)
     if grouping is None:
         grouping, segmenter_key = current, current_key
     samples, shares = _window_sample(config, snapshot, grouping, current)
@@ -195,7 +185,7 @@ def _first_check_since_promotion(config: TideConfig, version: str, cycle_id: str
     """Is this cycle's check the champion's first since it was promoted? ``learning.json``
     names the version and the cycle that first checked it (a retry of that cycle is
     still the first; a later cycle is not, whatever the first one decided)."""
-    store, key = lake_store(config), state_key(config, "learning.json")
+    store, key = state.lake_store(config), state.state_key(config, "learning.json")
     if store.exists(key):
         first = json.loads(store.get_bytes(key))
         if first.get("version") == version:
@@ -212,7 +202,7 @@ def _comparable(config: TideConfig, known: Baseline) -> tuple[Baseline, Segmente
     segmenter keeps alike, stay."""
     if not known.accept_length:
         return known, None
-    grouping = stored_segmenter(config, known.segmenter_key)
+    grouping = state.stored_segmenter(config, known.segmenter_key)
     if grouping is not None:
         return known, grouping
     labelled = {s: v for s, v in known.accept_length.items() if not reserved_segment(s)}
@@ -249,7 +239,7 @@ def _still_learning(config: TideConfig, champion: Any, no_drift: str) -> Drift |
     if not gains:
         return None
     key = tags.get(Tags.SEGMENTER)
-    readable = stored_segmenter(config, key) is not None
+    readable = state.stored_segmenter(config, key) is not None
     listed = ", ".join(f"{segment} +{gain:.3f}" for segment, gain in gains.items())
     return Drift(
         drift=True,
@@ -275,19 +265,19 @@ def _window_sample(
     n copies are one piece of evidence, and counting them n times shrinks a figure's
     margin of error below the spread between windows, so the check saw drift in noise.
     """
-    reader = sample_reader(config)
+    reader = state.sample_reader(config)
     rate = min(1.0, config.cycle.drift_sample_tokens / max(snapshot.window_tokens, 1))
     samples: dict[str, list[TrainingSample]] = {}
     tokens: dict[str, int] = {}
     seen: set[bytes] = set()
-    for sample in reader.iter_samples(markers_of(reader, snapshot.window)):
+    for sample in reader.iter_samples(state.markers_of(reader, snapshot.window)):
         segment = segment_as_grouped(sample, grouping, current)
         tokens[segment] = tokens.get(segment, 0) + int(sample.input_ids.numel())
         digest = content_digest(sample.input_ids)
         if digest not in seen and content_fraction(sample.input_ids, b"drift") < rate:
             samples.setdefault(segment, []).append(sample)
         seen.add(digest)
-    log_debris(reader, f"cycle {snapshot.cycle_id} drift check")
+    state.log_debris(reader, f"cycle {snapshot.cycle_id} drift check")
     total = sum(tokens.values()) or 1
     return samples, {segment: count / total for segment, count in tokens.items()}
 
@@ -303,7 +293,7 @@ def _champion_counts(
 
     prepare_specforge("cpu")
     k = config.gate.k
-    with task_scratch(config, f"drift-v{version}") as work:
+    with state.task_scratch(config, f"drift-v{version}") as work:
         return version_acceptance(config, registry, version, samples, ks=[k], work=work)[k]
 
 
@@ -351,7 +341,7 @@ def champion_baseline(
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
     none = Baseline(champion.version, {}, {}, None)
-    store, key = lake_store(config), state_key(config, "baseline.json")
+    store, key = state.lake_store(config), state.state_key(config, "baseline.json")
     if store.exists(key):
         stored = json.loads(store.get_bytes(key))
         own = stored.get("source") == _FIRST and stored.get("cycle_id") == cycle_id
@@ -391,8 +381,8 @@ def store_baseline(
         "segmenter": baseline.segmenter_key,
         "cycle_id": cycle_id,
     }
-    lake_store(config).put_bytes(
-        state_key(config, "baseline.json"),
+    state.lake_store(config).put_bytes(
+        state.state_key(config, "baseline.json"),
         json.dumps({**payload, "source": source}).encode(),
         content_type="application/json",
     )
