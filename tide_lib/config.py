@@ -672,7 +672,8 @@ class CycleConfig(StrictModel):
         ge=0,
         description=(
             "a champion whose promotion gained at least this acceptance length on a segment "
-            "the gate protected trains once more at its first check, even without drift "
+            "the gate protected (or window-weighted) trains once more at its first check, "
+            "even without drift "
             "(that traffic is still being learned; a cycle that gains less ends the chain). "
             "0 turns the rule off"
         ),

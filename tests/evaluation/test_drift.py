@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tide_lib.evaluation.drift import judge_drift, still_learning
+from tide_lib.evaluation.drift import judge_drift, pooled_gain, still_learning
 from tide_lib.evaluation.gate import GateDecision
 from tide_lib.evaluation.offline import length_margin
 
@@ -105,3 +105,11 @@ def test_a_promotion_for_a_large_gain_on_real_traffic_keeps_learning() -> None:
     assert still_learning(rejected, min_gain=0.25, min_share=0.1) == {}
     thin = dataclasses.replace(_promotion(promoted, replaced), protected=("en",))
     assert still_learning(thin, min_gain=0.25, min_share=0.1) == {}  # ko: too few held out
+
+
+def test_the_pooled_gain_counts_every_held_out_request_together() -> None:
+    promotion = GateDecision(True, "", {"ko": 2.4}, {"ko": 1.3}, {"ko": 1.0}, 2.35, 1.33)
+    assert pooled_gain(promotion) == pytest.approx(1.02)
+    assert still_learning(promotion, min_gain=0.25, min_share=0.1) == {}  # ko: not protected
+    assert pooled_gain(dataclasses.replace(promotion, promote=False)) == 0.0
+    assert pooled_gain(dataclasses.replace(promotion, weighted_champion=None)) == 0.0

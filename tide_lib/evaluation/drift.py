@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tide_lib.evaluation.gate import GateDecision
 
-__all__ = ["DriftVerdict", "judge_drift", "still_learning"]
+__all__ = ["DriftVerdict", "judge_drift", "pooled_gain", "still_learning"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,3 +129,12 @@ def still_learning(
         and promotion.weights.get(segment, 0.0) >= min_share
     }
     return {segment: gain for segment, gain in sorted(gains.items()) if gain >= min_gain}
+
+
+def pooled_gain(promotion: GateDecision) -> float:
+    """What a promotion gained on the window-weighted figure (0 if it was no promotion over
+    a measured champion): the evidence of every held-out request together, for when no
+    segment alone had enough to count for :func:`still_learning`."""
+    if not promotion.promote or promotion.weighted_champion is None:
+        return 0.0
+    return promotion.weighted_challenger - promotion.weighted_champion

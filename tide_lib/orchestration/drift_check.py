@@ -223,24 +223,30 @@ def _still_learning(config: TideConfig, champion: Any, no_drift: str) -> Drift |
     """A champion without drift that was promoted for a large gain trains once more (see
     :func:`tide_lib.evaluation.drift.still_learning`): the segments it gained on (as its
     gate grouped them) are learned, the rest of the window kept; the whole window is
-    learned when that segmenter is gone. None when the rule does not apply. Checked only
+    learned when that segmenter is gone, or when the gain was the window-weighted
+    figure's (:func:`~tide_lib.evaluation.drift.pooled_gain`, every held-out request
+    together). None when the rule does not apply. Checked only
     on the first check after the promotion, and after the drift rule: new traffic is
     drift, and is learned as such, not as the segments of an older promotion."""
-    from tide_lib.evaluation.drift import still_learning  # noqa: PLC0415
+    from tide_lib.evaluation.drift import pooled_gain, still_learning  # noqa: PLC0415
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
     tags = dict(champion.tags or {})
     judged = decision_from_tags(tags, config.gate.k)
     if judged is None:
         return None
-    gains = still_learning(
-        judged, min_gain=config.cycle.learning_gain, min_share=config.gate.min_segment_share
-    )
-    if not gains:
+    min_gain = config.cycle.learning_gain
+    gains = still_learning(judged, min_gain=min_gain, min_share=config.gate.min_segment_share)
+    pooled = pooled_gain(judged)
+    if not gains and (min_gain <= 0 or pooled < min_gain):
         return None
     key = tags.get(Tags.SEGMENTER)
-    readable = state.stored_segmenter(config, key) is not None
-    listed = ", ".join(f"{segment} +{gain:.3f}" for segment, gain in gains.items())
+    readable = bool(gains) and state.stored_segmenter(config, key) is not None
+    listed = (
+        ", ".join(f"{segment} +{gain:.3f}" for segment, gain in gains.items())
+        if gains
+        else f"+{pooled:.3f} window-weighted (no segment alone held out enough to count)"
+    )
     return Drift(
         drift=True,
         reason=f"training: champion v{champion.version} was promoted for {listed} "
