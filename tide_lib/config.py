@@ -326,10 +326,10 @@ class TrainConfig(StrictModel):
         ),
     )
     warm_lr_scale: float = Field(
-        0.3, gt=0, le=1, description="warm starts fine-tune at learning_rate x this"
+        1.0, gt=0, le=1, description="warm starts fine-tune at learning_rate x this"
     )
     warm_epochs: float = Field(
-        4.0,
+        10.0,
         ge=0,
         description=(
             "warm starts train this many passes over the training samples (steps clamped to "

@@ -407,12 +407,13 @@ def test_forgetting_is_judged_paired_on_the_held_out_requests() -> None:
     apart = [(10, 10), (34, 10)]  # 2.2: one request collapsed, the other gained
     alike = [(25, 10), (19, 10)]  # 2.2: both lost 0.5
 
-    def scored(replay: list[tuple[int, int]], pooled: float) -> Evaluation:
+    def scored(replay: list[tuple[int, int]], window: int, pooled: float) -> Evaluation:
         return Evaluation(
             step=0,
             accept_length=pooled,
             groups={"replay": sum(e for e, _ in replay) / sum(v for _, v in replay)},
-            requests={"replay": replay},
+            # the window gained on every request: a gain beyond noise, whatever replay did
+            requests={"replay": replay, "window": [(window, 10)] * 8},
         )
 
     class Paired:
@@ -421,7 +422,7 @@ def test_forgetting_is_judged_paired_on_the_held_out_requests() -> None:
             self.output_tokens = {"replay": 500}
 
         def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
-            evaluation = scored(start, 2.0) if step == 0 else scored(self.later, 2.5)
+            evaluation = scored(start, 10, 2.0) if step == 0 else scored(self.later, 30, 2.5)
             return dataclasses.replace(evaluation, step=step)
 
     draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
@@ -430,3 +431,35 @@ def test_forgetting_is_judged_paired_on_the_held_out_requests() -> None:
         selection.begin(draft, parent, None)
         selection.evaluate(draft, 10)
         assert selection.best is not None and selection.best.step == kept
+
+
+def test_a_gain_over_the_parent_within_its_noise_keeps_the_parent() -> None:
+    """A warm start replaces the serving parent only on a gain its held-out requests can
+    tell from noise (paired): else the cycle would register a draft the gate may well
+    measure below its parent on the cycle's own held-out traffic."""
+    parent_requests = [(20, 10), (24, 10), (22, 10), (26, 10)]  # 2.3
+    noisy = [(30, 10), (14, 10), (31, 10), (18, 10)]  # 2.325: two up, two down
+    uniform = [(24, 10), (28, 10), (26, 10), (30, 10)]  # 2.7: every request gained
+
+    def scored(step: int, requests: list[tuple[int, int]]) -> Evaluation:
+        pooled = sum(e for e, _ in requests) / sum(v for _, v in requests)
+        return Evaluation(step, pooled, {"window": pooled}, {"window": requests})
+
+    class Held:
+        def __init__(self, later: list[tuple[int, int]]) -> None:
+            self.later = later
+            self.output_tokens = {"window": 500}
+
+        def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
+            return scored(step, parent_requests if step == 0 else self.later)
+
+    draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    for later, kept in ((noisy, 0), (uniform, 10)):
+        selection = Selection(Held(later), forgetting_tolerance=0.1)  # type: ignore[arg-type]
+        selection.begin(draft, parent, None)
+        selection.evaluate(draft, 10)
+        assert selection.best is not None and selection.best.step == kept
+    fresh = Selection(Held(noisy), forgetting_tolerance=0.1)  # type: ignore[arg-type]
+    fresh.begin(draft, None, None)  # a new draft: step 0 is no parent to protect
+    fresh.evaluate(draft, 10)
+    assert fresh.best is not None and fresh.best.step == 10

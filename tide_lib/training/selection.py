@@ -10,7 +10,9 @@ best one scored among those that forget nothing: a step whose score on any group
 (the replayed older traffic, a segment) fell more than ``forgetting_tolerance``
 below the parent's is never kept, whatever it gains on the window, since the gate
 would reject it. Step 0 is the parent, so a run that never beats its parent
-exports the parent's weights and says so.
+exports the parent's weights and says so; and beating it means beyond the noise of
+the held-out requests (paired, one-sided 95%): a gain within it registered drafts
+that the gate then measured below their parent.
 
 Scores are pooled acceptance lengths (tokens per verify step) at ``TrainConfig.k``,
 overall and per group: a sample's segment label when its file carries one
@@ -234,6 +236,7 @@ class Selection:
         self.forgetting_min_tokens = forgetting_min_tokens
         self.evaluations: list[Evaluation] = []
         self.best: BestDraft | None = None
+        self.warm = False  # step 0 is a parent that serves: replacing it must be no noise
 
     def begin(
         self, draft: torch.nn.Module, parent: torch.nn.Module | None, saved: dict[str, Any] | None
@@ -241,6 +244,7 @@ class Selection:
         """Restore from a checkpoint's ``saved`` selection, or score the start as step 0."""
         if self.held_out is None:
             return
+        self.warm = parent is not None
         if saved is not None:
             self.evaluations = [Evaluation(**entry) for entry in saved["evaluations"]]
             self.best = BestDraft.from_state(saved["best"])
@@ -261,8 +265,27 @@ class Selection:
         forgot = self._forgotten(evaluation)
         if forgot:
             logger.info("step %d is not kept: it forgot %s", step, forgot)
+        elif self._within_noise_of_the_parent(evaluation):
+            logger.info("step %d is not kept: above the parent within the noise", step)
         elif self.best.offer(evaluation, draft):
             logger.info("step %d is the best draft so far", step)
+
+    def _within_noise_of_the_parent(self, evaluation: Evaluation) -> bool:
+        """Would ``evaluation`` replace the parent of a warm start on a gain that its
+        held-out requests cannot tell from noise? The gain over the parent, paired on the
+        same requests, must exceed its one-sided 95% margin of error (a draft registered
+        on noise is as likely worse than its parent on the cycle's own held-out traffic)."""
+        if not self.warm or self.best is None or self.best.step != 0 or not self.evaluations:
+            return False
+        if evaluation.accept_length <= self.best.accept_length:
+            return False  # not better at all: offer() refuses it anyway
+        parent = self.evaluations[0]
+        groups = sorted(parent.requests)
+        if not groups or groups != sorted(evaluation.requests):
+            return False  # figures without their requests (a script, an old checkpoint)
+        before = [r for group in groups for r in evaluation.requests[group]]
+        after = [r for group in groups for r in parent.requests[group]]
+        return significant_drop(before, after, 0.0) is None
 
     def _forgotten(self, evaluation: Evaluation) -> dict[str, float]:
         """Groups that fell below the start (step 0) by more than ``forgetting_tolerance``,
