@@ -171,6 +171,7 @@ class _Loop:
     champion: str = "static"
     champion_when_segment_ended: dict[str, str] = dataclasses.field(default_factory=dict)
     consumed: int = 0  # served requests (in order) that some cycle's window held
+    oracle_data: str = "the new segment's requests the cycles' windows held"
 
 
 def _run_config(
@@ -282,26 +283,28 @@ def _train_oracle(
 ) -> Path:
     """A draft trained from the static one on the new segment's traffic alone: the same
     requests the cycles' windows held (what the loop had to learn from; held-out out),
-    with a fresh draft's recipe and the steps of every trained cycle together."""
+    with a fresh draft's recipe: ``training.steps`` for each cycle that trained, at the
+    full learning rate."""
     from tide_lib.lake import LakeReader, ObjectStore  # noqa: PLC0415
     from tide_lib.training.trainer import train_draft  # noqa: PLC0415
 
     config = loop.config
     reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), config.lake)
     data = loop.work / "oracle-data"
-    new_ids = {
-        f"w-{i}" for i, item in enumerate(served[: loop.consumed]) if item["segment"] == new_segment
-    }
+
+    def new_traffic(upto: int) -> set[str]:
+        return {f"w-{i}" for i, item in enumerate(served[:upto]) if item["segment"] == new_segment}
+
+    new_ids = new_traffic(loop.consumed)
+    if not new_ids:  # no cycle reached it: the oracle still gets something to learn from
+        logger.warning("no cycle ran on %r traffic: the oracle learns all of it", new_segment)
+        loop.oracle_data = "all of the new segment's requests (no cycle reached them)"
+        new_ids = new_traffic(len(served))
     count = 0
     for sample in reader.iter_samples(reader.list_shards(target_slug(config.cycle.target_id))):
         if sample.request_id in new_ids:
             sample.save_specforge(data, count)
             count += 1
-    if not count:
-        raise WorkloadError(
-            f"no cycle ran on {new_segment!r} traffic, so there is nothing to compare with an "
-            "oracle: lower --cycle-tokens or add requests of that segment"
-        )
     trained = sum(1 for c in loop.cycles if c.get("train_seconds"))
     steps = config.training.steps * max(1, trained)
     return train_draft(
@@ -466,6 +469,7 @@ def run_adaptation_bench(
         "train_steps_per_cycle": train.steps,
         "labels": labels,
         "workload": str(workload),
+        "oracle_data": loop.oracle_data,
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

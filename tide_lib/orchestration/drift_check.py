@@ -29,6 +29,7 @@ from tide_lib.evaluation.offline import (
 from tide_lib.evaluation.segments import Segmenter, segment_as_grouped
 from tide_lib.lake.reader import TrainingSample
 from tide_lib.lake.schema import reserved_segment
+from tide_lib.lake.store import StoreUnavailableError
 from tide_lib.names import Tags
 from tide_lib.orchestration import state
 from tide_lib.orchestration.handoff import Drift, Snapshot
@@ -76,6 +77,8 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     store, key = state.lake_store(config), drift_key(config, snapshot.cycle_id)
     try:
         drift = _measure_drift(config, snapshot)
+    except StoreUnavailableError:
+        raise  # the lake is down: Airflow retries the task rather than train on a guess
     except Exception as error:  # a check that cannot measure must not stop adaptation
         logger.exception("cycle %s: the drift check failed; training", snapshot.cycle_id)
         drift = Drift(
@@ -86,6 +89,8 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
             baseline={},
         )
     store.put_bytes(key, drift.model_dump_json().encode(), content_type="application/json")
+    if drift.champion_version is not None:  # after the verdict: a run that died checked nothing
+        _mark_checked(config, drift.champion_version, snapshot.cycle_id)
     logger.info("cycle %s: %s", snapshot.cycle_id, drift.reason)
     return drift
 
@@ -181,18 +186,28 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     )
 
 
+def _learning_key(config: TideConfig) -> str:
+    return state.state_key(config, "learning.json")
+
+
 def _first_check_since_promotion(config: TideConfig, version: str, cycle_id: str) -> bool:
     """Is this cycle's check the champion's first since it was promoted? ``learning.json``
-    names the version and the cycle that first checked it (a retry of that cycle is
-    still the first; a later cycle is not, whatever the first one decided)."""
-    store, key = state.lake_store(config), state.state_key(config, "learning.json")
-    if store.exists(key):
-        first = json.loads(store.get_bytes(key))
-        if first.get("version") == version:
-            return bool(first.get("cycle_id") == cycle_id)
+    names the latest champion and the cycle whose check of it was saved first (a retry
+    of that cycle is still the first; a later cycle is not, whatever it decided)."""
+    store, key = state.lake_store(config), _learning_key(config)
+    if not store.exists(key):
+        return True
+    first = json.loads(store.get_bytes(key))
+    return bool(first.get("version") != version or first.get("cycle_id") == cycle_id)
+
+
+def _mark_checked(config: TideConfig, version: str, cycle_id: str) -> None:
+    """Record the first saved check of ``version`` (see :func:`_first_check_since_promotion`)."""
+    store, key = state.lake_store(config), _learning_key(config)
+    if store.exists(key) and json.loads(store.get_bytes(key)).get("version") == version:
+        return
     payload = {"version": version, "cycle_id": cycle_id}
     store.put_bytes(key, json.dumps(payload).encode(), content_type="application/json")
-    return True
 
 
 def _comparable(config: TideConfig, known: Baseline) -> tuple[Baseline, Segmenter | None]:

@@ -22,7 +22,7 @@ swap forgets acceptance.
 
 The cost model is a model: on CPU it misjudged speculation by several per cent
 (k=4 expected 5% above plain decoding, served 8% below it). So the throughput each
-k really delivered (decode seconds per emitted token, a running average) has the
+k really delivered (output tokens per second of decoding and the draft's prefill) has the
 last word: a k whose realized tokens/s does not beat plain decoding's realized rate
 is not served; the best realized k that does is, else plain.
 """
@@ -243,8 +243,9 @@ class RealizedRates:
     """Output tokens per second that each k really delivered, decoding and the draft's
     prefill included (running averages): the check on :func:`choose_k`'s model.
 
-    A k's figure counts once ``MIN_REALIZED`` requests measured it (the first request
-    of all, at the largest k, pays for warming up); plain decoding's after one.
+    A k's figure counts once ``MIN_REALIZED`` requests measured it, as their plain mean
+    at first (the first request of all, at the largest k, pays for warming up: it must
+    not dominate), then as a running average; plain decoding's counts after one.
     """
 
     def __init__(self) -> None:
@@ -255,9 +256,13 @@ class RealizedRates:
         if not timings.emitted or timings.decode_seconds <= 0:
             return
         seconds = (timings.decode_seconds + timings.draft_prefill_seconds) / timings.emitted
-        old = self.seconds_per_token.get(timings.k)
-        self.seconds_per_token[timings.k] = CostModel.blend(old, seconds)
-        self.requests[timings.k] = self.requests.get(timings.k, 0) + 1
+        count = self.requests.get(timings.k, 0) + 1
+        old = self.seconds_per_token.get(timings.k, seconds)
+        # a plain mean of the first requests (the first one, warming up, weighs 1/n), then
+        # a running average that follows the traffic
+        weight = max(_COST_EMA, 1.0 / count)
+        self.seconds_per_token[timings.k] = (1.0 - weight) * old + weight * seconds
+        self.requests[timings.k] = count
 
     def tokens_per_s(self, k: int) -> float | None:
         """The realized rate at ``k``, once measured on enough requests to count."""

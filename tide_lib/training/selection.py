@@ -281,11 +281,15 @@ class Selection:
             return False  # not better at all: offer() refuses it anyway
         parent = self.evaluations[0]
         groups = sorted(parent.requests)
-        if not groups or groups != sorted(evaluation.requests):
+        paired = groups == sorted(evaluation.requests) and all(
+            len(parent.requests[g]) == len(evaluation.requests[g]) for g in groups
+        )
+        if not groups or not paired:
             return False  # figures without their requests (a script, an old checkpoint)
-        before = [r for group in groups for r in evaluation.requests[group]]
-        after = [r for group in groups for r in parent.requests[group]]
-        return significant_drop(before, after, 0.0) is None
+        now = [r for group in groups for r in evaluation.requests[group]]
+        start = [r for group in groups for r in parent.requests[group]]
+        # the "drop" from this step to the parent is the step's gain: it must be significant
+        return significant_drop(now, start, 0.0) is None
 
     def _forgotten(self, evaluation: Evaluation) -> dict[str, float]:
         """Groups that fell below the start (step 0) by more than ``forgetting_tolerance``,
