@@ -95,78 +95,54 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     return drift
 
 
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """The champion measured on the window: acceptance per segment, the margins of those
+    measured on two requests or more, token shares, and the segmenter that grouped them."""
+
+    measured: dict[str, float]
+    margins: dict[str, float]  # finite ones only
+    all_margins: dict[str, float]
+    shares: dict[str, float]
+    segmenter_key: str
+
+
 def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     from tide_lib.evaluation.drift import judge_drift  # noqa: PLC0415
     from tide_lib.registry import CHAMPION  # noqa: PLC0415
 
     registry = state.draft_registry(config)
     champion = registry.alias(CHAMPION)
-    forced = config.cycle.force_promote
-    if not config.cycle.skip_without_drift or forced or champion is None:
-        why = (
-            "no champion yet"
-            if champion is None
-            else "cycle.force_promote is on"
-            if forced
-            else "cycle.skip_without_drift is off"
-        )
-        return Drift(
-            drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
-        )
+    unconditional = _trains_unconditionally(config, champion)
+    if unconditional is not None:
+        return unconditional
+    assert champion is not None  # no champion trains unconditionally
     first_check = _first_check_since_promotion(config, champion.version, snapshot.cycle_id)
-    known = champion_baseline(config, registry, champion, cycle_id=snapshot.cycle_id)
     # Segments as the baseline's figures were grouped: clusters are refit every cycle,
     # and a cluster of another fit holds other requests (a different figure, not drift).
+    known = champion_baseline(config, registry, champion, cycle_id=snapshot.cycle_id)
     known, grouping = _comparable(config, known)
-    baseline, baseline_margins = known.accept_length, known.margins
-    segmenter_key = known.segmenter_key
-    current, current_key = state.cycle_segmenter(config, snapshot)
-    if grouping is None:
-        grouping, segmenter_key = current, current_key
-    samples, shares = _window_sample(config, snapshot, grouping, current)
-    counts = _champion_counts(config, registry, champion.version, samples)
-    measured = {segment: count.accept_length for segment, count in counts.items()}
-    margins = {segment: length_margin(count.per_request) for segment, count in counts.items()}
-    finite = {segment: m for segment, m in margins.items() if math.isfinite(m)}
-    if not baseline:  # its first measurement (segments of 2+ requests) is the baseline
-        first = Baseline(champion.version, {s: measured[s] for s in finite}, finite, segmenter_key)
-        if first.accept_length:
-            store_baseline(config, first, _FIRST, cycle_id=snapshot.cycle_id)
-        best = max(measured.values(), default=0.0)
-        return Drift(
-            drift=True,
-            reason=f"training: champion v{champion.version} had no baseline (never judged on "
-            "enough held-out traffic); "
-            + (
-                "its figures on this window are its baseline from now on"
-                if first.accept_length
-                else "no segment of this window has two requests to measure one on"
-            ),
-            champion_version=champion.version,
-            measured=measured,
-            margins=finite,
-            baseline={},
-            drifted=sorted(
-                s for s, v in measured.items() if v < best - config.cycle.drift_tolerance
-            ),
-            segmenter_key=segmenter_key,
-        )
+    window = _measure_window(
+        config, registry, snapshot, version=champion.version, known=known, grouping=grouping
+    )
+    if not known.accept_length:
+        return _first_measurement(config, champion.version, window, snapshot.cycle_id)
     verdict = judge_drift(
-        measured,
-        shares,
-        baseline,
+        window.measured,
+        window.shares,
+        known.accept_length,
         tolerance=config.cycle.drift_tolerance,
         min_share=config.gate.min_segment_share,
-        margins=margins,
-        baseline_margins=baseline_margins,
+        margins=window.all_margins,
+        baseline_margins=known.margins,
     )
     if not verdict.drift:  # segments it serves well from now on join its baseline
-        new = {s: measured[s] for s in finite if s not in baseline}
+        new = {s: window.measured[s] for s in window.margins if s not in known.accept_length}
         grown = Baseline(
             champion.version,
-            {**baseline, **new},
-            {**baseline_margins, **{s: finite[s] for s in new}},
-            segmenter_key,
+            {**known.accept_length, **new},
+            {**known.margins, **{s: window.margins[s] for s in new}},
+            window.segmenter_key,
         )
         store_baseline(config, grown, "measured")
         # Traffic it was just promoted for, served as well as then, may still be learning.
@@ -177,12 +153,88 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         drift=verdict.drift,
         reason=f"champion v{champion.version}: {verdict.reason}",
         champion_version=champion.version,
-        measured=measured,
-        margins=finite,
-        baseline=baseline,
+        measured=window.measured,
+        margins=window.margins,
+        baseline=known.accept_length,
         drifted=sorted(verdict.drifted),
         saved_train_seconds=None if verdict.drift else registry.last_run_seconds(),
+        segmenter_key=window.segmenter_key,
+    )
+
+
+def _trains_unconditionally(config: TideConfig, champion: Any) -> Drift | None:
+    """Training without a check: no champion yet, or the check turned off or overridden."""
+    forced = config.cycle.force_promote
+    if config.cycle.skip_without_drift and not forced and champion is not None:
+        return None
+    why = (
+        "no champion yet"
+        if champion is None
+        else "cycle.force_promote is on"
+        if forced
+        else "cycle.skip_without_drift is off"
+    )
+    return Drift(
+        drift=True, reason=f"training: {why}", champion_version=None, measured={}, baseline={}
+    )
+
+
+def _measure_window(
+    config: TideConfig,
+    registry: DraftRegistry,
+    snapshot: Snapshot,
+    *,
+    version: str,
+    known: Baseline,
+    grouping: Segmenter | None,
+) -> _Window:
+    """The champion replayed on a sample of the window, grouped as its baseline was
+    (``grouping``), else by this cycle's segmenter."""
+    current, current_key = state.cycle_segmenter(config, snapshot)
+    segmenter_key = known.segmenter_key if grouping is not None else None
+    if grouping is None or segmenter_key is None:
+        grouping, segmenter_key = current, current_key
+    samples, shares = _window_sample(config, snapshot, grouping, current)
+    counts = _champion_counts(config, registry, version, samples)
+    margins = {segment: length_margin(count.per_request) for segment, count in counts.items()}
+    return _Window(
+        measured={segment: count.accept_length for segment, count in counts.items()},
+        margins={segment: m for segment, m in margins.items() if math.isfinite(m)},
+        all_margins=margins,
+        shares=shares,
         segmenter_key=segmenter_key,
+    )
+
+
+def _first_measurement(config: TideConfig, version: str, window: _Window, cycle_id: str) -> Drift:
+    """A champion without a baseline trains once; its figures on this window (segments
+    of two requests or more, with their margins) are its baseline from then on."""
+    first = Baseline(
+        version,
+        {s: window.measured[s] for s in window.margins},
+        window.margins,
+        window.segmenter_key,
+    )
+    if first.accept_length:
+        store_baseline(config, first, _FIRST, cycle_id=cycle_id)
+    best = max(window.measured.values(), default=0.0)
+    return Drift(
+        drift=True,
+        reason=f"training: champion v{version} had no baseline (never judged on "
+        "enough held-out traffic); "
+        + (
+            "its figures on this window are its baseline from now on"
+            if first.accept_length
+            else "no segment of this window has two requests to measure one on"
+        ),
+        champion_version=version,
+        measured=window.measured,
+        margins=window.margins,
+        baseline={},
+        drifted=sorted(
+            s for s, v in window.measured.items() if v < best - config.cycle.drift_tolerance
+        ),
+        segmenter_key=window.segmenter_key,
     )
 
 
