@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,22 +20,47 @@ from tide_lib.serving.process import EngineProcess
 from tide_lib.stack import free_ports
 
 
-def watch_health(url: str) -> tuple[threading.Event, list[float]]:
-    """Poll ``url``/health from another thread: (stop, latencies); a failure counts as 99 s."""
-    stop, latencies = threading.Event(), []
+class HealthWatch:
+    """Poll ``url``/health from a separate process until :meth:`stop`; a failure counts as 99 s.
 
-    def poll() -> None:
+    A process, not a thread: the test's own Python work (Hypothesis drawing inputs, building
+    10 MB bodies) holds this process's GIL, and a poller sharing it measured that wait as the
+    server's latency (a 1.04 s "stall" in CI while the engine answered in 0.1 s).
+    """
+
+    def __init__(self, url: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        ready = context.Event()
+        self._results: multiprocessing.SimpleQueue[list[float]] = context.SimpleQueue()
+        self._process = context.Process(
+            target=_poll_health, args=(url, self._stop, ready, self._results), daemon=True
+        )
+        self._process.start()
+        if not ready.wait(60):
+            raise RuntimeError(f"the /health poller for {url} did not start within 60 s")
+
+    def stop(self) -> list[float]:
+        """The latencies (s) of every poll since the start."""
+        self._stop.set()
+        latencies = self._results.get()
+        self._process.join(30)
+        return latencies
+
+
+def _poll_health(url: str, stop: Any, ready: Any, results: Any) -> None:
+    latencies: list[float] = []
+    with httpx.Client(timeout=5) as client:
         while not stop.is_set():
             started = time.monotonic()
             try:
-                ok = httpx.get(f"{url}/health", timeout=5).status_code == 200
+                ok = client.get(f"{url}/health").status_code == 200
             except httpx.HTTPError:
                 ok = False
             latencies.append(time.monotonic() - started if ok else 99.0)
+            ready.set()
             time.sleep(0.05)
-
-    threading.Thread(target=poll, daemon=True).start()
-    return stop, latencies
+    results.put(latencies)
 
 
 def engine_metric(engine: EngineProcess, name: str) -> float:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ADMIN_AUTH
-from tests.serving.conftest import start_engine, watch_health
+from tests.serving.conftest import HealthWatch, start_engine
 from tide_lib.config import TideConfig
 from tide_lib.serving.process import EngineProcess
 
@@ -133,13 +133,13 @@ def test_d_no_input_to_any_route_gives_a_5xx_or_stalls_health(
     assert {"/generate", "/update_weights_from_disk", "/health", "/metrics"} <= {
         path for path, _ in routes
     }
-    stop, latencies = watch_health(fuzzed.url)
+    health = HealthWatch(fuzzed.url)
     failures: list[str] = []
     with httpx.Client(base_url=fuzzed.url, timeout=60) as client:
         for path, method in routes:
             operation = spec["paths"][path][method]
             _fuzz_route(client, path, method, _bodies(operation, components, paths), failures)
-    stop.set()
+    latencies = health.stop()
     assert not failures, failures[:10]
     assert latencies and max(latencies) < 1.0, sorted(latencies)[-5:]
     assert httpx.get(f"{fuzzed.url}/health", timeout=5).status_code == 200
