@@ -17,8 +17,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 @pytest.mark.timeout(1800)  # the demo's own deadline (timeout_s) starts after its setup
 def test_demo_runs_a_scheduled_cycle_and_promotes_on_live_traffic(
-    tiny_target: Path, tmp_path: Path
+    tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Its warm start trains train_steps, not the recipe's passes over the window (83 steps,
+    # a minute of CI): this test is about the loop, tests/training about the recipe.
+    monkeypatch.setenv("TIDE_TRAINING__WARM_EPOCHS", "0")
     base = stack_config(tmp_path / "stack", port_base=DEMO_STACK_PORTS)
     config = base.model_copy(update={"stack": base.stack.model_copy(update={"airflow": True})})
     settings = DemoSettings(

@@ -209,9 +209,10 @@ def _generate_text(engine: EngineProcess, text: str) -> None:
 
 
 def _busy(engine: EngineProcess) -> Callable[[], None]:
-    """Occupy the worker with a long request; returns a join function."""
+    """Occupy the worker with a long request (seconds: the tests check it is still running
+    after their clients acted); returns a join function."""
     thread = threading.Thread(
-        target=lambda: _generate(engine, max_new_tokens=1024, ignore_eos=True), daemon=True
+        target=lambda: _generate(engine, max_new_tokens=384, ignore_eos=True), daemon=True
     )
     thread.start()
     deadline = time.monotonic() + 60

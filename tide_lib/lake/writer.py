@@ -536,16 +536,9 @@ class LakeWriter:
         *,
         limits: TargetLimits | None = None,
     ) -> None:
-        self.store = store
-        self.config = config
         self._spool = _Spool(Path(config.spool_dir))
         self._uploader = _Uploader(store, config, self._spool)
-        self._batcher = _Batcher(
-            config,
-            self._spool,
-            self._uploader.wake,
-            limits,
-        )
+        self._batcher = _Batcher(config, self._spool, self._uploader.wake, limits)
         self._closed = False
 
     @property

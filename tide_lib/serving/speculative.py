@@ -17,7 +17,6 @@ draft step's hidden output instead of target features, at the next position.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -425,11 +424,3 @@ def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def acceptance_rate(generation: Generation) -> float:
-    return (
-        generation.accepted_draft_tokens / generation.drafted_tokens
-        if generation.drafted_tokens
-        else math.nan
-    )

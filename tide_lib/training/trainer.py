@@ -595,17 +595,7 @@ def train_draft(
     distill = parent is not None and config.distill_weight > 0 and REPLAY in splits
     objective = Eagle3Objective(draft, target_dir, config, teacher=parent if distill else None)
     trainable, optimizer, scheduler = _optimizer(objective, plan)
-    logger.info(
-        "%d training samples (%d replay), %d held out; %d steps of %d x %d at lr %.2g",
-        len(train_samples),
-        splits.count(REPLAY),
-        len(held_paths),
-        plan.steps,
-        plan.batch_size,
-        world,
-        plan.learning_rate,
-    )
-
+    _log_plan(plan, world, splits, len(held_paths))
     checkpoint_dir = out_dir / CHECKPOINT_DIR
     resumed = _resume(
         checkpoint_dir,
@@ -616,17 +606,12 @@ def train_draft(
         steps=plan.steps,
         on_stale_checkpoint=on_stale_checkpoint,
     )
-    held_out = (
+    held_out = (  # rank 0 alone evaluates
         HeldOut(data_dir, held_paths, load_sample, objective.head, config.k)
         if held_paths and rank == 0
         else None
     )
-    selection = Selection(
-        held_out,
-        metrics.log_metrics if metrics is not None else None,
-        forgetting_tolerance=config.forgetting_tolerance,
-        forgetting_min_tokens=config.forgetting_min_tokens,
-    )
+    selection = _selection(held_out, config, metrics)
     selection.begin(draft, parent, resumed.get("selection") if resumed else None)
     run = _Run(
         config=config,
@@ -636,28 +621,20 @@ def train_draft(
         splits=splits,
         rank=rank,
         world=world,
+        trainable=trainable,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        selection=selection,
         nonfinite=_NonFiniteSteps(config, plan.steps, resumed["skipped_steps"] if resumed else 0),
     )
     started = time.perf_counter()
-    last = run.loop(
-        int(resumed["step"]) if resumed else 0,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        trainable=trainable,
-        selection=selection,
-        metrics=metrics,
-        on_step=on_step,
-        checkpoint=lambda done: _checkpoint(
-            checkpoint_dir,
-            fingerprint,
-            done,
-            run=run,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            selection=selection,
-            on_checkpoint=on_checkpoint,
-        ),
-    )
+
+    def checkpoint(done: int) -> None:
+        saved = run.save(checkpoint_dir, fingerprint, done)
+        if on_checkpoint is not None:
+            on_checkpoint(saved)
+
+    last = run.loop(int(resumed["step"]) if resumed else 0, metrics, on_step, checkpoint)
     seconds = time.perf_counter() - started
     if rank == 0 and metrics is not None and selection.best is not None:
         metrics.log_metrics(selection.summary_metrics(), step=plan.steps)
@@ -681,6 +658,31 @@ def train_draft(
         learning_rate=plan.learning_rate,
         batch_size=plan.batch_size,
         **_selected(selection, best, plan.steps, warm=parent is not None),
+    )
+
+
+def _log_plan(plan: StepPlan, world: int, splits: list[str], held_out: int) -> None:
+    logger.info(
+        "%d training samples (%d replay), %d held out; %d steps of %d x %d at lr %.2g",
+        len(splits),
+        splits.count(REPLAY),
+        held_out,
+        plan.steps,
+        plan.batch_size,
+        world,
+        plan.learning_rate,
+    )
+
+
+def _selection(
+    held_out: HeldOut | None, config: TrainConfig, metrics: MetricSink | None
+) -> Selection:
+    """What picks the exported draft: held-out acceptance (None: no validation split)."""
+    return Selection(
+        held_out,
+        metrics.log_metrics if metrics is not None else None,
+        forgetting_tolerance=config.forgetting_tolerance,
+        forgetting_min_tokens=config.forgetting_min_tokens,
     )
 
 
@@ -726,37 +728,6 @@ def _export_best(
         export_draft(draft, draft_dir)
 
 
-def _checkpoint(
-    directory: Path,
-    fingerprint: str,
-    done: int,
-    *,
-    run: _Run,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    selection: Selection,
-    on_checkpoint: Callable[[Path], None] | None,
-) -> None:
-    saved = _save_checkpoint(
-        directory,
-        {
-            "step": done,
-            "fingerprint": fingerprint,
-            "draft": {
-                k: v for k, v in run.objective.draft.state_dict().items() if "embed" not in k
-            },
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
-            "skipped_steps": run.nonfinite.skipped,
-            "selection": selection.to_state(),
-        },
-        run.config.keep_checkpoints,
-    )
-    if on_checkpoint is not None:
-        on_checkpoint(saved)
-
-
 @dataclasses.dataclass
 class _Run:
     """One run's training steps: sampling, the objective (plus distillation), logging."""
@@ -768,6 +739,10 @@ class _Run:
     splits: list[str]
     rank: int
     world: int
+    trainable: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    selection: Selection
     nonfinite: _NonFiniteSteps
     trained_tokens: int = 0
 
@@ -794,19 +769,33 @@ class _Run:
             extra["distill_kl"] = distill_sum / distilled
         return step_loss, extra
 
+    def save(self, directory: Path, fingerprint: str, done: int) -> Path:
+        """A resumable checkpoint after ``done`` steps (the embeddings are the target's)."""
+        state = self.objective.draft.state_dict()
+        return _save_checkpoint(
+            directory,
+            {
+                "step": done,
+                "fingerprint": fingerprint,
+                "draft": {k: v for k, v in state.items() if "embed" not in k},
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": torch.get_rng_state(),
+                "skipped_steps": self.nonfinite.skipped,
+                "selection": self.selection.to_state(),
+            },
+            self.config.keep_checkpoints,
+        )
+
     def loop(
         self,
         start_step: int,
-        *,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        trainable: list[torch.nn.Parameter],
-        selection: Selection,
         metrics: MetricSink | None,
         on_step: Callable[[int, dict[str, float]], None] | None,
         checkpoint: Callable[[int], None],
     ) -> dict[str, float]:
         """Steps ``start_step``..``plan.steps``; returns the last logged averages."""
+        optimizer, scheduler, selection = self.optimizer, self.scheduler, self.selection
         config, steps = self.config, self.plan.steps
         window: dict[str, list[float]] = {}
         last: dict[str, float] = {"loss": float("nan")}
@@ -822,7 +811,7 @@ class _Run:
         for step in progress:
             optimizer.zero_grad(set_to_none=True)
             step_loss, extra = self.step(step)
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, config.max_grad_norm)
             finite = self.nonfinite.check(step_loss, grad_norm, step)
             if finite:
                 optimizer.step()
