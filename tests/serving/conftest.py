@@ -38,14 +38,24 @@ class HealthWatch:
         )
         self._process.start()
         if not ready.wait(60):
+            self._process.terminate()
             raise RuntimeError(f"the /health poller for {url} did not start within 60 s")
 
     def stop(self) -> list[float]:
         """The latencies (s) of every poll since the start."""
         self._stop.set()
-        latencies = self._results.get()
-        self._process.join(30)
-        return latencies
+        try:
+            deadline = time.monotonic() + 60
+            while self._results.empty():  # a poller that died never answers
+                if not self._process.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError("the /health poller died before reporting")
+                time.sleep(0.05)
+            latencies: list[float] = self._results.get()
+            return latencies
+        finally:
+            self._process.join(10)
+            if self._process.is_alive():
+                self._process.terminate()
 
 
 def _poll_health(url: str, stop: Any, ready: Any, results: Any) -> None:
@@ -55,7 +65,7 @@ def _poll_health(url: str, stop: Any, ready: Any, results: Any) -> None:
             started = time.monotonic()
             try:
                 ok = client.get(f"{url}/health").status_code == 200
-            except httpx.HTTPError:
+            except Exception:  # any failure to answer counts as a stall
                 ok = False
             latencies.append(time.monotonic() - started if ok else 99.0)
             ready.set()

@@ -212,7 +212,7 @@ def _busy(engine: EngineProcess) -> Callable[[], None]:
     """Occupy the worker with a long request (seconds: the tests check it is still running
     after their clients acted); returns a join function."""
     thread = threading.Thread(
-        target=lambda: _generate(engine, max_new_tokens=384, ignore_eos=True), daemon=True
+        target=lambda: _generate(engine, max_new_tokens=512, ignore_eos=True), daemon=True
     )
     thread.start()
     deadline = time.monotonic() + 60

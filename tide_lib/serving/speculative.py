@@ -172,8 +172,10 @@ def _plain_head(target: Any) -> torch.nn.Linear | None:
     heads that scale or cap them (the full forward then computes the logits)."""
     head = target.get_output_embeddings()
     config = target.config
-    plain = getattr(config, "final_logit_softcapping", None) is None and (
-        getattr(config, "logit_scale", None) is None
+    plain = (
+        getattr(config, "final_logit_softcapping", None) is None
+        and getattr(config, "logit_scale", None) is None
+        and getattr(config, "logits_scaling", 1) == 1  # Granite divides by it
     )
     return head if plain and type(head) is torch.nn.Linear else None
 
