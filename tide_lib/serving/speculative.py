@@ -208,6 +208,8 @@ class SpeculativeDecoder:
         self.target = target.eval()
         self.device = next(target.parameters()).device
         self._head = _plain_head(target)
+        # With a plain head the logits come from the captured final states: the decoder alone.
+        self._forward_model = target if self._head is None else target.get_decoder()
         self.capture = HiddenStateCapture(target, self._layer_ids(draft))
         self.runner = DraftRunner(draft) if draft is not None else None
         self.num_steps = num_steps
@@ -223,9 +225,10 @@ class SpeculativeDecoder:
     def _target_forward(
         self, ids: list[int], cache: Any
     ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
-        model = self.target if self._head is None else self.target.get_decoder()
         with self.capture.capturing():
-            out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+            out = self._forward_model(
+                input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True
+            )
         final, aux = self.capture.take()
         logits = out.logits[0] if self._head is None else _head_logits(self._head, final[0])
         return logits, out.past_key_values, final[0], aux[0]
