@@ -145,7 +145,7 @@ def _lake_samples(prefix: str, expected: int, timeout: float = 300) -> list[Any]
     reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), config.lake)
     deadline = time.monotonic() + timeout
     while True:
-        samples = list(reader.iter_samples(reader.list_shards(target_slug("smoke"))))
+        samples = list(reader.iter_records(reader.list_shards(target_slug("smoke"))))
         if len(samples) >= expected or time.monotonic() > deadline:
             return samples
         time.sleep(2)
@@ -178,8 +178,8 @@ def _compare_with_teacher_forcing(
             model.model(input_ids=torch.tensor([full[:offset] + ids]).cuda())
         final, aux = capture.take()
         for name, ours, theirs in (
-            ("final", sample.hidden_state, final[0, offset:]),
-            ("aux", sample.aux_hidden_state, aux[0, offset:]),
+            ("final", sample.hidden_states, final[0, offset:]),
+            ("aux", sample.aux_hidden_states, aux[0, offset:]),
         ):
             difference = (ours.float().cuda() - theirs.float()).abs().max().item()
             worst[name] = max(worst[name], difference)

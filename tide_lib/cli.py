@@ -223,7 +223,7 @@ def _eval(args: argparse.Namespace, config: TideConfig) -> int:
         load_draft(args.draft, args.target),
         args.target,
         {
-            name: reader.iter_samples(
+            name: reader.iter_records(
                 reader.list_shards(args.lake_target, start=start, end=end), start=start, end=end
             )
             for name, (start, end) in windows.items()

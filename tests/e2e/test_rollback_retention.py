@@ -97,5 +97,5 @@ def test_retention_deletes_only_old_consumed_shards(
 
     env = {**airflow_env, "TIDE_LAKE__PREFIX": prefix, "TIDE_CYCLE__TARGET_ID": "ret"}
     dag_test(env, "tide_lake_retention", tmp_path)
-    left = {s.request_id for s in reader.iter_samples(reader.list_shards(target_slug("ret")))}
+    left = {s.request_id for s in reader.iter_records(reader.list_shards(target_slug("ret")))}
     assert left == {"req-1", "req-2"}

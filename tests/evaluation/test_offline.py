@@ -58,7 +58,7 @@ def test_offline_acceptance_matches_the_engine(
     deadline = time.monotonic() + 20
     while reader.count_tokens(target_slug("tiny")) == 0 and time.monotonic() < deadline:
         time.sleep(0.3)
-    samples = list(reader.iter_samples(reader.list_shards(target_slug("tiny"))))
+    samples = list(reader.iter_records(reader.list_shards(target_slug("tiny"))))
     assert len(samples) == len(documents)
     draft = load_draft(tiny_drafts["en"], tiny_target)
     replayed = offline_acceptance(draft, tiny_target, {"recent": samples}, [num_steps])

@@ -15,24 +15,26 @@ from tide_lib.evaluation.segments import (
     segment_as_grouped,
     segment_of,
 )
-from tide_lib.lake.reader import TrainingSample
+from tide_lib.lake.schema import CapturedRecord
 
 HIDDEN = 32
 
 
 def _sample(
     name: str, center: np.ndarray, rng: np.random.Generator, **kw: object
-) -> TrainingSample:
+) -> CapturedRecord:
     tokens = int(rng.integers(6, 14))
     states = center[None] + 0.3 * rng.standard_normal((tokens, HIDDEN))
-    return TrainingSample(
+    return CapturedRecord(
         request_id=name,
+        target_id="t",
         draft_version="v1",
+        started_at=datetime.now(UTC),
         finished_at=datetime.now(UTC),
         input_ids=torch.arange(tokens),
         loss_mask=torch.ones(tokens, dtype=torch.long),
-        hidden_state=torch.from_numpy(states).half(),
-        aux_hidden_state=torch.zeros(tokens, 3 * HIDDEN, dtype=torch.half),
+        hidden_states=torch.from_numpy(states).half(),
+        aux_hidden_states=torch.zeros(tokens, 3 * HIDDEN, dtype=torch.half),
         spec_verify_ct=1,
         spec_accept_tokens=1,
         **kw,  # type: ignore[arg-type]
@@ -44,7 +46,7 @@ def _centers(count: int, seed: int = 7) -> list[np.ndarray]:
     return [3.0 * rng.standard_normal(HIDDEN) for _ in range(count)]
 
 
-def _traffic(counts: dict[int, int], seed: int = 0) -> list[tuple[int, TrainingSample]]:
+def _traffic(counts: dict[int, int], seed: int = 0) -> list[tuple[int, CapturedRecord]]:
     rng, centers = np.random.default_rng(seed), _centers(4)
     return [
         (group, _sample(f"g{group}-{i}", centers[group], rng))
@@ -54,7 +56,7 @@ def _traffic(counts: dict[int, int], seed: int = 0) -> list[tuple[int, TrainingS
 
 
 def _partition(
-    segmenter: Segmenter, traffic: list[tuple[int, TrainingSample]]
+    segmenter: Segmenter, traffic: list[tuple[int, CapturedRecord]]
 ) -> dict[int, set[str]]:
     found: dict[int, set[str]] = {}
     for group, sample in traffic:
@@ -177,9 +179,11 @@ def test_tide_own_segment_names_are_refused_as_labels(label: str) -> None:
 
 def test_a_segmenter_of_another_hidden_size_says_to_refit() -> None:
     fitted = fit_segmenter([s for _, s in _traffic({0: 5})], num_clusters=1, min_share=0.1)
-    other = TrainingSample(
+    other = CapturedRecord(
         "x",
+        "t",
         "v1",
+        datetime.now(UTC),
         datetime.now(UTC),
         torch.arange(3),
         torch.ones(3, dtype=torch.long),

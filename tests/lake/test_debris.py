@@ -82,7 +82,7 @@ def test_defect1_marker_whose_shard_is_gone_is_quarantined_not_fatal(
     shards = reader.list_shards(SLUG)
     lake_store.remove(shards[1].shard_key)  # retention crashed between shard and marker
 
-    assert [s.request_id for s in reader.iter_samples(shards)] == ["req-0", "req-2"]
+    assert [s.request_id for s in reader.iter_records(shards)] == ["req-0", "req-2"]
     assert reader.debris.missing_shards == 1
     assert [m.key for m in reader.list_shards(SLUG)] == [shards[0].key, shards[2].key]
     assert any(
@@ -142,7 +142,7 @@ def test_defect3_marker_pointing_outside_its_shards_is_refused(
     assert reader.debris.invalid_markers == 2
     assert [
         s.request_id
-        for s in reader.iter_samples(
+        for s in reader.iter_records(
             [*listed, *(dataclasses.replace(good, key=key, shard_key=state) for key in hostile)]
         )
     ] == ["req-0"]
@@ -159,7 +159,7 @@ def test_defect3_marker_counts_must_match_the_shard(
     lake_store.put_bytes(marker.key, lying.to_json())  # the sensor would count 100 phantom tokens
     reader = LakeReader(lake_store, lake_config)
     (listed,) = reader.list_shards(SLUG)
-    assert list(reader.iter_samples([listed])) == []
+    assert list(reader.iter_records([listed])) == []
     assert reader.debris.corrupt_shards == 1
     assert not lake_store.exists(marker.key) and not lake_store.exists(marker.shard_key)
 
@@ -189,7 +189,7 @@ def test_defect4_writer_refuses_bad_values_with_a_count(
     assert (stats.refused_records, stats.records_uploaded, stats.dropped_records) == (4, 1, 0)
     assert "refused captured request req-1: hidden_states holds NaN or inf" in caplog.text
     reader = LakeReader(lake_store, lake_config)
-    assert [s.request_id for s in reader.iter_samples(reader.list_shards(SLUG))] == ["req-0"]
+    assert [s.request_id for s in reader.iter_records(reader.list_shards(SLUG))] == ["req-0"]
 
 
 def test_defect4_writer_checks_finiteness_without_target_sizes(
@@ -210,12 +210,12 @@ def test_defect4_reader_skips_bad_records_that_reached_the_lake(
     _commit_raw(lake_store, lake_config, [good[0], *bad[:3]], datetime.now(UTC))
     _commit_raw(lake_store, lake_config, [bad[3], good[1]], datetime.now(UTC))
     reader = LakeReader(lake_store, lake_config, limits=TargetLimits(16, 1000))
-    samples = list(reader.iter_samples(reader.list_shards(SLUG)))
+    samples = list(reader.iter_records(reader.list_shards(SLUG)))
     assert [s.request_id for s in samples] == ["req-0", "req-5"]
     assert reader.debris.invalid_records == 4
     assert reader.debris.corrupt_shards == 0  # the shards are fine; some records are not
     unchecked = LakeReader(lake_store, lake_config)  # finiteness is checked always
-    assert len(list(unchecked.iter_samples(unchecked.list_shards(SLUG)))) == 4
+    assert len(list(unchecked.iter_records(unchecked.list_shards(SLUG)))) == 4
 
 
 def _land_late(
@@ -260,7 +260,7 @@ def test_defect7_marker_of_a_writer_behind_the_store_is_counted_once_and_logged(
     assert [m.key for m in after] == [late.key]
     assert fresh.debris.skewed_markers == 1
     assert "slow-clock" in caplog.text and late.key in caplog.text and "behind" in caplog.text
-    assert [s.request_id for s in fresh.iter_samples(after)] == ["req-1"]
+    assert [s.request_id for s in fresh.iter_records(after)] == ["req-1"]
     again = watermark(after, mark)
     assert again is not None and again > str(mark)
     assert fresh.list_shards(SLUG, after=again, settled=True) == []  # never counted twice

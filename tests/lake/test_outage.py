@@ -53,7 +53,7 @@ def test_store_restart_mid_stream_loses_and_duplicates_nothing(tmp_path: Path) -
         reader = LakeReader(store, lake)
         ids = Counter(
             s.request_id
-            for s in reader.iter_samples(reader.list_shards(target_slug("demo/target")))
+            for s in reader.iter_records(reader.list_shards(target_slug("demo/target")))
         )
         assert set(ids) == {f"req-{i}" for i in range(70)}
         assert max(ids.values()) == 1, f"duplicated: {[k for k, v in ids.items() if v > 1]}"

@@ -57,7 +57,7 @@ def test_segment_round_trips_and_bad_labels_are_refused_and_counted(
         assert writer.flush(timeout=30)
         assert writer.stats().refused_records == 2
     reader = LakeReader(lake_store, lake_config)
-    samples = {s.request_id: s for s in reader.iter_samples(reader.list_shards(SLUG))}
+    samples = {s.request_id: s for s in reader.iter_records(reader.list_shards(SLUG))}
     assert {rid: s.segment for rid, s in samples.items()} == {"req-0": "korean law", "req-1": None}
 
 
@@ -84,6 +84,6 @@ def test_shards_written_before_the_column_read_as_unlabelled(
     lake_store.put_bytes(marker.key, rewritten.to_json())
 
     fresh = LakeReader(lake_store, lake_config)
-    (sample,) = list(fresh.iter_samples(fresh.list_shards(SLUG)))
+    (sample,) = list(fresh.iter_records(fresh.list_shards(SLUG)))
     assert sample.request_id == "req-0" and sample.segment is None
     assert fresh.debris.corrupt_shards == 0

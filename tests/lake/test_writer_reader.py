@@ -53,18 +53,18 @@ def test_round_trip_keeps_tensors_equal(lake_store: ObjectStore, lake_config: La
     shards = reader.list_shards(SLUG)
     assert sum(m.num_records for m in shards) == 7
     assert reader.count_tokens(SLUG) == sum(5 + i for i in range(6)) + 12
-    samples = {s.request_id: s for s in reader.iter_samples(shards)}
+    samples = {s.request_id: s for s in reader.iter_records(shards)}
     assert set(samples) == {f"req-{i}" for i in [*range(6), 99]}
     for record in records:
         sample = samples[record.request_id]
         assert torch.equal(sample.input_ids, torch.from_numpy(record.input_ids))
         assert torch.equal(sample.loss_mask, torch.from_numpy(record.loss_mask).long())
-        assert torch.equal(sample.hidden_state, torch.from_numpy(record.hidden_states))
-        assert torch.equal(sample.aux_hidden_state, torch.from_numpy(record.aux_hidden_states))
+        assert torch.equal(sample.hidden_states, torch.from_numpy(record.hidden_states))
+        assert torch.equal(sample.aux_hidden_states, torch.from_numpy(record.aux_hidden_states))
         assert (sample.spec_verify_ct, sample.spec_accept_tokens) == (3, 4)
-    assert samples["req-99"].hidden_state.dtype == torch.bfloat16
-    assert torch.equal(samples["req-99"].hidden_state, bf16.hidden_states)
-    assert torch.equal(samples["req-99"].aux_hidden_state, bf16.aux_hidden_states)
+    assert samples["req-99"].hidden_states.dtype == torch.bfloat16
+    assert torch.equal(samples["req-99"].hidden_states, bf16.hidden_states)
+    assert torch.equal(samples["req-99"].aux_hidden_states, bf16.aux_hidden_states)
 
 
 def test_shards_follow_the_hive_layout(lake_store: ObjectStore, lake_config: LakeConfig) -> None:
@@ -115,7 +115,7 @@ def test_watermark_lists_only_newer_commits(
     _write(lake_store, lake_config, [make_record(i, tokens=7) for i in range(10, 12)])
     newer = reader.list_shards(SLUG, after=mark)
     assert reader.count_tokens(SLUG, after=mark) == 14
-    assert {s.request_id for s in reader.iter_samples(newer)} == {"req-10", "req-11"}
+    assert {s.request_id for s in reader.iter_records(newer)} == {"req-10", "req-11"}
     assert watermark([], previous=mark) == mark
 
 
@@ -131,7 +131,7 @@ def test_corrupt_and_truncated_shards_are_quarantined(
     lake_store.put_bytes(shards[1].shard_key, good[: len(good) // 2])  # truncated
     lake_store.put_bytes(shards[2].shard_key, b"PAR1" + bytes(len(good) - 8) + b"PAR1")  # garbage
 
-    read = [s.request_id for s in reader.iter_samples(shards)]
+    read = [s.request_id for s in reader.iter_records(shards)]
     assert read == ["req-0"]
     assert [m.shard_key for m in reader.list_shards(SLUG)] == [shards[0].shard_key]
     quarantined = {info.key for info in lake_store.list(f"{lake_config.prefix}/_quarantine/")}
@@ -152,7 +152,7 @@ def test_bad_record_is_refused_and_nothing_else_is_lost(
             )
         assert writer.submit(make_record(2))
     reader = LakeReader(lake_store, lake_config)
-    assert {s.request_id for s in reader.iter_samples(reader.list_shards(SLUG))} == {
+    assert {s.request_id for s in reader.iter_records(reader.list_shards(SLUG))} == {
         "req-0",
         "req-2",
     }
@@ -210,7 +210,7 @@ def test_unreachable_store_spools_then_a_new_writer_uploads(
         assert recovered.flush(timeout=30)
         assert recovered.stats().records_uploaded == 4
     reader = LakeReader(live_store, lake_config)
-    assert sorted(s.request_id for s in reader.iter_samples(reader.list_shards(SLUG))) == [
+    assert sorted(s.request_id for s in reader.iter_records(reader.list_shards(SLUG))) == [
         f"req-{i}" for i in range(4)
     ]
 
@@ -356,7 +356,7 @@ def test_time_window_filters_records_not_only_shards(
     cut = early + timedelta(minutes=5)
     shards = reader.list_shards(SLUG, start=cut)
     assert len(shards) == 1  # one shard holds both requests
-    assert [s.request_id for s in reader.iter_samples(shards, start=cut)] == ["req-1"]
+    assert [s.request_id for s in reader.iter_records(shards, start=cut)] == ["req-1"]
     assert [
-        s.request_id for s in reader.iter_samples(reader.list_shards(SLUG, end=cut), end=cut)
+        s.request_id for s in reader.iter_records(reader.list_shards(SLUG, end=cut), end=cut)
     ] == ["req-0"]

@@ -292,7 +292,7 @@ def _lake_records(top: Topology) -> list[str]:
     store = ObjectStore(top.config.store, top.config.store.lake_bucket)
     reader = LakeReader(store, top.config.lake)
     shards = reader.list_shards(target_slug(TARGET_ID))
-    return [sample.request_id for sample in reader.iter_samples(shards)]
+    return [sample.request_id for sample in reader.iter_records(shards)]
 
 
 def _wait_for_lake(top: Topology, timeout_s: float = 240) -> list[str]:

@@ -293,5 +293,5 @@ def test_a_retention_retry_finishes_a_half_deleted_shard(stack: TideConfig, tmp_
 
     assert cycle.apply_retention(config) == {"deleted": 2, "kept_unconsumed": 1}
     assert cycle.apply_retention(config) == {"deleted": 0, "kept_unconsumed": 1}
-    left = {sample.request_id for sample in reader.iter_samples(reader.list_shards(slug))}
+    left = {sample.request_id for sample in reader.iter_records(reader.list_shards(slug))}
     assert left == {"req-2"}

@@ -219,6 +219,6 @@ def test_the_segment_label_reaches_the_captured_record(
     samples: dict[str, object] = {}
     while time.monotonic() < deadline and not wanted.keys() <= samples.keys():
         shards = reader.list_shards(target_slug("tiny"))
-        samples = {s.request_id: s.segment for s in reader.iter_samples(shards)}
+        samples = {s.request_id: s.segment for s in reader.iter_records(shards)}
         time.sleep(0.5)
     assert {rid: samples.get(rid) for rid in wanted} == wanted

@@ -73,7 +73,7 @@ def test_captured_requests_read_back_equal_to_the_engine_states(
     samples = {}
     while time.monotonic() < deadline and not wanted <= samples.keys():
         samples = {
-            s.request_id: s for s in reader.iter_samples(reader.list_shards(target_slug("tiny")))
+            s.request_id: s for s in reader.iter_records(reader.list_shards(target_slug("tiny")))
         }
         time.sleep(0.5)
     assert wanted <= samples.keys()
@@ -88,8 +88,8 @@ def test_captured_requests_read_back_equal_to_the_engine_states(
         with torch.no_grad(), capture.capturing():
             model(input_ids=torch.tensor([tokens]))
         final, aux = capture.take()
-        assert torch.allclose(sample.hidden_state.float(), final[0], atol=2e-2)
-        assert torch.allclose(sample.aux_hidden_state.float(), aux[0], atol=2e-2)
+        assert torch.allclose(sample.hidden_states.float(), final[0], atol=2e-2)
+        assert torch.allclose(sample.aux_hidden_states.float(), aux[0], atol=2e-2)
     _metrics_parse_and_carry_the_capture(engines["spec"], captured=len(results))
 
 

@@ -77,7 +77,7 @@ def _config(stack: TideConfig, lake: LakeConfig, **serve: Any) -> TideConfig:
 
 def _read_back(store: ObjectStore, lake: LakeConfig, target: str) -> dict[str, Any]:
     reader = LakeReader(store, lake)
-    return {s.request_id: s for s in reader.iter_samples(reader.list_shards(target_slug(target)))}
+    return {s.request_id: s for s in reader.iter_records(reader.list_shards(target_slug(target)))}
 
 
 def test_chunked_prefill_prefix_cache_and_verify_blocks_land_as_the_target_computed(
@@ -117,15 +117,15 @@ def test_chunked_prefill_prefix_cache_and_verify_blocks_land_as_the_target_compu
     sample = samples["a"]
     assert sample.input_ids.tolist() == ids[:17]
     assert sample.loss_mask.tolist() == [0] * 10 + [1] * 7
-    torch.testing.assert_close(sample.hidden_state, final[:17].half())
-    torch.testing.assert_close(sample.aux_hidden_state, aux[:17].half())
+    torch.testing.assert_close(sample.hidden_states, final[:17].half())
+    torch.testing.assert_close(sample.aux_hidden_states, aux[:17].half())
     assert (sample.spec_verify_ct, sample.spec_accept_tokens) == (3, 5)
     # b: starts after its cached prefix, positions 4..9
     sample = samples["b"]
     assert sample.input_ids.tolist() == ids[4:10]
     assert sample.loss_mask.tolist() == [0] * 4 + [1] * 2
-    torch.testing.assert_close(sample.hidden_state, final[4:10].half())
-    torch.testing.assert_close(sample.aux_hidden_state, aux[4:10].half())
+    torch.testing.assert_close(sample.hidden_states, final[4:10].half())
+    torch.testing.assert_close(sample.aux_hidden_states, aux[4:10].half())
     assert (capture.captured, capture.skipped, capture.dropped) == (2, 0, 0)
 
 

@@ -13,7 +13,7 @@ through the target's ``lm_head``.
 Acceptance length is pooled as SGLang pools it: tokens emitted by verify steps
 (bonus included) over verify steps, summed over all requests of a segment.
 
-Samples are lake records (:class:`~tide_lib.lake.reader.TrainingSample`) or
+Samples are lake records (:class:`~tide_lib.lake.schema.CapturedRecord`) or
 training files in SpecForge's offline layout (:func:`replay_sample`): the trainer
 scores its held-out split with the same replay while it trains.
 """
@@ -57,17 +57,17 @@ class ReplaySample(Protocol):
     @property
     def loss_mask(self) -> torch.Tensor: ...  # [T], 1 on output tokens
     @property
-    def hidden_state(self) -> torch.Tensor: ...  # [T, H]
+    def hidden_states(self) -> torch.Tensor: ...  # [T, H]
     @property
-    def aux_hidden_state(self) -> torch.Tensor: ...  # [T, 3H]
+    def aux_hidden_states(self) -> torch.Tensor: ...  # [T, 3H]
 
 
 @dataclasses.dataclass(frozen=True)
 class _OfflineSample:
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
-    hidden_state: torch.Tensor
-    aux_hidden_state: torch.Tensor
+    hidden_states: torch.Tensor
+    aux_hidden_states: torch.Tensor
 
 
 def content_digest(input_ids: torch.Tensor) -> bytes:
@@ -95,8 +95,8 @@ def replay_sample(raw: Mapping[str, Any]) -> ReplaySample:
     return _OfflineSample(
         input_ids=raw["input_ids"].reshape(-1),
         loss_mask=raw["loss_mask"].reshape(-1),
-        hidden_state=raw["hidden_state"].reshape(-1, raw["hidden_state"].shape[-1]),
-        aux_hidden_state=raw["aux_hidden_state"].reshape(-1, raw["aux_hidden_state"].shape[-1]),
+        hidden_states=raw["hidden_state"].reshape(-1, raw["hidden_state"].shape[-1]),
+        aux_hidden_states=raw["aux_hidden_state"].reshape(-1, raw["aux_hidden_state"].shape[-1]),
     )
 
 
@@ -171,8 +171,8 @@ def replay_request(
     if 1 not in mask:
         return 0, 0
     prompt_len = mask.index(1)
-    aux = sample.aux_hidden_state.float()
-    last_token = int(lm_head(sample.hidden_state[-1].float()).argmax())
+    aux = sample.aux_hidden_states.float()
+    last_token = int(lm_head(sample.hidden_states[-1].float()).argmax())
     tokens = [*sample.input_ids.tolist(), last_token]  # prompt + every output token
     output_len = len(tokens) - prompt_len
     runner.reset()

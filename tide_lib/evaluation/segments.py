@@ -29,7 +29,7 @@ import numpy as np
 from tide_lib.lake.schema import CLUSTER_PREFIX, UNSEGMENTED
 
 if TYPE_CHECKING:
-    from tide_lib.lake.reader import TrainingSample
+    from tide_lib.lake.schema import CapturedRecord
 
 __all__ = [
     "CLUSTER_PREFIX",
@@ -47,9 +47,12 @@ _MAX_ITERATIONS: Final = 100
 _FORMAT_VERSION: Final = 1
 
 
-def pooled_state(sample: TrainingSample) -> np.ndarray:
+def pooled_state(sample: CapturedRecord) -> np.ndarray:
     """The request as one point: its final hidden states averaged over tokens, unit length."""
-    states = sample.hidden_state.float().mean(dim=0).numpy().astype(np.float64)
+    import torch  # noqa: PLC0415  (records hold torch tensors or numpy arrays)
+
+    mean = torch.as_tensor(sample.hidden_states).float().mean(dim=0)
+    states: np.ndarray = mean.numpy().astype(np.float64)
     norm = float(np.linalg.norm(states))
     return states / norm if norm > 0 else states
 
@@ -78,7 +81,7 @@ class Segmenter:
     def num_clusters(self) -> int:
         return len(self.cluster_ids)
 
-    def assign(self, sample: TrainingSample) -> str:
+    def assign(self, sample: CapturedRecord) -> str:
         """The segment of an unlabelled request."""
         if self.num_clusters == 0:
             return UNSEGMENTED
@@ -128,14 +131,14 @@ class Segmenter:
         )
 
 
-def segment_of(sample: TrainingSample, segmenter: Segmenter | None) -> str:
+def segment_of(sample: CapturedRecord, segmenter: Segmenter | None) -> str:
     """The client's label when the request has one the segmenter keeps, else its cluster."""
     if sample.segment is not None and (segmenter is None or segmenter.keeps(sample.segment)):
         return sample.segment
     return segmenter.assign(sample) if segmenter is not None else UNSEGMENTED
 
 
-def segment_as_grouped(sample: TrainingSample, grouping: Segmenter, current: Segmenter) -> str:
+def segment_as_grouped(sample: CapturedRecord, grouping: Segmenter, current: Segmenter) -> str:
     """The segment of ``sample`` as an older segmenter (``grouping``, a baseline's) named
     it, so clusters mean the same requests on both sides; a client label this cycle's
     segmenter (``current``) keeps is its own segment whatever ``grouping`` knew (labels
@@ -146,7 +149,7 @@ def segment_as_grouped(sample: TrainingSample, grouping: Segmenter, current: Seg
 
 
 def fit_segmenter(
-    samples: Iterable[TrainingSample],
+    samples: Iterable[CapturedRecord],
     *,
     num_clusters: int,
     min_share: float,

@@ -38,8 +38,7 @@ from tqdm import tqdm
 
 from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.errors import TideError
-from tide_lib.lake import target_slug
-from tide_lib.lake.reader import TrainingSample
+from tide_lib.lake import CapturedRecord, target_slug
 
 if TYPE_CHECKING:
     from tide_lib.registry import DraftRegistry
@@ -139,7 +138,7 @@ def _held_out(index: int, prompt: str, percent: int) -> bool:
 
 def _held_out_samples(
     target_dir: Path, items: list[dict[str, Any]], default_max: int
-) -> list[TrainingSample]:
+) -> list[CapturedRecord]:
     """The target's greedy answers to held-out prompts, with their states (as serving captures)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
@@ -154,7 +153,11 @@ def _held_out_samples(
         generation = decoder.generate(
             ids, int(item.get("max_new_tokens", default_max)), speculative=False
         )
-        samples.append(generation.training_sample(f"held-out-{index}"))
+        samples.append(
+            generation.captured_record(
+                f"held-out-{index}", target_id=target_dir.name, started_at=datetime.now(UTC)
+            )
+        )
     return samples
 
 
@@ -301,7 +304,7 @@ def _train_oracle(
         loop.oracle_data = "all of the new segment's requests (no cycle reached them)"
         new_ids = new_traffic(len(served))
     count = 0
-    for sample in reader.iter_samples(reader.list_shards(target_slug(config.cycle.target_id))):
+    for sample in reader.iter_records(reader.list_shards(target_slug(config.cycle.target_id))):
         if sample.request_id in new_ids:
             sample.save_specforge(data, count)
             count += 1
@@ -319,7 +322,7 @@ def _train_oracle(
 def _acceptance(
     versions: dict[str, Path],
     target_dir: Path,
-    by_segment: dict[str, list[TrainingSample]],
+    by_segment: dict[str, list[CapturedRecord]],
     ks: tuple[int, ...],
 ) -> dict[str, dict[str, dict[str, float]]]:
     """Offline acceptance length per draft, segment and k, on the held-out requests."""

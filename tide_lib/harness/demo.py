@@ -220,7 +220,7 @@ class _Meter:
         shards = self.reader.list_shards(self.slug, after=self.after, settled=True)
         if not shards:
             return None
-        samples = list(self.reader.iter_samples(shards))
+        samples = list(self.reader.iter_records(shards))
         self.after = shards[-1].key  # only once read: a store hiccup retries them next time
         serving = AcceptanceCount(keep_requests=False)
         for sample in samples:

@@ -119,7 +119,7 @@ def run_lake_bench(
     stored_bytes = sum(marker.size_bytes for marker in shards)
     started = time.perf_counter()
     read_tokens = 0
-    for sample in tqdm(reader.iter_samples(shards), total=params.records, desc="read", unit="rec"):
+    for sample in tqdm(reader.iter_records(shards), total=params.records, desc="read", unit="rec"):
         read_tokens += int(sample.input_ids.shape[0])
     read_seconds = time.perf_counter() - started
     for marker in shards:

@@ -71,8 +71,10 @@ def bootstrap_draft(
     for index, prompt in enumerate(tqdm(prompts, desc="bootstrap answers", unit="req")):
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         generation = decoder.generate(ids, max_new_tokens, speculative=False)
-        sample = generation.training_sample(f"bootstrap-{index}")
-        sample.save_specforge(data, index)
+        record = generation.captured_record(
+            f"bootstrap-{index}", target_id=target_dir.name, started_at=datetime.now(UTC)
+        )
+        record.save_specforge(data, index)
     return train_draft(data, target_dir, out_dir / "bootstrap-run", train).draft_dir
 
 

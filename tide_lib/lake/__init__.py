@@ -5,7 +5,7 @@ sensors read through :class:`LakeReader`. Only committed shards are ever read.
 """
 
 from tide_lib.lake.layout import CommitMarker, target_slug
-from tide_lib.lake.reader import CorruptShardError, LakeReader, TrainingSample, watermark
+from tide_lib.lake.reader import CorruptShardError, LakeReader, watermark
 from tide_lib.lake.schema import RECORD_SCHEMA, CapturedRecord, InvalidRecordError
 from tide_lib.lake.store import ObjectStore, StoreUnavailableError
 from tide_lib.lake.writer import LakeWriter, WriterStats
@@ -20,7 +20,6 @@ __all__ = [
     "LakeWriter",
     "ObjectStore",
     "StoreUnavailableError",
-    "TrainingSample",
     "WriterStats",
     "target_slug",
     "watermark",

@@ -1,7 +1,7 @@
 """Reading the lake: committed shards only, by time window or after a watermark.
 
 Listing and token counting read commit markers only (small JSON objects, cached:
-they are immutable). Samples stream one shard at a time through a temporary file
+they are immutable). Records stream one shard at a time through a temporary file
 and small record batches, so memory stays bounded by a batch, not by the window.
 A shard whose bytes or counts do not match its marker, or that Parquet cannot
 decode, is moved to ``<prefix>/_quarantine/`` with its marker, logged, and skipped.
@@ -48,6 +48,7 @@ from tide_lib.lake.schema import (
     LEGACY_RECORD_SCHEMAS,
     NUM_AUX_LAYERS,
     RECORD_SCHEMA,
+    CapturedRecord,
     TargetLimits,
     reserved_segment,
     segment_problem,
@@ -63,7 +64,6 @@ __all__ = [
     "DebrisCounts",
     "LakeReader",
     "PartitionStats",
-    "TrainingSample",
     "partition_stats",
     "watermark",
 ]
@@ -91,41 +91,6 @@ class DebrisCounts:
     corrupt_shards: int = 0  # shards that do not match their marker: quarantined
     invalid_records: int = 0  # NaN/inf states, out-of-vocabulary ids, other hidden size
     skewed_markers: int = 0  # stamped far from the store's Last-Modified (a writer's clock)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TrainingSample:
-    """One captured request as training and evaluation consume it (torch tensors)."""
-
-    request_id: str
-    draft_version: str
-    finished_at: datetime
-    input_ids: torch.Tensor  # [T] int64
-    loss_mask: torch.Tensor  # [T] int64, 1 on output tokens
-    hidden_state: torch.Tensor  # [T, H] final-layer state
-    aux_hidden_state: torch.Tensor  # [T, 3H] EAGLE3 aux-layer states
-    spec_verify_ct: int
-    spec_accept_tokens: int
-    segment: str | None = None  # the client's label; None when unlabelled or an old shard
-
-    def to_specforge(self) -> dict[str, torch.Tensor]:
-        """The dict SpecForge's ``OfflineEagle3Dataset`` loads from a ``.ckpt`` file."""
-        return {
-            "input_ids": self.input_ids,
-            "loss_mask": self.loss_mask,
-            "hidden_state": self.hidden_state,
-            "aux_hidden_state": self.aux_hidden_state,
-        }
-
-    def save_specforge(self, folder: Path, index: int, **extra: object) -> Path:
-        """Write the sample as SpecForge's offline file ``folder/data_<index>.ckpt`` (with
-        ``extra`` keys, such as its segment): the one writer of that format."""
-        import torch  # noqa: PLC0415
-
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"data_{index:08d}.ckpt"
-        torch.save({**self.to_specforge(), **extra}, path)
-        return path
 
 
 class LakeReader:
@@ -307,14 +272,14 @@ class LakeReader:
 
     # -- streaming -------------------------------------------------------------------
 
-    def iter_samples(
+    def iter_records(
         self,
         shards: Iterable[CommitMarker],
         *,
         start: datetime | None = None,
         end: datetime | None = None,
-    ) -> Iterator[TrainingSample]:
-        """Stream samples shard by shard; bad shards are quarantined, bad records skipped.
+    ) -> Iterator[CapturedRecord]:
+        """Stream records shard by shard; bad shards are quarantined, bad records skipped.
 
         ``start``/``end`` keep only requests that finished in ``[start, end)`` (a shard
         listed for a window may also hold requests just outside it).
@@ -337,7 +302,7 @@ class LakeReader:
             except CorruptShardError as error:
                 self.quarantine(marker, str(error))
 
-    def _iter_shard(self, marker: CommitMarker) -> Iterator[TrainingSample]:
+    def _iter_shard(self, marker: CommitMarker) -> Iterator[CapturedRecord]:
         with tempfile.TemporaryDirectory(prefix="tide-shard-") as tmp:
             path = Path(tmp) / "shard.parquet"
             try:
@@ -361,16 +326,16 @@ class LakeReader:
                     f"shard {marker.shard_key} cannot be decoded: {error}"
                 ) from error
 
-    def _checked_sample(self, row: dict[str, Any], marker: CommitMarker) -> TrainingSample | None:
+    def _checked_sample(self, row: dict[str, Any], marker: CommitMarker) -> CapturedRecord | None:
         """The row as a sample, or None (counted, logged) if its values must not train."""
-        sample = _to_sample(row, marker)
+        sample = _to_record(row, marker)
         if sample.segment is not None and reserved_segment(sample.segment):
             # written before these names were reserved: the request still trains, unlabelled
             sample = dataclasses.replace(sample, segment=None)
         problem = segment_problem(sample.segment) or values_problem(
             sample.input_ids,
-            sample.hidden_state,
-            sample.aux_hidden_state,
+            sample.hidden_states,
+            sample.aux_hidden_states,
             self.limits,
         )
         if problem is None:
@@ -409,7 +374,7 @@ class LakeReader:
         """Write SpecForge's offline layout: one ``.ckpt`` per sample. Returns the count."""
         out_dir.mkdir(parents=True, exist_ok=True)
         count = 0
-        for sample in self.iter_samples(shards):
+        for sample in self.iter_records(shards):
             sample.save_specforge(out_dir, count)
             count += 1
         logger.info("wrote %d SpecForge samples to %s", count, out_dir)
@@ -455,7 +420,8 @@ def _verify_counts(parquet: pq.ParquetFile, marker: CommitMarker) -> None:
         )
 
 
-def _to_sample(row: dict[str, Any], marker: CommitMarker) -> TrainingSample:
+def _to_record(row: dict[str, Any], marker: CommitMarker) -> CapturedRecord:
+    """A Parquet row as the record serving wrote, with torch tensors (ids and mask int64)."""
     import torch  # noqa: PLC0415
 
     num_tokens, hidden_size = row["num_tokens"], row["hidden_size"]
@@ -479,16 +445,19 @@ def _to_sample(row: dict[str, Any], marker: CommitMarker) -> TrainingSample:
             torch.frombuffer(bytearray(raw), dtype=torch.int16).view(dtype).view(num_tokens, width)
         )
 
-    return TrainingSample(
+    return CapturedRecord(
         request_id=row["request_id"],
+        target_id=row["target_id"],
         draft_version=row["draft_version"],
+        started_at=row["started_at"],
         finished_at=row["finished_at"],
         input_ids=torch.tensor(row["input_ids"], dtype=torch.long),
         loss_mask=torch.tensor(row["loss_mask"], dtype=torch.long),
-        hidden_state=tensor(hidden_bytes, hidden_size),
-        aux_hidden_state=tensor(aux_bytes, hidden_size * NUM_AUX_LAYERS),
+        hidden_states=tensor(hidden_bytes, hidden_size),
+        aux_hidden_states=tensor(aux_bytes, hidden_size * NUM_AUX_LAYERS),
         spec_verify_ct=row["spec_verify_ct"],
         spec_accept_tokens=row["spec_accept_tokens"],
+        completion_tokens=row["completion_tokens"],
         segment=row.get("segment"),
     )
 

@@ -107,6 +107,10 @@ class InvalidRecordError(TideError, ValueError):
 class CapturedRecord:
     """One finished request with the target's hidden states.
 
+    The one record type of a captured request: serving builds it, the lake writes and
+    reads it (:class:`~tide_lib.lake.reader.LakeReader` yields it with torch tensors,
+    ``input_ids`` and ``loss_mask`` as int64), training and evaluation consume it.
+
     Tensors may be numpy arrays or torch tensors (CPU). ``hidden_states`` is
     ``[T, H]``, ``aux_hidden_states`` is ``[T, 3H]``, both float16 or bfloat16;
     ``input_ids`` and ``loss_mask`` are ``[T]``. ``spec_verify_ct`` counts target
@@ -154,6 +158,28 @@ class CapturedRecord:
             aux_hidden_states=aux.to(torch.float16),
             **fields,
         )
+
+    def to_specforge(self) -> dict[str, Any]:
+        """The dict SpecForge's ``OfflineEagle3Dataset`` loads from a ``.ckpt`` file (its
+        names: ``hidden_state``, ``aux_hidden_state``; ids and mask as int64)."""
+        import torch  # noqa: PLC0415
+
+        return {
+            "input_ids": torch.as_tensor(self.input_ids).long(),
+            "loss_mask": torch.as_tensor(self.loss_mask).long(),
+            "hidden_state": torch.as_tensor(self.hidden_states),
+            "aux_hidden_state": torch.as_tensor(self.aux_hidden_states),
+        }
+
+    def save_specforge(self, folder: Path, index: int, **extra: object) -> Path:
+        """Write the record as SpecForge's offline file ``folder/data_<index>.ckpt`` (with
+        ``extra`` keys, such as its segment): the one writer of that format."""
+        import torch  # noqa: PLC0415
+
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"data_{index:08d}.ckpt"
+        torch.save({**self.to_specforge(), **extra}, path)
+        return path
 
 
 def reserved_segment(segment: str) -> bool:

@@ -38,7 +38,8 @@ from tide_lib.evaluation.offline import (
 from tide_lib.evaluation.segments import segment_as_grouped, segment_of
 from tide_lib.lake import LakeReader, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
-from tide_lib.lake.reader import TrainingSample, watermark
+from tide_lib.lake.reader import watermark
+from tide_lib.lake.schema import CapturedRecord
 from tide_lib.names import Tags
 from tide_lib.orchestration.drift_check import (
     check_drift,
@@ -219,7 +220,7 @@ def _take(reader: LakeReader, keys: list[str], budget_tokens: float) -> list[Com
     return taken
 
 
-def _held_out(sample: TrainingSample, percent: int) -> bool:
+def _held_out(sample: CapturedRecord, percent: int) -> bool:
     """Held out of training in every cycle: judges forgetting once the traffic is older.
 
     A hash of the request's tokens, not of its id: copies of one request (a prompt the
@@ -230,7 +231,7 @@ def _held_out(sample: TrainingSample, percent: int) -> bool:
 
 def _window_split(
     config: TideConfig, snapshot: Snapshot, reader: LakeReader
-) -> Iterator[tuple[bool, TrainingSample]]:
+) -> Iterator[tuple[bool, CapturedRecord]]:
     """The window's requests in commit order, each with whether it is held out.
 
     The one held-out rule (a hash of the request's tokens), so a request judged now is
@@ -239,7 +240,7 @@ def _window_split(
     held out too, so a small window still has recent traffic to judge on.
     """
     percent = config.cycle.held_out_percent
-    for position, sample in enumerate(reader.iter_samples(markers_of(reader, snapshot.window))):
+    for position, sample in enumerate(reader.iter_records(markers_of(reader, snapshot.window))):
         yield position == 0 or _held_out(sample, percent), sample
 
 
@@ -273,7 +274,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
             drifted = set()
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
-    def save(sample: TrainingSample, window: bool) -> None:
+    def save(sample: CapturedRecord, window: bool) -> None:
         segment = segment_of(sample, segmenter)
         learn = not drifted or segment_as_grouped(sample, drift_segmenter, segmenter) in drifted
         part = WINDOW_DIR if window and learn else REPLAY_DIR
@@ -287,7 +288,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
             judged.add(digest)
         elif digest not in judged:
             save(sample, window=True)
-    for sample in reader.iter_samples(markers_of(reader, snapshot.replay)):
+    for sample in reader.iter_records(markers_of(reader, snapshot.replay)):
         held = _held_out(sample, config.cycle.held_out_percent)
         if not held and content_digest(sample.input_ids) not in judged:
             save(sample, window=False)
@@ -311,7 +312,7 @@ class HeldOutTraffic:
     arriving protected.
     """
 
-    samples: dict[str, list[TrainingSample]]
+    samples: dict[str, list[CapturedRecord]]
     window_tokens: dict[str, int]
     older_tokens: dict[str, int]
     segmenter_key: str
@@ -343,12 +344,12 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
     older commits, grouped by segment (a client's label, else the cycle's clusters)."""
     segmenter, key = cycle_segmenter(config, snapshot)
     reader = sample_reader(config)
-    samples: dict[str, list[TrainingSample]] = {}
+    samples: dict[str, list[CapturedRecord]] = {}
     window_tokens: dict[str, int] = {}
     older_tokens: dict[str, int] = {}
     seen: set[bytes] = set()  # a request judged once, however often it was sent
 
-    def judge(segment: str, sample: TrainingSample) -> bool:
+    def judge(segment: str, sample: CapturedRecord) -> bool:
         digest = content_digest(sample.input_ids)
         if digest in seen:
             return False
@@ -363,7 +364,7 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
             judge(segment, sample)
     held_older = 0
     budget = config.cycle.held_out_older_tokens
-    for sample in reader.iter_samples(markers_of(reader, snapshot.held_out_older)):
+    for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
         if held_older >= budget:
             break
         segment, tokens = segment_of(sample, segmenter), int(sample.input_ids.numel())
@@ -374,7 +375,7 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
     return HeldOutTraffic(samples, window_tokens, older_tokens, key)
 
 
-def held_out_samples(config: TideConfig, snapshot: Snapshot) -> dict[str, list[TrainingSample]]:
+def held_out_samples(config: TideConfig, snapshot: Snapshot) -> dict[str, list[CapturedRecord]]:
     """The gate's held-out requests by segment (see :func:`held_out_traffic`)."""
     return held_out_traffic(config, snapshot).samples
 

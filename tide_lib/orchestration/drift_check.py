@@ -27,8 +27,7 @@ from tide_lib.evaluation.offline import (
     length_margin,
 )
 from tide_lib.evaluation.segments import Segmenter, segment_as_grouped
-from tide_lib.lake.reader import TrainingSample
-from tide_lib.lake.schema import reserved_segment
+from tide_lib.lake.schema import CapturedRecord, reserved_segment
 from tide_lib.lake.store import StoreUnavailableError
 from tide_lib.names import Tags
 from tide_lib.orchestration import state
@@ -329,7 +328,7 @@ def _still_learning(config: TideConfig, champion: Any, no_drift: str) -> Drift |
 
 def _window_sample(
     config: TideConfig, snapshot: Snapshot, grouping: Segmenter, current: Segmenter
-) -> tuple[dict[str, list[TrainingSample]], dict[str, float]]:
+) -> tuple[dict[str, list[CapturedRecord]], dict[str, float]]:
     """An even sample of the window's distinct requests by segment (as ``grouping``
     names them, see :func:`segment_as_grouped`), and each segment's token share (copies
     included: they are traffic).
@@ -340,10 +339,10 @@ def _window_sample(
     """
     reader = state.sample_reader(config)
     rate = min(1.0, config.cycle.drift_sample_tokens / max(snapshot.window_tokens, 1))
-    samples: dict[str, list[TrainingSample]] = {}
+    samples: dict[str, list[CapturedRecord]] = {}
     tokens: dict[str, int] = {}
     seen: set[bytes] = set()
-    for sample in reader.iter_samples(state.markers_of(reader, snapshot.window)):
+    for sample in reader.iter_records(state.markers_of(reader, snapshot.window)):
         segment = segment_as_grouped(sample, grouping, current)
         tokens[segment] = tokens.get(segment, 0) + int(sample.input_ids.numel())
         digest = content_digest(sample.input_ids)
@@ -359,7 +358,7 @@ def _champion_counts(
     config: TideConfig,
     registry: DraftRegistry,
     version: str,
-    samples: dict[str, list[TrainingSample]],
+    samples: dict[str, list[CapturedRecord]],
 ) -> dict[str, AcceptanceCount]:
     """Offline acceptance counts of ``version`` per segment at ``gate.k``."""
     from tide_lib.training.specforge_runtime import prepare_specforge  # noqa: PLC0415
@@ -374,7 +373,7 @@ def version_acceptance(
     config: TideConfig,
     registry: DraftRegistry,
     version: str,
-    samples: dict[str, list[TrainingSample]],
+    samples: dict[str, list[CapturedRecord]],
     *,
     ks: list[int],
     work: Path,

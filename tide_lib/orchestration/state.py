@@ -143,7 +143,7 @@ def cycle_segmenter(config: TideConfig, snapshot: Snapshot) -> tuple[Segmenter, 
     reader = sample_reader(config)
     markers = markers_of(reader, [*snapshot.window, *snapshot.held_out_older])
     segmenter = fit_segmenter(
-        reader.iter_samples(markers),
+        reader.iter_records(markers),
         num_clusters=config.cycle.segment_clusters,
         min_share=config.gate.min_segment_share,
         max_labels=config.cycle.segment_labels_max,

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import torch
 
-from tide_lib.lake.reader import TrainingSample
 from tide_lib.lake.schema import CapturedRecord
 from tide_lib.serving.k_policy import RoundTimings
 from tide_lib.target_model.hidden import HiddenStateCapture
@@ -56,8 +55,8 @@ class Generation:
         request_id: str,
         *,
         target_id: str,
-        draft_version: str,
         started_at: datetime,
+        draft_version: str = "",
         segment: str | None = None,
     ) -> CapturedRecord:
         """This request as the lake stores it (the capture contract of ``lake.schema``)."""
@@ -72,22 +71,6 @@ class Generation:
             spec_accept_tokens=self.accepted_draft_tokens,
             completion_tokens=len(self.output_ids),
             segment=segment,
-        )
-
-    def training_sample(self, request_id: str, draft_version: str = "") -> TrainingSample:
-        """This request as training reads it, without a trip through the lake (benchmarks
-        that train on a target's own answers)."""
-        ids, mask = self._read_tokens()
-        return TrainingSample(
-            request_id=request_id,
-            draft_version=draft_version,
-            finished_at=datetime.now(UTC),
-            input_ids=torch.tensor(ids),
-            loss_mask=torch.tensor(mask),
-            hidden_state=self.final_states.to(torch.float16),
-            aux_hidden_state=self.aux_states.to(torch.float16),
-            spec_verify_ct=self.verify_steps,
-            spec_accept_tokens=self.accepted_draft_tokens,
         )
 
     @property
