@@ -140,7 +140,6 @@ def captured(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
     Keys: ``en_train``, ``en_heldout``, ``ko_train``, ``ko_heldout``.
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tide_lib.target_model import load_corpus
@@ -159,15 +158,7 @@ def captured(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
             for index, record in enumerate(
                 capture_records(model, tokenizer, documents, target_id="tiny")
             ):
-                torch.save(
-                    {
-                        "input_ids": record.input_ids.long(),
-                        "loss_mask": record.loss_mask.long(),
-                        "hidden_state": record.hidden_states,
-                        "aux_hidden_state": record.aux_hidden_states,
-                    },
-                    out / f"data_{index:06d}.ckpt",
-                )
+                record.save_specforge(out, index)
             dirs[f"{language}_{split}"] = out
     return dirs
 

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from tests.conftest import make_record
-from tide_lib.lake.schema import InvalidRecordError, records_to_table, validate_record
+from tide_lib.lake.schema import (
+    CapturedRecord,
+    InvalidRecordError,
+    records_to_table,
+    validate_record,
+)
 
 
 def test_valid_numpy_and_torch_records_pass() -> None:
@@ -67,3 +73,29 @@ def _bad(**changes: object) -> object:
 def test_bad_records_are_refused_with_the_field_named(record: object, message: str) -> None:
     with pytest.raises(InvalidRecordError, match=message):
         validate_record(record)  # type: ignore[arg-type]
+
+
+def test_a_record_of_any_origin_saves_as_specforges_offline_file(tmp_path: Path) -> None:
+    """One writer of the ``.ckpt`` format: a record serving built (int32 ids, int8 mask,
+    torch float16 states) and one with numpy arrays both save as SpecForge loads them."""
+    numpy_record = make_record(tokens=7, hidden=8)
+    served = CapturedRecord.of_forward(
+        "req-served",
+        datetime.now(UTC),
+        ([5, 6, 7, 8], [0, 0, 1, 1]),
+        (torch.randn(4, 8), torch.randn(4, 24)),
+        target_id="t",
+        draft_version="v1",
+    )
+    for index, record in enumerate((numpy_record, served)):
+        path = record.save_specforge(tmp_path / "data", index, segment="s")
+        assert path.name == f"data_{index:08d}.ckpt"
+        saved = torch.load(path, weights_only=True)
+        tokens = len(record.input_ids)
+        assert saved["input_ids"].dtype == saved["loss_mask"].dtype == torch.int64
+        assert saved["input_ids"].tolist() == [int(t) for t in record.input_ids]
+        assert saved["loss_mask"].tolist() == [int(m) for m in record.loss_mask]
+        assert saved["hidden_state"].dtype == saved["aux_hidden_state"].dtype == torch.float16
+        assert saved["hidden_state"].shape == (tokens, 8)
+        assert saved["aux_hidden_state"].shape == (tokens, 24)
+        assert saved["segment"] == "s"

@@ -49,10 +49,7 @@ _FORMAT_VERSION: Final = 1
 
 def pooled_state(sample: CapturedRecord) -> np.ndarray:
     """The request as one point: its final hidden states averaged over tokens, unit length."""
-    import torch  # noqa: PLC0415  (records hold torch tensors or numpy arrays)
-
-    mean = torch.as_tensor(sample.hidden_states).float().mean(dim=0)
-    states: np.ndarray = mean.numpy().astype(np.float64)
+    states: np.ndarray = sample.hidden_states.float().mean(dim=0).numpy().astype(np.float64)
     norm = float(np.linalg.norm(states))
     return states / norm if norm > 0 else states
 

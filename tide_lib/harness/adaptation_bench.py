@@ -150,12 +150,13 @@ def _held_out_samples(
     samples = []
     for index, item in enumerate(items):
         ids = tokenizer.encode(item["prompt"], add_special_tokens=False)
+        started = datetime.now(UTC)
         generation = decoder.generate(
             ids, int(item.get("max_new_tokens", default_max)), speculative=False
         )
         samples.append(
             generation.captured_record(
-                f"held-out-{index}", target_id=target_dir.name, started_at=datetime.now(UTC)
+                f"held-out-{index}", target_id=target_dir.name, started_at=started
             )
         )
     return samples

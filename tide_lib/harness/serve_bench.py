@@ -70,9 +70,10 @@ def bootstrap_draft(
     data.mkdir(parents=True, exist_ok=True)
     for index, prompt in enumerate(tqdm(prompts, desc="bootstrap answers", unit="req")):
         ids = tokenizer.encode(prompt, add_special_tokens=False)
+        started = datetime.now(UTC)
         generation = decoder.generate(ids, max_new_tokens, speculative=False)
         record = generation.captured_record(
-            f"bootstrap-{index}", target_id=target_dir.name, started_at=datetime.now(UTC)
+            f"bootstrap-{index}", target_id=target_dir.name, started_at=started
         )
         record.save_specforge(data, index)
     return train_draft(data, target_dir, out_dir / "bootstrap-run", train).draft_dir

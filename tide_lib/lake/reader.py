@@ -318,7 +318,7 @@ class LakeReader:
                 _verify_counts(parquet, marker)
                 for batch in parquet.iter_batches(batch_size=_BATCH_ROWS):
                     for row in batch.to_pylist():
-                        sample = self._checked_sample(row, marker)
+                        sample = self._checked_record(row, marker)
                         if sample is not None:
                             yield sample
             except (pa.ArrowException, OSError) as error:
@@ -326,8 +326,8 @@ class LakeReader:
                     f"shard {marker.shard_key} cannot be decoded: {error}"
                 ) from error
 
-    def _checked_sample(self, row: dict[str, Any], marker: CommitMarker) -> CapturedRecord | None:
-        """The row as a sample, or None (counted, logged) if its values must not train."""
+    def _checked_record(self, row: dict[str, Any], marker: CommitMarker) -> CapturedRecord | None:
+        """The row as a record, or None (counted, logged) if its values must not train."""
         sample = _to_record(row, marker)
         if sample.segment is not None and reserved_segment(sample.segment):
             # written before these names were reserved: the request still trains, unlabelled
