@@ -14,9 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.conftest import make_record
 from tide_lib.config import LakeConfig, TideConfig
+from tide_lib.evaluation.offline import content_fraction
 from tide_lib.evaluation.segments import Segmenter
 from tide_lib.lake import LakeWriter, ObjectStore, target_slug
 from tide_lib.lake.schema import CapturedRecord
@@ -133,3 +135,26 @@ def test_export_separates_window_and_replay(
     replay = sorted((tmp_path / "data" / "replay").glob("*.ckpt"))
     assert window and replay and count == len(window) + len(replay)
     assert not list((tmp_path / "data").glob("*.ckpt"))  # nothing outside the two
+
+
+def test_the_replay_favours_the_segment_the_window_lost(
+    config: TideConfig, lake_store: ObjectStore, tmp_path: Path
+) -> None:
+    # Older traffic: English chat mostly, some English docs; the window: English chat only.
+    few = config.model_copy(update={"cycle": config.cycle.model_copy(update={"replay_share": 0.5})})
+    older = [_record(i, CENTERS[0], "english") for i in range(30)]
+    older += [_record(100 + i, CENTERS[1], "docs") for i in range(10)]
+    _write(lake_store, few, older)
+    cycle.advance_watermark(few, cycle.snapshot_window(few, "c1"))
+    _write(lake_store, few, [_record(200 + i, CENTERS[0], "english") for i in range(20)])
+    snapshot = cycle.snapshot_window(few, "c2")
+    cycle.export_training_data(few, snapshot, tmp_path / "data")
+    replayed = [
+        torch.load(path, weights_only=True)["segment"]
+        for path in (tmp_path / "data" / "replay").glob("*.ckpt")
+    ]
+    # A budget of 10 requests (half the window's 20), all of it for docs: the window
+    # carries English chat, so docs is the older traffic it lacks. Drawn at random,
+    # 3 of 4 replayed requests would have been English chat.
+    held_out = sum(content_fraction(torch.from_numpy(r.input_ids)) < 0.5 for r in older[30:])
+    assert replayed == ["docs"] * (10 - held_out), replayed

@@ -48,6 +48,7 @@ from tide_lib.orchestration.drift_check import (
     version_acceptance,
 )
 from tide_lib.orchestration.handoff import Decision, Promotion, Snapshot, Trained
+from tide_lib.orchestration.replay import ReplayCandidate, choose_replay, replay_quotas
 from tide_lib.orchestration.state import (
     cycle_segmenter,
     draft_registry,
@@ -252,10 +253,11 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
     """Write the training set in SpecForge's layout: ``out/window/`` (the new traffic to
     learn) and ``out/replay/`` (traffic to keep), one ``.ckpt`` each, with its segment.
 
-    Traffic to keep is the replayed older requests and, when the cycle's drift check
-    named the segments that drifted, the window's requests of the other segments: the
-    trainer holds the draft close to the champion on them (distillation), so a cycle
-    that learns Korean does not forget the English arriving beside it.
+    Traffic to keep is older requests, chosen by segment toward those the window lacks
+    (:mod:`.replay`), and, when the cycle's drift check named the segments that
+    drifted, the window's requests of the other segments: the trainer holds the draft
+    close to the champion on them (distillation), so a cycle that learns Korean does
+    not forget the English arriving beside it.
 
     Lake debris (a marker whose shard is gone, a corrupt shard, bad records) is
     quarantined or skipped, counted and logged; the cycle goes on without it.
@@ -274,24 +276,25 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
             drifted = set()
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
-    def save(sample: CapturedRecord, window: bool) -> None:
-        segment = segment_of(sample, segmenter)
+    def save(sample: CapturedRecord, segment: str, window: bool) -> None:
         learn = not drifted or segment_as_grouped(sample, drift_segmenter, segmenter) in drifted
         part = WINDOW_DIR if window and learn else REPLAY_DIR
         sample.save_specforge(out / part, counts[part], segment=segment)
         counts[part] += 1
 
+    window_tokens: dict[str, int] = {}  # what the window carries, by segment
     judged: set[bytes] = set()  # copies of the window's first request (held out by position)
     for held, sample in _window_split(config, snapshot, reader):
-        digest = content_digest(sample.input_ids)
+        segment, digest = segment_of(sample, segmenter), content_digest(sample.input_ids)
+        window_tokens[segment] = window_tokens.get(segment, 0) + int(sample.input_ids.numel())
         if held:
             judged.add(digest)
         elif digest not in judged:
-            save(sample, window=True)
-    for sample in reader.iter_records(markers_of(reader, snapshot.replay)):
-        held = _held_out(sample, config.cycle.held_out_percent)
-        if not held and content_digest(sample.input_ids) not in judged:
-            save(sample, window=False)
+            save(sample, segment, window=True)
+    chosen = _choose_replay(config, snapshot, reader, window_tokens, judged)
+    for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
+        if sample.request_id in chosen:
+            save(sample, segment_of(sample, segmenter), window=False)
     logger.info(
         "cycle %s: %d window and %d replay training samples",
         snapshot.cycle_id,
@@ -300,6 +303,41 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} export")
     return sum(counts.values())
+
+
+def _choose_replay(
+    config: TideConfig,
+    snapshot: Snapshot,
+    reader: LakeReader,
+    window_tokens: dict[str, int],
+    judged: set[bytes],
+) -> set[str]:
+    """Request ids of older traffic to replay, by segment (:mod:`.replay`).
+
+    The candidates are the requests of the older held-out commits that are not held
+    out; this pass reads their segments and sizes, not kept in memory (the caller
+    reads the chosen ones again).
+    """
+    segmenter, _ = cycle_segmenter(config, snapshot)
+    older_tokens: dict[str, int] = {}
+    candidates: list[ReplayCandidate] = []
+    for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
+        segment, tokens = segment_of(sample, segmenter), int(sample.input_ids.numel())
+        older_tokens[segment] = older_tokens.get(segment, 0) + tokens
+        held = _held_out(sample, config.cycle.held_out_percent)
+        if not held and content_digest(sample.input_ids) not in judged:
+            candidates.append(ReplayCandidate(sample.request_id, segment, tokens))
+    budget = config.cycle.replay_share * snapshot.window_tokens
+    quotas = replay_quotas(budget, older_tokens, window_tokens)
+    logger.info(
+        "cycle %s: replay budget %.0f tokens by segment %s (older traffic %s, window %s)",
+        snapshot.cycle_id,
+        budget,
+        {segment: round(quota) for segment, quota in sorted(quotas.items())},
+        dict(sorted(older_tokens.items())),
+        dict(sorted(window_tokens.items())),
+    )
+    return choose_replay(candidates, quotas, seed=snapshot.cycle_id)
 
 
 @dataclasses.dataclass

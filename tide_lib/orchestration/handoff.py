@@ -46,9 +46,14 @@ class Snapshot(HandOff):
     watermark_before: str | None
     watermark_after: str
     window: list[str] = Field(description="commits after the watermark: the new traffic")
-    replay: list[str] = Field(description="older commits mixed into training")
+    replay: list[str] = Field(
+        description="older commits drawn for the replay budget (the first of held_out_older)"
+    )
     held_out_older: list[str] = Field(
-        description="older commits whose held-out requests judge forgetting"
+        description=(
+            "older commits whose held-out requests judge forgetting; their other requests "
+            "are the replay candidates, chosen by segment"
+        )
     )
     window_tokens: int = Field(ge=0)
     replay_tokens: int = Field(ge=0)
