@@ -72,6 +72,8 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
     drifted = cycle.check_drift(config, third)
     assert drifted.drift and "fell by more than" in drifted.reason
     assert drifted.baseline == raised and drifted.saved_train_seconds is None
+    assert drifted.fitting == []  # every segment fell: the cycle learns the whole window
+    assert set(verdict.fitting or []) <= set(verdict.margins)  # fits, measured closely
 
 
 def test_a_promotion_for_a_large_gain_trains_once_more_then_the_drift_rule_decides(

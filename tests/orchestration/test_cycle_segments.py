@@ -22,7 +22,8 @@ from tide_lib.evaluation.offline import content_fraction
 from tide_lib.evaluation.segments import Segmenter
 from tide_lib.lake import LakeWriter, ObjectStore, target_slug
 from tide_lib.lake.schema import CapturedRecord
-from tide_lib.orchestration import cycle
+from tide_lib.orchestration import cycle, drift_check
+from tide_lib.orchestration.handoff import Drift
 
 pytestmark = pytest.mark.slow
 TARGET = "demo/segments"
@@ -158,3 +159,34 @@ def test_the_replay_favours_the_segment_the_window_lost(
     # 3 of 4 replayed requests would have been English chat.
     held_out = sum(content_fraction(torch.from_numpy(r.input_ids)) < 0.5 for r in older[30:])
     assert replayed == ["docs"] * (10 - held_out), replayed
+
+
+def test_the_window_learns_every_segment_but_those_the_champion_still_fits(
+    config: TideConfig, lake_store: ObjectStore, tmp_path: Path
+) -> None:
+    _write(lake_store, config, [_record(i, CENTERS[0], "english") for i in range(10)])
+    cycle.advance_watermark(config, cycle.snapshot_window(config, "c1"))
+    window = [_record(100 + i, CENTERS[0], "english") for i in range(10)]
+    window += [_record(200 + i, CENTERS[1], "korean law") for i in range(10)]
+    _write(lake_store, config, window)
+    snapshot = cycle.snapshot_window(config, "c2")
+    # The check fit English closely and could not judge Korean law (too few requests).
+    checked = Drift(
+        drift=True,
+        reason="test",
+        champion_version="1",
+        measured={"english": 3.0},
+        margins={"english": 0.05},
+        baseline={"english": 3.0},
+        drifted=[],
+        fitting=["english"],
+    )
+    lake_store.put_bytes(drift_check.drift_key(config, "c2"), checked.model_dump_json().encode())
+    cycle.export_training_data(config, snapshot, tmp_path / "data")
+
+    def segments(part: str) -> list[str]:
+        files = (tmp_path / "data" / part).glob("*.ckpt")
+        return sorted({torch.load(path, weights_only=True)["segment"] for path in files})
+
+    assert segments("window") == ["korean law"]  # unjudged new traffic is learned
+    assert segments("replay") == ["english"]  # what it still fits is kept

@@ -23,7 +23,7 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +35,7 @@ from tide_lib.evaluation.offline import (
     content_fraction,
     drop_margin,
 )
-from tide_lib.evaluation.segments import segment_as_grouped, segment_of
+from tide_lib.evaluation.segments import Segmenter, segment_as_grouped, segment_of
 from tide_lib.lake import LakeReader, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
 from tide_lib.lake.reader import watermark
@@ -264,20 +264,11 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
     """
     reader = sample_reader(config)
     segmenter, _ = cycle_segmenter(config, snapshot)
-    drift = saved_drift(config, snapshot.cycle_id)
-    drifted = set(drift.drifted) if drift is not None else set()
-    # The drift check named its segments with the segmenter of the champion's baseline;
-    # without it those names mean nothing here, and the whole window is learned.
-    drift_segmenter = segmenter
-    if drift is not None and drift.segmenter_key:
-        drift_segmenter = stored_segmenter(config, drift.segmenter_key) or segmenter
-        if drift_segmenter is segmenter and drifted:
-            logger.warning("cycle %s: learning the whole window", snapshot.cycle_id)
-            drifted = set()
+    learns, drift_segmenter = _window_to_learn(config, snapshot, segmenter)
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
     def save(sample: CapturedRecord, segment: str, window: bool) -> None:
-        learn = not drifted or segment_as_grouped(sample, drift_segmenter, segmenter) in drifted
+        learn = learns(segment_as_grouped(sample, drift_segmenter, segmenter))
         part = WINDOW_DIR if window and learn else REPLAY_DIR
         sample.save_specforge(out / part, counts[part], segment=segment)
         counts[part] += 1
@@ -303,6 +294,32 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} export")
     return sum(counts.values())
+
+
+def _window_to_learn(
+    config: TideConfig, snapshot: Snapshot, segmenter: Segmenter
+) -> tuple[Callable[[str], bool], Segmenter]:
+    """Which of the window's segments a cycle learns (the rest it keeps, by distillation),
+    and the segmenter that names them: the drift check's, the baseline's grouping.
+
+    Every segment but those the check found the champion still fits; a check saved
+    without that list (still learning, an older release) names what to learn itself.
+    Without the check's segmenter those names mean nothing here: the window is learned.
+    """
+    drift = saved_drift(config, snapshot.cycle_id)
+    if drift is None:
+        return (lambda _segment: True), segmenter
+    drift_segmenter = segmenter
+    if drift.segmenter_key:
+        drift_segmenter = stored_segmenter(config, drift.segmenter_key) or segmenter
+        if drift_segmenter is segmenter and (drift.drifted or drift.fitting):
+            logger.warning("cycle %s: learning the whole window", snapshot.cycle_id)
+            return (lambda _segment: True), segmenter
+    if drift.fitting is not None:
+        fitting = set(drift.fitting)
+        return (lambda segment: segment not in fitting), drift_segmenter
+    drifted = set(drift.drifted)
+    return (lambda segment: not drifted or segment in drifted), drift_segmenter
 
 
 def _choose_replay(

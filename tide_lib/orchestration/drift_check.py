@@ -16,6 +16,8 @@ import dataclasses
 import json
 import logging
 import math
+import statistics
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +158,12 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         margins=window.margins,
         baseline=known.accept_length,
         drifted=sorted(verdict.drifted),
+        fitting=_fitting(
+            window,
+            lambda s: known.accept_length.get(s, statistics.fmean(known.accept_length.values())),
+            verdict.drifted,
+            config.cycle.drift_tolerance,
+        ),
         saved_train_seconds=None if verdict.drift else registry.last_run_seconds(),
         segmenter_key=window.segmenter_key,
     )
@@ -217,6 +225,7 @@ def _first_measurement(config: TideConfig, version: str, window: _Window, cycle_
     if first.accept_length:
         store_baseline(config, first, _FIRST, cycle_id=cycle_id)
     best = max(window.measured.values(), default=0.0)
+    drifted = {s for s, v in window.measured.items() if v < best - config.cycle.drift_tolerance}
     return Drift(
         drift=True,
         reason=f"training: champion v{version} had no baseline (never judged on "
@@ -230,10 +239,25 @@ def _first_measurement(config: TideConfig, version: str, window: _Window, cycle_
         measured=window.measured,
         margins=window.margins,
         baseline={},
-        drifted=sorted(
-            s for s, v in window.measured.items() if v < best - config.cycle.drift_tolerance
-        ),
+        drifted=sorted(drifted),
+        fitting=_fitting(window, lambda _: best, drifted, config.cycle.drift_tolerance),
         segmenter_key=window.segmenter_key,
+    )
+
+
+def _fitting(
+    window: _Window, reference: Callable[[str], float], drifted: Iterable[str], tolerance: float
+) -> list[str]:
+    """Segments served within ``tolerance`` of their ``reference``, the whole margin of
+    error included: a cycle keeps their window traffic rather than learn it. A segment
+    measured on one request (no margin), or too loosely to tell, is learned: new
+    traffic the check could not judge is the traffic a cycle exists for."""
+    fallen = set(drifted)
+    return sorted(
+        segment
+        for segment, margin in window.margins.items()
+        if segment not in fallen
+        and window.measured[segment] - margin >= reference(segment) - tolerance
     )
 
 

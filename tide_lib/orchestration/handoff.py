@@ -115,6 +115,14 @@ class Drift(HandOff):
         "judged, far below its best segment), or those its promotion gained on (still "
         "learning); the rest of the window is trained as traffic to keep. Empty: learn all",
     )
+    fitting: list[str] | None = Field(
+        None,
+        description="segments the champion serves within drift_tolerance of its reference "
+        "(baseline, else its best segment), the whole margin of error included: the "
+        "window's requests of these are trained as traffic to keep and every other "
+        "segment is learned (one measured on too few requests, or too loosely, too). "
+        "None (still learning, or a record of an older release): learn `drifted` alone",
+    )
     saved_train_seconds: float | None = Field(
         None, description="no drift: the last trained cycle's training time, not spent"
     )
