@@ -187,3 +187,26 @@ def test_a_cycle_whose_best_checkpoint_is_its_parent_registers_nothing(
     )
     last = cycle.train(forced, cycle.snapshot_window(forced, "c2"))
     assert last.improved and last.draft_uri != registry.model_uri(parent)
+
+
+def test_a_first_measurement_keeps_traffic_it_does_not_fit_out_of_its_baseline(
+    stack: TideConfig, tmp_path: Path, tiny_target: Path
+) -> None:
+    """Measured first on a window where new traffic already arrived, the champion's figure
+    on that traffic must not become its standard: later windows of it would read as "no
+    drift" and never be learned (seen in the four-segment adaptation benchmark)."""
+    config = _drift_config(stack, tmp_path, tiny_target)
+    window = drift_check._Window(
+        measured={"english": 3.0, "korean": 1.4, "single": 2.95},
+        margins={"english": 0.1, "korean": 0.1},
+        all_margins={"english": 0.1, "korean": 0.1, "single": float("inf")},
+        shares={"english": 0.5, "korean": 0.4, "single": 0.1},
+        segmenter_key="segmenter-key",
+    )
+    first = drift_check._first_measurement(config, "1", window, "c1")
+    assert first.drift and first.drifted == ["korean"]
+    assert first.fitting == ["english"]  # kept; korean and the unmeasurable one learned
+    stored = json.loads(
+        state.lake_store(config).get_bytes(state.state_key(config, "baseline.json"))
+    )
+    assert stored["accept_length"] == {"english": 3.0} and stored["margins"] == {"english": 0.1}

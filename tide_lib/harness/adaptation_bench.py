@@ -288,7 +288,9 @@ def _train_oracle(
     """A draft trained from the static one on the new segment's traffic alone: the same
     requests the cycles' windows held (what the loop had to learn from; held-out out),
     with a fresh draft's recipe: ``training.steps`` for each cycle that trained, at the
-    full learning rate."""
+    full learning rate. It exports its last step: the loop's selection may keep a parent
+    a small held-out sample cannot tell apart, and an oracle that is the static draft
+    measures nothing."""
     from tide_lib.lake import LakeReader, ObjectStore  # noqa: PLC0415
     from tide_lib.training.trainer import train_draft  # noqa: PLC0415
 
@@ -315,7 +317,7 @@ def _train_oracle(
         data,
         target_dir,
         loop.work / "oracle",
-        config.training.model_copy(update={"steps": steps, "warm_epochs": 0}),
+        config.training.model_copy(update={"steps": steps, "warm_epochs": 0, "export": "last"}),
         parent_dir=loop.versions["static"],
     ).draft_dir
 

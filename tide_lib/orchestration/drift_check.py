@@ -214,24 +214,28 @@ def _measure_window(
 
 
 def _first_measurement(config: TideConfig, version: str, window: _Window, cycle_id: str) -> Drift:
-    """A champion without a baseline trains once; its figures on this window (segments
-    of two requests or more, with their margins) are its baseline from then on."""
+    """A champion without a baseline trains; its figures on this window (segments of two
+    requests or more, with their margins) are its baseline from then on, but for those
+    far below its best segment: traffic it does not fit is what the cycle learns, never
+    the standard later windows are held to (it would read as "no drift" ever after)."""
+    best = max(window.measured.values(), default=0.0)
+    drifted = {s for s, v in window.measured.items() if v < best - config.cycle.drift_tolerance}
+    kept = [s for s in window.margins if s not in drifted]
     first = Baseline(
         version,
-        {s: window.measured[s] for s in window.margins},
-        window.margins,
+        {s: window.measured[s] for s in kept},
+        {s: window.margins[s] for s in kept},
         window.segmenter_key,
     )
     if first.accept_length:
         store_baseline(config, first, _FIRST, cycle_id=cycle_id)
-    best = max(window.measured.values(), default=0.0)
-    drifted = {s for s, v in window.measured.items() if v < best - config.cycle.drift_tolerance}
     return Drift(
         drift=True,
         reason=f"training: champion v{version} had no baseline (never judged on "
         "enough held-out traffic); "
         + (
-            "its figures on this window are its baseline from now on"
+            "its figures on this window are its baseline from now on (but for segments far "
+            "below its best)"
             if first.accept_length
             else "no segment of this window has two requests to measure one on"
         ),
