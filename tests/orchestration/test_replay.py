@@ -7,17 +7,20 @@ import pytest
 from tide_lib.orchestration.replay import ReplayCandidate, choose_replay, replay_quotas
 
 
-def test_a_segment_the_window_lost_takes_the_replay() -> None:
+def test_a_segment_the_window_lost_gets_more_than_its_volume() -> None:
     # Older traffic: English docs 40%, English 60%; the window: Korean and some English.
     quotas = replay_quotas(1000, {"docs": 400, "english": 600}, {"korean": 700, "english": 300})
-    # lacking: docs 0.4 - 0, english 0.6 - 0.3 = 0.3
-    assert quotas == pytest.approx({"docs": 1000 * 0.4 / 0.7, "english": 1000 * 0.3 / 0.7})
+    # weights: docs 0.4 + 0.4 (all of it lacking), english 0.6 + (0.6 - 0.3)
+    assert quotas == pytest.approx({"docs": 1000 * 0.8 / 1.7, "english": 1000 * 0.9 / 1.7})
     assert sum(quotas.values()) == pytest.approx(1000)
 
 
-def test_without_shift_the_replay_follows_the_older_shares() -> None:
-    quotas = replay_quotas(500, {"a": 300, "b": 100}, {"a": 300, "b": 100})
-    assert quotas == pytest.approx({"a": 375, "b": 125})
+def test_without_shift_the_replay_follows_the_older_shares_and_a_wobble_moves_it_little() -> None:
+    assert replay_quotas(500, {"a": 300, "b": 100}, {"a": 300, "b": 100}) == pytest.approx(
+        {"a": 375, "b": 125}
+    )
+    wobble = replay_quotas(1000, {"a": 500, "b": 500}, {"a": 510, "b": 490})
+    assert wobble == pytest.approx({"a": 1000 * 0.5 / 1.01, "b": 1000 * 0.51 / 1.01})
     assert replay_quotas(500, {}, {"a": 10}) == {}
     assert replay_quotas(0, {"a": 10}, {}) == {"a": 0}
 
@@ -32,11 +35,17 @@ def test_choose_fills_each_quota_and_is_the_same_on_a_retry() -> None:
     chosen = choose_replay(pool, quotas, seed="cycle-7")
     assert sum(c.startswith("docs") for c in chosen) == 6  # the one crossing 55 included
     assert sum(c.startswith("english") for c in chosen) == 1  # a quota gets one request
-    assert choose_replay(reversed(pool), quotas, seed="cycle-7") == chosen
+    assert choose_replay(list(reversed(pool)), quotas, seed="cycle-7") == chosen
     assert choose_replay(pool, quotas, seed="cycle-8") != chosen  # each cycle its own draw
+    # A retry that lost some candidates (a shard quarantined between) keeps the others.
+    survivors = [c for c in pool if c.key not in {"docs-0", "docs-1"}]
+    again = choose_replay(survivors, quotas, seed="cycle-7")
+    assert chosen - {"docs-0", "docs-1"} <= again
 
 
-def test_a_segment_without_quota_or_candidates_replays_nothing() -> None:
-    pool = _candidates("docs", 3)
-    assert choose_replay(pool, {"english": 100.0}, seed="c") == set()
-    assert choose_replay(pool, {"docs": 1000.0}, seed="c") == {"docs-0", "docs-1", "docs-2"}
+def test_what_a_segment_cannot_fill_goes_to_the_others() -> None:
+    pool = _candidates("docs", 3) + _candidates("english", 20)
+    chosen = choose_replay(pool, {"docs": 100.0, "english": 10.0}, seed="c")
+    assert {"docs-0", "docs-1", "docs-2"} <= chosen
+    assert sum(c.startswith("english") for c in chosen) == 8  # 1 of its own, 7 left over
+    assert choose_replay(_candidates("docs", 3), {"english": 100.0}, seed="c") == set()

@@ -254,10 +254,10 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
     learn) and ``out/replay/`` (traffic to keep), one ``.ckpt`` each, with its segment.
 
     Traffic to keep is older requests, chosen by segment toward those the window lacks
-    (:mod:`.replay`), and, when the cycle's drift check named the segments that
-    drifted, the window's requests of the other segments: the trainer holds the draft
-    close to the champion on them (distillation), so a cycle that learns Korean does
-    not forget the English arriving beside it.
+    (:mod:`.replay`), and the window's requests of segments the drift check found the
+    champion still fits (:func:`_window_to_learn`): the trainer holds the draft close
+    to the champion on them (distillation), so a cycle that learns Korean does not
+    forget the English arriving beside it.
 
     Lake debris (a marker whose shard is gone, a corrupt shard, bad records) is
     quarantined or skipped, counted and logged; the cycle goes on without it.
@@ -282,9 +282,13 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
             judged.add(digest)
         elif digest not in judged:
             save(sample, segment, window=True)
-    chosen = _choose_replay(config, snapshot, reader, window_tokens, judged)
+    chosen = _choose_replay(
+        config, snapshot, reader, segmenter, window_tokens=window_tokens, judged=judged
+    )
     for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
-        if sample.request_id in chosen:
+        key = _replay_key(sample)
+        if key in chosen:
+            chosen.discard(key)  # copies of one request under one id: saved once
             save(sample, segment_of(sample, segmenter), window=False)
     logger.info(
         "cycle %s: %d window and %d replay training samples",
@@ -322,20 +326,27 @@ def _window_to_learn(
     return (lambda segment: not drifted or segment in drifted), drift_segmenter
 
 
+def _replay_key(sample: CapturedRecord) -> str:
+    """A record's identity for the replay: its request id and content (ids can repeat)."""
+    return f"{sample.request_id}/{content_digest(sample.input_ids).hex()}"
+
+
 def _choose_replay(
     config: TideConfig,
     snapshot: Snapshot,
     reader: LakeReader,
+    segmenter: Segmenter,
+    *,
     window_tokens: dict[str, int],
     judged: set[bytes],
 ) -> set[str]:
-    """Request ids of older traffic to replay, by segment (:mod:`.replay`).
+    """Keys (:func:`_replay_key`) of older requests to replay, by segment (:mod:`.replay`).
 
-    The candidates are the requests of the older held-out commits that are not held
-    out; this pass reads their segments and sizes, not kept in memory (the caller
-    reads the chosen ones again).
+    The candidates are the requests of the older held-out commits that the gate does
+    not hold out (the content hash decides, so a key is never a held-out request);
+    this pass reads their segments and sizes, not kept in memory (the caller reads
+    the chosen ones again).
     """
-    segmenter, _ = cycle_segmenter(config, snapshot)
     older_tokens: dict[str, int] = {}
     candidates: list[ReplayCandidate] = []
     for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
@@ -343,7 +354,7 @@ def _choose_replay(
         older_tokens[segment] = older_tokens.get(segment, 0) + tokens
         held = _held_out(sample, config.cycle.held_out_percent)
         if not held and content_digest(sample.input_ids) not in judged:
-            candidates.append(ReplayCandidate(sample.request_id, segment, tokens))
+            candidates.append(ReplayCandidate(_replay_key(sample), segment, tokens))
     budget = config.cycle.replay_share * snapshot.window_tokens
     quotas = replay_quotas(budget, older_tokens, window_tokens)
     logger.info(

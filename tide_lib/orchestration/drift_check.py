@@ -137,8 +137,15 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         margins=window.all_margins,
         baseline_margins=known.margins,
     )
+    fitting = _fitting(
+        window,
+        lambda s: known.accept_length.get(s, statistics.fmean(known.accept_length.values())),
+        verdict.drifted,
+        config.cycle.drift_tolerance,
+    )
     if not verdict.drift:  # segments it serves well from now on join its baseline
-        new = {s: window.measured[s] for s in window.margins if s not in known.accept_length}
+        fits = set(window.margins) if fitting is None else set(fitting)
+        new = {s: window.measured[s] for s in fits if s not in known.accept_length}
         grown = Baseline(
             champion.version,
             {**known.accept_length, **new},
@@ -158,12 +165,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         margins=window.margins,
         baseline=known.accept_length,
         drifted=sorted(verdict.drifted),
-        fitting=_fitting(
-            window,
-            lambda s: known.accept_length.get(s, statistics.fmean(known.accept_length.values())),
-            verdict.drifted,
-            config.cycle.drift_tolerance,
-        ),
+        fitting=fitting,
         saved_train_seconds=None if verdict.drift else registry.last_run_seconds(),
         segmenter_key=window.segmenter_key,
     )
@@ -218,7 +220,8 @@ def _first_measurement(config: TideConfig, version: str, window: _Window, cycle_
     requests or more, with their margins) are its baseline from then on, but for those
     far below its best segment: traffic it does not fit is what the cycle learns, never
     the standard later windows are held to (it would read as "no drift" ever after)."""
-    best = max(window.measured.values(), default=0.0)
+    # the best of the segments measured on two requests or more: one request is no standard
+    best = max((window.measured[s] for s in window.margins), default=0.0)
     drifted = {s for s, v in window.measured.items() if v < best - config.cycle.drift_tolerance}
     kept = [s for s in window.margins if s not in drifted]
     first = Baseline(
@@ -251,18 +254,20 @@ def _first_measurement(config: TideConfig, version: str, window: _Window, cycle_
 
 def _fitting(
     window: _Window, reference: Callable[[str], float], drifted: Iterable[str], tolerance: float
-) -> list[str]:
-    """Segments served within ``tolerance`` of their ``reference``, the whole margin of
-    error included: a cycle keeps their window traffic rather than learn it. A segment
+) -> list[str] | None:
+    """Segments whose figure, less its margin of error, is within ``tolerance`` of their
+    ``reference``: a cycle keeps their window traffic rather than learn it. A segment
     measured on one request (no margin), or too loosely to tell, is learned: new
-    traffic the check could not judge is the traffic a cycle exists for."""
+    traffic the check could not judge is the traffic a cycle exists for. None when
+    every segment fits: a cycle that trains anyway learns its whole window."""
     fallen = set(drifted)
-    return sorted(
+    fitting = {
         segment
         for segment, margin in window.margins.items()
         if segment not in fallen
         and window.measured[segment] - margin >= reference(segment) - tolerance
-    )
+    }
+    return sorted(fitting) if set(window.measured) - fitting else None
 
 
 def _learning_key(config: TideConfig) -> str:

@@ -47,7 +47,8 @@ class Snapshot(HandOff):
     watermark_after: str
     window: list[str] = Field(description="commits after the watermark: the new traffic")
     replay: list[str] = Field(
-        description="older commits drawn for the replay budget (the first of held_out_older)"
+        description="older commits drawn first (the start of held_out_older); their tokens "
+        "size the draw, the replay itself is chosen by segment from all of held_out_older"
     )
     held_out_older: list[str] = Field(
         description=(
@@ -111,24 +112,27 @@ class Drift(HandOff):
     baseline: dict[str, float] = Field(description="its acceptance length at promotion")
     drifted: list[str] = Field(
         default_factory=list,
-        description="segments to learn: those it serves worse than its baseline (or, never "
-        "judged, far below its best segment), or those its promotion gained on (still "
-        "learning); the rest of the window is trained as traffic to keep. Empty: learn all",
+        description="segments it serves worse than its baseline (or, never judged, far "
+        "below its best segment), or those its promotion gained on (still learning). "
+        "Without `fitting`: these are learned and the rest of the window is kept (empty: "
+        "learn all)",
     )
     fitting: list[str] | None = Field(
         None,
-        description="segments the champion serves within drift_tolerance of its reference "
-        "(baseline, else its best segment), the whole margin of error included: the "
-        "window's requests of these are trained as traffic to keep and every other "
-        "segment is learned (one measured on too few requests, or too loosely, too). "
-        "None (still learning, or a record of an older release): learn `drifted` alone",
+        description="segments whose figure less its margin of error is within "
+        "drift_tolerance of its reference (its baseline; a segment new to the baseline: "
+        "the baseline's average; never judged: its best segment): the window's requests "
+        "of these are trained as traffic to keep, every other segment is learned (one "
+        "measured on too few requests, or too loosely, too). None: every segment fits "
+        "(learn the whole window), still learning, or a record of an older release "
+        "(both: learn `drifted`)",
     )
     saved_train_seconds: float | None = Field(
         None, description="no drift: the last trained cycle's training time, not spent"
     )
     segmenter_key: str | None = Field(
         None,
-        description="lake key of the segmenter whose segments `drifted` and the figures "
+        description="lake key of the segmenter whose segments `drifted`, `fitting` and the figures "
         "name: the baseline's (so that a cluster means the same requests on both sides), "
         "or the promoting gate's (still learning)",
     )

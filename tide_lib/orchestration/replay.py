@@ -6,10 +6,11 @@ older traffic in proportion to its volume, so a segment that stopped arriving
 too few to distil on, too few for the trainer's forgetting check to judge it, and
 the gate then rejects the draft for forgetting it. So the replay budget
 (``cycle.replay_share`` x the window's tokens) is split between the older segments
-by how much of each the window lacks: its share of older traffic minus its share
-of the window. Traffic the window still carries is learned there; traffic it lost
-is replayed most. When the window lacks nothing (no shift), the split follows the
-older shares.
+by their share of older traffic plus what the window lacks of it (older share minus
+window share, when positive): traffic the window lost is replayed up to twice as
+much as its volume, traffic it still carries by its volume. Without shift the split
+follows the older shares, and a small wobble of the shares moves it only as much.
+A budget a segment cannot fill (too few requests) goes to the other candidates.
 
 Pure functions: the cycle reads the candidates (older requests that are not held
 out) and writes the chosen ones (:func:`tide_lib.orchestration.cycle.export_training_data`).
@@ -18,7 +19,7 @@ out) and writes the chosen ones (:func:`tide_lib.orchestration.cycle.export_trai
 from __future__ import annotations
 
 import dataclasses
-import random
+import hashlib
 from collections.abc import Iterable
 
 __all__ = ["ReplayCandidate", "choose_replay", "replay_quotas"]
@@ -26,9 +27,13 @@ __all__ = ["ReplayCandidate", "choose_replay", "replay_quotas"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplayCandidate:
-    """An older request that may be replayed: its lake identity, segment and size."""
+    """An older request that may be replayed: its identity, segment and size.
 
-    request_id: str
+    ``key`` identifies the record itself (its commit, request id and content), so a
+    request id that repeats across commits or clients never picks another record.
+    """
+
+    key: str
     segment: str
     tokens: int
 
@@ -41,40 +46,44 @@ def _shares(tokens: dict[str, int]) -> dict[str, float]:
 def replay_quotas(
     budget_tokens: float, older_tokens: dict[str, int], window_tokens: dict[str, int]
 ) -> dict[str, float]:
-    """Replay tokens per older segment: ``budget_tokens`` split by what the window lacks.
-
-    A segment's weight is its share of older traffic minus its share of the window
-    (never below 0); when no segment has weight, the older shares themselves.
-    """
+    """Replay tokens per older segment: ``budget_tokens`` split by weight, a segment's
+    share of older traffic plus the part of it the window lacks (never below 0)."""
     older, window = _shares(older_tokens), _shares(window_tokens)
-    lacking = {
-        segment: max(share - window.get(segment, 0.0), 0.0) for segment, share in older.items()
+    weights = {
+        segment: share + max(share - window.get(segment, 0.0), 0.0)
+        for segment, share in older.items()
     }
-    weights = lacking if sum(lacking.values()) > 0 else older
     total = sum(weights.values())
     if not total:
         return {}
     return {segment: budget_tokens * weight / total for segment, weight in weights.items()}
 
 
+def _rank(candidate: ReplayCandidate, seed: str) -> bytes:
+    """A seeded order that does not depend on the other candidates: a retry that lost a
+    shard in between still chooses the same requests of the shards that remain."""
+    return hashlib.sha256(f"{seed}\0{candidate.key}".encode()).digest()
+
+
 def choose_replay(
     candidates: Iterable[ReplayCandidate], quotas: dict[str, float], seed: str
 ) -> set[str]:
-    """Request ids to replay: per segment, candidates in a seeded random order until its
-    quota is reached (the request that crosses it included, so a segment with a quota
-    gets at least one request)."""
-    by_segment: dict[str, list[ReplayCandidate]] = {}
-    for candidate in candidates:
-        by_segment.setdefault(candidate.segment, []).append(candidate)
-    rng = random.Random(seed)
+    """Keys of the requests to replay. Per segment, candidates in a seeded order until
+    its quota is reached (the request that crosses it included, so a segment with a
+    quota gets at least one); then what segments could not fill goes to the remaining
+    candidates in the same order, whatever their segment."""
+    ranked = sorted(candidates, key=lambda candidate: _rank(candidate, seed))
     chosen: set[str] = set()
-    for segment in sorted(by_segment):
-        pool = sorted(by_segment[segment], key=lambda c: c.request_id)
-        rng.shuffle(pool)
-        quota, taken = quotas.get(segment, 0.0), 0
-        for candidate in pool:
-            if taken >= quota:
-                break
-            chosen.add(candidate.request_id)
-            taken += candidate.tokens
+    taken: dict[str, int] = {}
+    for candidate in ranked:
+        if taken.get(candidate.segment, 0) < quotas.get(candidate.segment, 0.0):
+            chosen.add(candidate.key)
+            taken[candidate.segment] = taken.get(candidate.segment, 0) + candidate.tokens
+    left = sum(quotas.values()) - sum(taken.values())
+    for candidate in ranked:
+        if left <= 0:
+            break
+        if candidate.key not in chosen and candidate.segment in quotas:
+            chosen.add(candidate.key)
+            left -= candidate.tokens
     return chosen
