@@ -25,6 +25,11 @@ def test_without_shift_the_replay_follows_the_older_shares_and_a_wobble_moves_it
     assert replay_quotas(0, {"a": 10}, {}) == {"a": 0}
 
 
+def _chosen(pool: list[ReplayCandidate], quotas: dict[str, float], seed: str) -> set[str]:
+    """The keys :func:`choose_replay` picks."""
+    return {candidate.key for candidate in choose_replay(pool, quotas, seed=seed)}
+
+
 def _candidates(segment: str, count: int, tokens: int = 10) -> list[ReplayCandidate]:
     return [ReplayCandidate(f"{segment}-{i}", segment, tokens) for i in range(count)]
 
@@ -32,20 +37,20 @@ def _candidates(segment: str, count: int, tokens: int = 10) -> list[ReplayCandid
 def test_choose_fills_each_quota_and_is_the_same_on_a_retry() -> None:
     pool = _candidates("docs", 20) + _candidates("english", 20)
     quotas = {"docs": 55.0, "english": 5.0}
-    chosen = choose_replay(pool, quotas, seed="cycle-7")
+    chosen = _chosen(pool, quotas, seed="cycle-7")
     assert sum(c.startswith("docs") for c in chosen) == 6  # the one crossing 55 included
     assert sum(c.startswith("english") for c in chosen) == 1  # a quota gets one request
-    assert choose_replay(list(reversed(pool)), quotas, seed="cycle-7") == chosen
-    assert choose_replay(pool, quotas, seed="cycle-8") != chosen  # each cycle its own draw
+    assert _chosen(list(reversed(pool)), quotas, seed="cycle-7") == chosen
+    assert _chosen(pool, quotas, seed="cycle-8") != chosen  # each cycle its own draw
     # A retry that lost some candidates (a shard quarantined between) keeps the others.
     survivors = [c for c in pool if c.key not in {"docs-0", "docs-1"}]
-    again = choose_replay(survivors, quotas, seed="cycle-7")
+    again = _chosen(survivors, quotas, seed="cycle-7")
     assert chosen - {"docs-0", "docs-1"} <= again
 
 
 def test_what_a_segment_cannot_fill_goes_to_the_others() -> None:
     pool = _candidates("docs", 3) + _candidates("english", 20)
-    chosen = choose_replay(pool, {"docs": 100.0, "english": 10.0}, seed="c")
+    chosen = _chosen(pool, {"docs": 100.0, "english": 10.0}, seed="c")
     assert {"docs-0", "docs-1", "docs-2"} <= chosen
     assert sum(c.startswith("english") for c in chosen) == 8  # 1 of its own, 7 left over
-    assert choose_replay(_candidates("docs", 3), {"english": 100.0}, seed="c") == set()
+    assert _chosen(_candidates("docs", 3), {"english": 100.0}, seed="c") == set()

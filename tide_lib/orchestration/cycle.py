@@ -48,7 +48,12 @@ from tide_lib.orchestration.drift_check import (
     version_acceptance,
 )
 from tide_lib.orchestration.handoff import Decision, Promotion, Snapshot, Trained
-from tide_lib.orchestration.replay import ReplayCandidate, choose_replay, replay_quotas
+from tide_lib.orchestration.replay import (
+    ReplayCandidate,
+    choose_replay,
+    replay_quotas,
+    token_shares,
+)
 from tide_lib.orchestration.state import (
     cycle_segmenter,
     draft_registry,
@@ -282,14 +287,17 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
             judged.add(digest)
         elif digest not in judged:
             save(sample, segment, window=True)
-    chosen = _choose_replay(
-        config, snapshot, reader, segmenter, window_tokens=window_tokens, judged=judged
-    )
-    for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
-        key = _replay_key(sample)
-        if key in chosen:
-            chosen.discard(key)  # copies of one request under one id: saved once
-            save(sample, segment_of(sample, segmenter), window=False)
+    chosen = {
+        candidate.key: candidate
+        for candidate in _choose_replay(
+            config, snapshot, reader, segmenter, window_tokens=window_tokens, judged=judged
+        )
+    }
+    commits = sorted({candidate.commit for candidate in chosen.values()})
+    for sample in reader.iter_records(markers_of(reader, commits)):  # only those holding one
+        candidate = chosen.pop(_replay_key(sample), None)  # copies under one id: saved once
+        if candidate is not None:
+            save(sample, candidate.segment, window=False)
     logger.info(
         "cycle %s: %d window and %d replay training samples",
         snapshot.cycle_id,
@@ -339,22 +347,24 @@ def _choose_replay(
     *,
     window_tokens: dict[str, int],
     judged: set[bytes],
-) -> set[str]:
-    """Keys (:func:`_replay_key`) of older requests to replay, by segment (:mod:`.replay`).
+) -> list[ReplayCandidate]:
+    """Older requests to replay, by segment (:mod:`.replay`).
 
     The candidates are the requests of the older held-out commits that the gate does
     not hold out (the content hash decides, so a key is never a held-out request);
-    this pass reads their segments and sizes, not kept in memory (the caller reads
-    the chosen ones again).
+    this pass reads their segments and sizes, not their states (the caller reads the
+    commits of the chosen ones again).
     """
     older_tokens: dict[str, int] = {}
     candidates: list[ReplayCandidate] = []
-    for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
-        segment, tokens = segment_of(sample, segmenter), int(sample.input_ids.numel())
-        older_tokens[segment] = older_tokens.get(segment, 0) + tokens
-        held = _held_out(sample, config.cycle.held_out_percent)
-        if not held and content_digest(sample.input_ids) not in judged:
-            candidates.append(ReplayCandidate(_replay_key(sample), segment, tokens))
+    for marker in markers_of(reader, snapshot.held_out_older):
+        for sample in reader.iter_records([marker]):
+            segment, tokens = segment_of(sample, segmenter), int(sample.input_ids.numel())
+            older_tokens[segment] = older_tokens.get(segment, 0) + tokens
+            held = _held_out(sample, config.cycle.held_out_percent)
+            if not held and content_digest(sample.input_ids) not in judged:
+                key = _replay_key(sample)
+                candidates.append(ReplayCandidate(key, segment, tokens, marker.key))
     budget = config.cycle.replay_share * snapshot.window_tokens
     quotas = replay_quotas(budget, older_tokens, window_tokens)
     logger.info(
@@ -383,18 +393,13 @@ class HeldOutTraffic:
     older_tokens: dict[str, int]
     segmenter_key: str
 
-    @staticmethod
-    def _shares(tokens: dict[str, int]) -> dict[str, float]:
-        total = sum(tokens.values())
-        return {segment: count / total for segment, count in tokens.items()} if total else {}
-
     @property
     def window_shares(self) -> dict[str, float]:
-        return self._shares(self.window_tokens)
+        return token_shares(self.window_tokens)
 
     @property
     def older_shares(self) -> dict[str, float]:
-        return self._shares(self.older_tokens)
+        return token_shares(self.older_tokens)
 
     @property
     def output_tokens(self) -> dict[str, int]:

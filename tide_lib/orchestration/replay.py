@@ -22,23 +22,26 @@ import dataclasses
 import hashlib
 from collections.abc import Iterable
 
-__all__ = ["ReplayCandidate", "choose_replay", "replay_quotas"]
+__all__ = ["ReplayCandidate", "choose_replay", "replay_quotas", "token_shares"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplayCandidate:
-    """An older request that may be replayed: its identity, segment and size.
+    """An older request that may be replayed: its identity, segment, size and commit.
 
-    ``key`` identifies the record itself (its commit, request id and content), so a
-    request id that repeats across commits or clients never picks another record.
+    ``key`` identifies the record itself (request id and content), so a request id
+    that repeats across commits or clients never picks another record; ``commit`` is
+    the marker it was read from, so only commits holding chosen requests are read again.
     """
 
     key: str
     segment: str
     tokens: int
+    commit: str = ""
 
 
-def _shares(tokens: dict[str, int]) -> dict[str, float]:
+def token_shares(tokens: dict[str, int]) -> dict[str, float]:
+    """Each segment's share of ``tokens`` (empty when there are none)."""
     total = sum(tokens.values())
     return {segment: count / total for segment, count in tokens.items()} if total else {}
 
@@ -48,7 +51,7 @@ def replay_quotas(
 ) -> dict[str, float]:
     """Replay tokens per older segment: ``budget_tokens`` split by weight, a segment's
     share of older traffic plus the part of it the window lacks (never below 0)."""
-    older, window = _shares(older_tokens), _shares(window_tokens)
+    older, window = token_shares(older_tokens), token_shares(window_tokens)
     weights = {
         segment: share + max(share - window.get(segment, 0.0), 0.0)
         for segment, share in older.items()
@@ -67,8 +70,8 @@ def _rank(candidate: ReplayCandidate, seed: str) -> bytes:
 
 def choose_replay(
     candidates: Iterable[ReplayCandidate], quotas: dict[str, float], seed: str
-) -> set[str]:
-    """Keys of the requests to replay. Per segment, candidates in a seeded order until
+) -> list[ReplayCandidate]:
+    """The requests to replay, in the seeded order. Per segment, candidates in a seeded order until
     its quota is reached (the request that crosses it included, so a segment with a
     quota gets at least one); then what segments could not fill goes to the remaining
     candidates in the same order, whatever their segment."""
@@ -86,4 +89,4 @@ def choose_replay(
         if candidate.key not in chosen and candidate.segment in quotas:
             chosen.add(candidate.key)
             left -= candidate.tokens
-    return chosen
+    return [candidate for candidate in ranked if candidate.key in chosen]
