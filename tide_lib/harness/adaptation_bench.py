@@ -140,26 +140,10 @@ def _held_out_samples(
     target_dir: Path, items: list[dict[str, Any]], default_max: int
 ) -> list[CapturedRecord]:
     """The target's greedy answers to held-out prompts, with their states (as serving captures)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from tide_lib.harness.serve_bench import greedy_records  # noqa: PLC0415
 
-    from tide_lib.serving.speculative import SpeculativeDecoder  # noqa: PLC0415
-
-    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    decoder = SpeculativeDecoder(target, None, 1, tokenizer.eos_token_id)
-    samples = []
-    for index, item in enumerate(items):
-        ids = tokenizer.encode(item["prompt"], add_special_tokens=False)
-        started = datetime.now(UTC)
-        generation = decoder.generate(
-            ids, int(item.get("max_new_tokens", default_max)), speculative=False
-        )
-        samples.append(
-            generation.captured_record(
-                f"held-out-{index}", target_id=target_dir.name, started_at=started
-            )
-        )
-    return samples
+    requests = [(item["prompt"], int(item.get("max_new_tokens", default_max))) for item in items]
+    return list(greedy_records(target_dir, requests, "held-out"))
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ import logging
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,14 @@ from typing import Any
 from tqdm import tqdm
 
 from tide_lib.config import TideConfig, TrainConfig
+from tide_lib.lake import CapturedRecord
 from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.engine import Engine, EngineRequest
 from tide_lib.serving.speculative import SpeculativeDecoder
 from tide_lib.target_model import build_target, load_corpus, render_prompt
 from tide_lib.training.trainer import train_draft
 
-__all__ = ["HEADLINE_KEYS", "bootstrap_draft", "run_serve_bench"]
+__all__ = ["HEADLINE_KEYS", "bootstrap_draft", "greedy_records", "run_serve_bench"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,22 +63,34 @@ def bootstrap_draft(
     train: TrainConfig,
 ) -> Path:
     """A draft trained on the target's own greedy answers to ``prompts`` (no lake needed)."""
+    data = out_dir / "bootstrap-data"
+    data.mkdir(parents=True, exist_ok=True)
+    requests = [(prompt, max_new_tokens) for prompt in prompts]
+    answers = greedy_records(target_dir, requests, "bootstrap")
+    for index, record in enumerate(
+        tqdm(answers, total=len(prompts), desc="bootstrap answers", unit="req")
+    ):
+        record.save_specforge(data, index)
+    return train_draft(data, target_dir, out_dir / "bootstrap-run", train).draft_dir
+
+
+def greedy_records(
+    target_dir: Path, requests: list[tuple[str, int]], name: str
+) -> Iterator[CapturedRecord]:
+    """The target's greedy answers to ``(prompt, max_new_tokens)`` requests, with their
+    states, as serving captures them (request ids ``<name>-<index>``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     decoder = SpeculativeDecoder(target, None, 1, tokenizer.eos_token_id)
-    data = out_dir / "bootstrap-data"
-    data.mkdir(parents=True, exist_ok=True)
-    for index, prompt in enumerate(tqdm(prompts, desc="bootstrap answers", unit="req")):
+    for index, (prompt, max_new_tokens) in enumerate(requests):
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         started = datetime.now(UTC)
         generation = decoder.generate(ids, max_new_tokens, speculative=False)
-        record = generation.captured_record(
-            f"bootstrap-{index}", target_id=target_dir.name, started_at=started
+        yield generation.captured_record(
+            f"{name}-{index}", target_id=target_dir.name, started_at=started
         )
-        record.save_specforge(data, index)
-    return train_draft(data, target_dir, out_dir / "bootstrap-run", train).draft_dir
 
 
 def reference_engine(config: TideConfig, target: Path, draft: Path, **serve: Any) -> Engine:
