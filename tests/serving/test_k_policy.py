@@ -290,3 +290,22 @@ def test_a_k_that_serves_slower_than_plain_is_not_chosen_and_is_tried_again() ->
     server.draft_prefill_s = 0.0
     _serve(controller, server, 800)
     assert controller.snapshot()["chosen_k"] == MAX_K
+
+
+def test_a_token_count_measured_once_does_not_bend_the_verify_costs() -> None:
+    """The serve bench's case: 3 tokens read once (a request's short last verify) at 28 ms
+    against 17 ms at 5 tokens on every round made k = 1 look slower than plain."""
+    controller = KController(4, adaptive=True)
+    server = SyntheticServer(
+        draft_s=0.0022, plain_s=0.0088, per_token_s=0.002, rates=[0.87, 0.43, 0.83, 0.94]
+    )
+    for k in (4, 0) * 8:
+        controller.observe(server.run(k))
+    stalled = RoundTimings(4, [(2, 2)], target_forwards=[(3, 0.028)], decode_seconds=0.028)
+    controller.observe(stalled)
+    verify = controller.costs.verify_costs(4)
+    assert verify is not None
+    assert verify == sorted(verify)  # reading more tokens never costs less
+    assert verify[1] < (verify[0] + verify[4]) / 2  # near the line through 1 and 5 tokens
+    choice = controller.snapshot()
+    assert choice["modelled_k"] == 1  # 1.87 tokens per 13 ms beats 1 per 8.8 ms
