@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections import Counter
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tide_lib.serving.speculative import DraftRunner, SpeculativeDecoder
+from tide_lib.serving.speculative import SpeculativeDecoder
 
 
 def _target(**extra: object) -> LlamaForCausalLM:
@@ -46,19 +43,3 @@ def test_a_head_that_scales_its_logits_keeps_the_full_forward() -> None:
     target.config.logits_scaling = 4.0  # as Granite's config says
     assert SpeculativeDecoder(target, None, 3, None)._head is None
     assert SpeculativeDecoder(_target(), None, 3, None)._head is not None
-
-
-def test_the_draft_serves_eagerly_on_cpu(tiny_target: Path) -> None:
-    """SpecForge's ``torch.compile`` marks would compile on the first request (seconds)."""
-    from torch._dynamo.utils import counters
-
-    from tide_lib.training.draft import new_draft
-
-    draft = new_draft(tiny_target, 64, Counter(range(200)))
-    runner = DraftRunner(draft)
-    frames = sum(counters["frames"].values())
-    with torch._dynamo.config.patch(disable=False):  # as in a serving process
-        hidden, logits = runner.step(torch.arange(5), runner.project(torch.randn(5, 3 * 64)))
-        runner.step(torch.tensor([7]), hidden[-1:])
-    assert sum(counters["frames"].values()) == frames
-    assert logits.shape == (5, 64) and runner.length == 6

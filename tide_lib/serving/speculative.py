@@ -82,19 +82,12 @@ class Generation:
 
 
 class DraftRunner:
-    """Incremental inference of SpecForge's ``LlamaForCausalLMEagle3`` with a KV cache.
-
-    SpecForge marks the draft's norms and rotary embedding ``torch.compile``: off a GPU
-    that compiles for seconds on the first request of each new shape (11-37 s measured
-    on the demo target) and then pays Dynamo's guards on every call, about a quarter of
-    a draft step; so off CUDA the runner serves them eagerly.
-    """
+    """Incremental inference of SpecForge's ``LlamaForCausalLMEagle3`` with a KV cache."""
 
     def __init__(self, draft: Any) -> None:
         self.draft = draft.eval()
         layer = draft.midlayer
         self.attn = layer.self_attn
-        self._eager = next(draft.parameters()).device.type != "cuda"
         self.keys: torch.Tensor | None = None  # [1, heads, L, head_dim] after repeat_kv
         self.values: torch.Tensor | None = None
 
@@ -122,14 +115,6 @@ class DraftRunner:
         Returns the layer outputs [q, H] (the next step's input state) and the draft
         logits [q, draft_vocab] of the token after each position.
         """
-        if not self._eager:
-            return self._step(token_ids, hidden)
-        with torch.compiler.set_stance("force_eager"):
-            return self._step(token_ids, hidden)
-
-    def _step(
-        self, token_ids: torch.Tensor, hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
         from specforge.modeling.draft.llama3_eagle import (  # noqa: PLC0415
             apply_rotary_pos_emb,
             repeat_kv,
