@@ -6,6 +6,7 @@ import pytest
 
 from tide_lib.serving.k_policy import (
     MAX_SEGMENTS,
+    MIN_MEASURED,
     MIN_REALIZED,
     KController,
     RealizedRates,
@@ -305,7 +306,21 @@ def test_a_token_count_measured_once_does_not_bend_the_verify_costs() -> None:
     controller.observe(stalled)
     verify = controller.costs.verify_costs(4)
     assert verify is not None
-    assert verify == sorted(verify)  # reading more tokens never costs less
-    assert verify[1] < (verify[0] + verify[4]) / 2  # near the line through 1 and 5 tokens
-    choice = controller.snapshot()
-    assert choice["modelled_k"] == 1  # 1.87 tokens per 13 ms beats 1 per 8.8 ms
+    assert verify[0] == pytest.approx(0.0088)  # measured on 8 requests: as measured
+    assert verify[4] == pytest.approx(0.0088 + 4 * 0.002)
+    assert verify[2] == pytest.approx(0.0088 + 2 * 0.002)  # once at 28 ms: from the line
+    assert controller.snapshot()["modelled_k"] == 1  # 1.87 tokens per 13 ms beats 1 per 8.8
+
+
+def test_a_count_measured_on_enough_requests_costs_what_it_measured() -> None:
+    controller = KController(4, adaptive=True)
+    for _ in range(MIN_MEASURED):
+        controller.observe(RoundTimings(0, [], target_forwards=[(1, 0.010)] * 4))
+        # one stalled forward among a request's 12 is not its cost: the median is
+        slow = [(5, 0.020)] * 11 + [(5, 0.500)]
+        controller.observe(RoundTimings(4, [(4, 1)] * 12, target_forwards=slow))
+        controller.observe(RoundTimings(4, [(2, 1)], target_forwards=[(3, 0.030)]))
+    verify = controller.costs.verify_costs(4)
+    assert verify is not None
+    assert verify[0] == pytest.approx(0.010) and verify[4] == pytest.approx(0.020)
+    assert verify[2] == pytest.approx(0.030)  # measured on enough requests: used as is

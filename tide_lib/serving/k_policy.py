@@ -39,6 +39,7 @@ from typing import Any
 
 __all__ = [
     "MAX_SEGMENTS",
+    "MIN_MEASURED",
     "AcceptanceEstimate",
     "CostModel",
     "KChoice",
@@ -57,6 +58,7 @@ _COST_EMA = 0.2  # weight of a new request's measurement in the running cost est
 _PRIOR_ROUNDS = 2.0  # pseudo-rounds of the prior behind each position's acceptance
 _SEGMENT_PRIOR_ROUNDS = 8.0  # pseudo-rounds of the overall estimate behind a segment's
 _EXPLORE_BACKOFF_LIMIT = 8  # exploration slows to one in explore_every x this requests
+MIN_MEASURED = 3  # requests that measured a token count before its figure is used as is
 _FIT_WEIGHT_CAP = 16  # requests behind a token count's weight in the verify-cost line
 MIN_REALIZED = 3  # requests at a k before what it delivered can veto the model's choice
 
@@ -195,8 +197,11 @@ class CostModel:
             by_tokens.setdefault(tokens, []).append(seconds)
         for tokens, seconds_list in by_tokens.items():
             typical = statistics.median(seconds_list)  # one stalled forward is no cost
-            self.target_s[tokens] = self.blend(self.target_s.get(tokens), typical)
-            self.target_requests[tokens] = self.target_requests.get(tokens, 0) + 1
+            count = self.target_requests.get(tokens, 0) + 1
+            old = self.target_s.get(tokens, typical)
+            weight = max(_COST_EMA, 1.0 / count)  # a plain mean of the first, then running
+            self.target_s[tokens] = (1.0 - weight) * old + weight * typical
+            self.target_requests[tokens] = count
         steps = len(timings.target_forwards)
         if not steps or timings.decode_seconds <= 0:
             return
@@ -210,24 +215,32 @@ class CostModel:
     def verify_costs(self, max_k: int) -> list[float] | None:
         """Seconds of a step at k besides its draft forwards, k = 0..max_k; None before any.
 
-        A target forward reading k + 1 tokens plus the step's bookkeeping. The forward's
-        cost is a line through the measured token counts, each weighted by the requests
-        that measured it (at most :data:`_FIT_WEIGHT_CAP`), slope at least 0: a count
-        measured once, such as the short last verify of a request, is one noisy figure,
-        and read as is it made k=1 and k=2 look dearer than k=4 (28 ms at 3 tokens
-        against 17 ms at 5) and kept a paying k unchosen.
+        A target forward reading k + 1 tokens plus the step's bookkeeping. A token count
+        measured on :data:`MIN_MEASURED` requests or more costs what it measured; the
+        others come from a line through those counts (through every count measured while
+        fewer than two are), each weighted by its requests (at most
+        :data:`_FIT_WEIGHT_CAP`), slope at least 0. A count read on one
+        request, such as a request's short last verify, is one noisy figure: read as is,
+        28 ms at 3 tokens against 17 ms at 5 made k=1 and k=2 look slower than plain
+        decoding in the serve bench, and they were never tried.
         """
         if not self.target_s:
             return None
-        line = _weighted_line(
-            [
-                (n, s, min(self.target_requests.get(n, 1), _FIT_WEIGHT_CAP))
-                for n, s in self.target_s.items()
-            ]
-        )
+        points = [
+            (n, s, min(self.target_requests.get(n, 1), _FIT_WEIGHT_CAP))
+            for n, s in self.target_s.items()
+        ]
+        measured = [point for point in points if point[2] >= MIN_MEASURED]
+        line = _weighted_line(measured if len(measured) > 1 else points)
         floor = min(self.target_s.values()) * 0.5
+
+        def forward(tokens: int) -> float:
+            if self.target_requests.get(tokens, 0) >= MIN_MEASURED:
+                return self.target_s[tokens]
+            return max(floor, line(tokens))
+
         return [
-            max(floor, line(k + 1)) + (self.round_overhead_s if k else self.plain_overhead_s)
+            forward(k + 1) + (self.round_overhead_s if k else self.plain_overhead_s)
             for k in range(max_k + 1)
         ]
 

@@ -137,7 +137,7 @@ def _speculation(choice: dict[str, Any], model: str) -> Iterator[Metric]:
          {"": int(choice["adaptive"])}),
         (GaugeMetricFamily, "tide:spec_draft_step_seconds", "Measured cost of one draft step",
          None, {"": costs["draft_step_s"]}),
-        (GaugeMetricFamily, "tide:spec_verify_seconds", "Measured cost of a verify step", "k",
+        (GaugeMetricFamily, "tide:spec_verify_seconds", "Modelled cost of a verify step at k", "k",
          costs["verify_s"] or {}),
         (GaugeMetricFamily, "tide:spec_expected_tokens_per_s", "Expected tokens/s at each k",
          "k", choice["expected_tokens_per_s"] or {}),
