@@ -63,7 +63,7 @@ def test_defect1_export_goes_on_when_a_window_shard_is_gone(
     gone = _shards(lake_store, config)[1]
     lake_store.remove(gone.shard_key)  # retention crashed between the shard and its marker
 
-    count = cycle.export_training_data(config, snapshot, tmp_path / "data")
+    count = cycle.export_training_data(config, snapshot, tmp_path / "data").total
     assert count == 3  # 4 requests of the other two shards, less the first (held out)
     assert not lake_store.exists(gone.key)  # quarantined: the next cycle does not meet it
     assert any(cycle.held_out_samples(config, snapshot).values())
@@ -92,7 +92,7 @@ def test_defect4_export_skips_records_unfit_for_the_target(
     _write(lake_store, config, [3, 4], hidden=8)  # another target's width: wrong for this one
     time.sleep(1.5)
     snapshot = cycle.snapshot_window(config, "c1")
-    assert cycle.export_training_data(config, snapshot, tmp_path / "data") == 2  # req-0 held out
+    assert cycle.export_training_data(config, snapshot, tmp_path / "data").total == 2  # req-0 out
 
 
 def test_defect6_retention_deletes_the_marker_before_the_shard(

@@ -131,10 +131,13 @@ def test_export_separates_window_and_replay(
     _write(lake_store, config, [_record(100 + i, CENTERS[1], None) for i in range(10)])
     snapshot = cycle.snapshot_window(config, "c2")
     assert snapshot.replay  # the older commit is drawn, its requests replay candidates
-    count = cycle.export_training_data(config, snapshot, tmp_path / "data")
+    exported = cycle.export_training_data(config, snapshot, tmp_path / "data")
     window = sorted((tmp_path / "data" / "window").glob("*.ckpt"))
     replay = sorted((tmp_path / "data" / "replay").glob("*.ckpt"))
-    assert window and replay and count == len(window) + len(replay)
+    assert window and replay and exported.total == len(window) + len(replay)
+    assert exported.requests == {"window": len(window), "replay": len(replay)}
+    replayed = sum(torch.load(path, weights_only=True)["input_ids"].numel() for path in replay)
+    assert exported.as_params()["trained_replay_tokens"] == replayed
     assert not list((tmp_path / "data").glob("*.ckpt"))  # nothing outside the two
 
 

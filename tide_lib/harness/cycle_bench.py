@@ -167,7 +167,7 @@ def _measure(
     snapshot = cycle.snapshot_window(config, cycle_id)
     seconds["snapshot"] = time.perf_counter() - started
     mark = time.perf_counter()
-    samples = cycle.export_training_data(config, snapshot, work / cycle_id)
+    samples = cycle.export_training_data(config, snapshot, work / cycle_id).total
     seconds["export"] = time.perf_counter() - mark
     mark = time.perf_counter()
     cycle.held_out_samples(config, snapshot)

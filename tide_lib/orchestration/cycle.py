@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HeldOutTraffic",
+    "TrainingSet",
     "advance_watermark",
     "apply_retention",
     "check_drift",
@@ -254,7 +255,29 @@ WINDOW_DIR = "window"  # export_training_data's layout: the trainer tells new tr
 REPLAY_DIR = "replay"  # from replayed older traffic by these sub-directories
 
 
-def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> int:
+@dataclasses.dataclass(frozen=True)
+class TrainingSet:
+    """What :func:`export_training_data` wrote: requests and their tokens, per part
+    (``window``, ``replay``). The snapshot's ``replay_tokens`` are the older commits
+    drawn; these are the requests chosen from them and replayed."""
+
+    requests: dict[str, int]
+    tokens: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.requests.values())
+
+    def as_params(self) -> dict[str, int]:
+        """The run's params: ``trained_window_requests``, ``trained_replay_tokens``, ..."""
+        return {
+            f"trained_{part}_{kind}": figures[part]
+            for kind, figures in (("requests", self.requests), ("tokens", self.tokens))
+            for part in (WINDOW_DIR, REPLAY_DIR)
+        }
+
+
+def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> TrainingSet:
     """Write the training set in SpecForge's layout: ``out/window/`` (the new traffic to
     learn) and ``out/replay/`` (traffic to keep), one ``.ckpt`` each, with its segment.
 
@@ -271,12 +294,14 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
     segmenter, _ = cycle_segmenter(config, snapshot)
     learns, drift_segmenter = _window_to_learn(config, snapshot, segmenter)
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
+    tokens = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
     def save(sample: CapturedRecord, segment: str, window: bool) -> None:
         learn = learns(segment_as_grouped(sample, drift_segmenter, segmenter))
         part = WINDOW_DIR if window and learn else REPLAY_DIR
         sample.save_specforge(out / part, counts[part], segment=segment)
         counts[part] += 1
+        tokens[part] += int(sample.input_ids.numel())
 
     window_tokens: dict[str, int] = {}  # what the window carries, by segment
     judged: set[bytes] = set()  # copies of the window's first request (held out by position)
@@ -305,7 +330,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> i
         counts[REPLAY_DIR],
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} export")
-    return sum(counts.values())
+    return TrainingSet(requests=counts, tokens=tokens)
 
 
 def _window_to_learn(
@@ -533,7 +558,7 @@ def _train_in_run(
     except Exception as error:  # lineage for the record, never a reason to fail training
         logger.warning("cycle %s: could not log the window as a dataset input: %s", cycle_id, error)
     with task_scratch(config, f"train-{cycle_id}") as work:
-        export_training_data(config, snapshot, work / "data")
+        exported = export_training_data(config, snapshot, work / "data")
         parent = registry.download(parent_version, work / "parent") if parent_version else None
         forced = config.cycle.force_promote  # promote what was trained, whatever it scores
         job = TrainJob(
@@ -565,7 +590,11 @@ def _train_in_run(
             )
     registry.record_run(
         run_id,
-        params={"window_tokens": snapshot.window_tokens, "replay_tokens": snapshot.replay_tokens},
+        params={
+            "window_tokens": snapshot.window_tokens,
+            "replay_tokens": snapshot.replay_tokens,
+            **exported.as_params(),
+        },
         # in order, the draft's URI last: it marks the outcome complete
         tags={Tags.BEST_IS_PARENT: str(not improved).lower(), Tags.DRAFT_URI: draft_uri},
     )
