@@ -83,3 +83,16 @@ def test_invalid_checkpoint_is_never_registered(stack: TideConfig, tmp_path: Pat
     with pytest.raises(InvalidCheckpointError):
         registry.register(tmp_path, _run(stack), cycle_id="bad")
     assert registry.find_by_tag("tide.cycle_id", "bad") is None
+
+
+def test_a_retried_record_keeps_the_params_already_logged(stack: TideConfig) -> None:
+    """MLflow refuses to change a param: a retried train task must not fail on it."""
+    registry = DraftRegistry(stack.mlflow.tracking_uri, f"org/model-{uuid.uuid4().hex[:6]}")
+    run_id = _run(stack)
+    registry.record_run(run_id, params={"trained_replay_tokens": 120}, tags={"a": "1"})
+    registry.record_run(
+        run_id, params={"trained_replay_tokens": 96, "window_tokens": 700}, tags={"a": "2"}
+    )
+    run = mlflow.MlflowClient(stack.mlflow.tracking_uri).get_run(run_id)
+    assert run.data.params == {"trained_replay_tokens": "120", "window_tokens": "700"}
+    assert run.data.tags["a"] == "2"

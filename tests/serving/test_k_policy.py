@@ -6,7 +6,7 @@ import pytest
 
 from tide_lib.serving.k_policy import (
     MAX_SEGMENTS,
-    MIN_MEASURED,
+    MIN_MEASURED_FORWARDS,
     MIN_REALIZED,
     KController,
     RealizedRates,
@@ -312,15 +312,28 @@ def test_a_token_count_measured_once_does_not_bend_the_verify_costs() -> None:
     assert controller.snapshot()["modelled_k"] == 1  # 1.87 tokens per 13 ms beats 1 per 8.8
 
 
-def test_a_count_measured_on_enough_requests_costs_what_it_measured() -> None:
+def test_a_count_measured_by_enough_forwards_costs_what_it_measured() -> None:
     controller = KController(4, adaptive=True)
-    for _ in range(MIN_MEASURED):
-        controller.observe(RoundTimings(0, [], target_forwards=[(1, 0.010)] * 4))
+    controller.observe(RoundTimings(0, [], target_forwards=[(1, 0.010)] * 20))  # one request
+    for _ in range(3):
         # one stalled forward among a request's 12 is not its cost: the median is
         slow = [(5, 0.020)] * 11 + [(5, 0.500)]
         controller.observe(RoundTimings(4, [(4, 1)] * 12, target_forwards=slow))
-        controller.observe(RoundTimings(4, [(2, 1)], target_forwards=[(3, 0.030)]))
+    for seconds in (0.028, 0.013, 0.013):  # three short last verifies: three figures only
+        controller.observe(RoundTimings(4, [(2, 1)], target_forwards=[(3, seconds)]))
     verify = controller.costs.verify_costs(4)
     assert verify is not None
-    assert verify[0] == pytest.approx(0.010) and verify[4] == pytest.approx(0.020)
-    assert verify[2] == pytest.approx(0.030)  # measured on enough requests: used as is
+    assert verify[0] == pytest.approx(0.010)  # one plain request of 20 forwards: as measured
+    assert verify[4] == pytest.approx(0.020)
+    assert verify[2] == pytest.approx(0.015)  # from the line through 1 and 5 tokens
+    for _ in range(MIN_MEASURED_FORWARDS):
+        controller.observe(RoundTimings(4, [(2, 1)], target_forwards=[(3, 0.013)]))
+    verify = controller.costs.verify_costs(4)
+    assert verify is not None and verify[2] < 0.015  # now measured: 28 ms averaged away
+
+
+def test_first_measurements_are_averaged_then_followed() -> None:
+    controller = KController(4, adaptive=True)
+    for seconds in (0.030, 0.010, 0.010, 0.010):  # a slow first request, then steady
+        controller.observe(RoundTimings(0, [], target_forwards=[(1, seconds)] * 8))
+    assert controller.costs.target_s[1] == pytest.approx(0.015)  # the mean, not 80% of 30 ms

@@ -257,9 +257,11 @@ REPLAY_DIR = "replay"  # from replayed older traffic by these sub-directories
 
 @dataclasses.dataclass(frozen=True)
 class TrainingSet:
-    """What :func:`export_training_data` wrote: requests and their tokens, per part
-    (``window``, ``replay``). The snapshot's ``replay_tokens`` are the older commits
-    drawn; these are the requests chosen from them and replayed."""
+    """What :func:`export_training_data` wrote: requests and their tokens, per part:
+    ``window`` the new traffic learned, ``replay`` the older requests chosen by segment
+    and the window's requests of segments the champion still fits. The snapshot's
+    ``window_tokens``/``replay_tokens`` count the commits drawn, held-out requests
+    included; these count what the trainer gets."""
 
     requests: dict[str, int]
     tokens: dict[str, int]

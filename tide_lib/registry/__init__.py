@@ -269,9 +269,24 @@ class DraftRegistry:
         return dict(self.client.get_run(run_id).data.tags)
 
     def record_run(self, run_id: str, *, params: dict[str, Any], tags: dict[str, str]) -> None:
-        """Log ``params`` on a run, then set ``tags`` in their order."""
+        """Log ``params`` on a run, then set ``tags`` in their order.
+
+        Idempotent for a retried task: MLflow refuses to change a logged param, so a
+        param already on the run is kept (and a different value is logged as a warning:
+        a retry that saw the lake after retention may count other requests).
+        """
+        logged = dict(self.client.get_run(run_id).data.params)
         for key, value in params.items():
-            self.client.log_param(run_id, key, value)
+            if key not in logged:
+                self.client.log_param(run_id, key, value)
+            elif logged[key] != str(value):
+                logger.warning(
+                    "run %s keeps param %s=%s (a retry measured %s)",
+                    run_id,
+                    key,
+                    logged[key],
+                    value,
+                )
         for key, value in tags.items():
             self.client.set_tag(run_id, key, value)
 

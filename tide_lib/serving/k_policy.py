@@ -39,7 +39,7 @@ from typing import Any
 
 __all__ = [
     "MAX_SEGMENTS",
-    "MIN_MEASURED",
+    "MIN_MEASURED_FORWARDS",
     "AcceptanceEstimate",
     "CostModel",
     "KChoice",
@@ -58,8 +58,8 @@ _COST_EMA = 0.2  # weight of a new request's measurement in the running cost est
 _PRIOR_ROUNDS = 2.0  # pseudo-rounds of the prior behind each position's acceptance
 _SEGMENT_PRIOR_ROUNDS = 8.0  # pseudo-rounds of the overall estimate behind a segment's
 _EXPLORE_BACKOFF_LIMIT = 8  # exploration slows to one in explore_every x this requests
-MIN_MEASURED = 3  # requests that measured a token count before its figure is used as is
-_FIT_WEIGHT_CAP = 16  # requests behind a token count's weight in the verify-cost line
+MIN_MEASURED_FORWARDS = 8  # forwards at a token count before its figure is used as is
+_FIT_WEIGHT_CAP = 64  # forwards behind a token count's weight in the verify-cost line
 MIN_REALIZED = 3  # requests at a k before what it delivered can veto the model's choice
 
 
@@ -181,6 +181,7 @@ class CostModel:
         self.draft_step_s: float | None = None
         self.target_s: dict[int, float] = {}  # tokens read -> seconds
         self.target_requests: dict[int, int] = {}  # tokens read -> requests that measured it
+        self.target_forwards: dict[int, int] = {}  # tokens read -> forwards measured
         self.round_overhead_s = 0.0  # per speculative round
         self.plain_overhead_s = 0.0  # per plain decode step
 
@@ -202,6 +203,7 @@ class CostModel:
             weight = max(_COST_EMA, 1.0 / count)  # a plain mean of the first, then running
             self.target_s[tokens] = (1.0 - weight) * old + weight * typical
             self.target_requests[tokens] = count
+            self.target_forwards[tokens] = self.target_forwards.get(tokens, 0) + len(seconds_list)
         steps = len(timings.target_forwards)
         if not steps or timings.decode_seconds <= 0:
             return
@@ -216,26 +218,26 @@ class CostModel:
         """Seconds of a step at k besides its draft forwards, k = 0..max_k; None before any.
 
         A target forward reading k + 1 tokens plus the step's bookkeeping. A token count
-        measured on :data:`MIN_MEASURED` requests or more costs what it measured; the
-        others come from a line through those counts (through every count measured while
-        fewer than two are), each weighted by its requests (at most
-        :data:`_FIT_WEIGHT_CAP`), slope at least 0. A count read on one
-        request, such as a request's short last verify, is one noisy figure: read as is,
-        28 ms at 3 tokens against 17 ms at 5 made k=1 and k=2 look slower than plain
-        decoding in the serve bench, and they were never tried.
+        read by :data:`MIN_MEASURED_FORWARDS` forwards or more costs what it measured
+        (one plain request measures plain decoding); the others come from a line through
+        those counts (through every count measured while fewer than two are), each
+        weighted by its forwards (at most :data:`_FIT_WEIGHT_CAP`), slope at least 0. A
+        count read by a few forwards, such as requests' short last verifies, is a few
+        noisy figures: read as is, 28 ms at 3 tokens against 17 ms at 5 made k=1 and k=2
+        look slower than plain decoding in the serve bench, and they were never tried.
         """
         if not self.target_s:
             return None
         points = [
-            (n, s, min(self.target_requests.get(n, 1), _FIT_WEIGHT_CAP))
+            (n, s, min(self.target_forwards.get(n, 1), _FIT_WEIGHT_CAP))
             for n, s in self.target_s.items()
         ]
-        measured = [point for point in points if point[2] >= MIN_MEASURED]
+        measured = [point for point in points if point[2] >= MIN_MEASURED_FORWARDS]
         line = _weighted_line(measured if len(measured) > 1 else points)
         floor = min(self.target_s.values()) * 0.5
 
         def forward(tokens: int) -> float:
-            if self.target_requests.get(tokens, 0) >= MIN_MEASURED:
+            if self.target_forwards.get(tokens, 0) >= MIN_MEASURED_FORWARDS:
                 return self.target_s[tokens]
             return max(floor, line(tokens))
 
