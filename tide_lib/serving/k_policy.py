@@ -199,9 +199,7 @@ class CostModel:
         for tokens, seconds_list in by_tokens.items():
             typical = statistics.median(seconds_list)  # one stalled forward is no cost
             count = self.target_requests.get(tokens, 0) + 1
-            old = self.target_s.get(tokens, typical)
-            weight = max(_COST_EMA, 1.0 / count)  # a plain mean of the first, then running
-            self.target_s[tokens] = (1.0 - weight) * old + weight * typical
+            self.target_s[tokens] = _running_average(self.target_s.get(tokens), typical, count)
             self.target_requests[tokens] = count
             self.target_forwards[tokens] = self.target_forwards.get(tokens, 0) + len(seconds_list)
         steps = len(timings.target_forwards)
@@ -257,6 +255,16 @@ class CostModel:
         }
 
 
+def _running_average(old: float | None, new: float, count: int) -> float:
+    """The ``count``-th measurement folded in: a plain mean of the first ones (a first
+    one taken while warming up weighs 1/n), then a running average that follows the
+    traffic (weight ``_COST_EMA``)."""
+    if old is None:
+        return new
+    weight = max(_COST_EMA, 1.0 / count)
+    return (1.0 - weight) * old + weight * new
+
+
 def _weighted_line(points: Sequence[tuple[int, float, int]]) -> Callable[[int], float]:
     """Weighted least squares through ``(tokens, seconds, weight)``, slope at least 0 (flat
     through the weighted mean when the points fall, or with a single token count)."""
@@ -287,11 +295,8 @@ class RealizedRates:
             return
         seconds = (timings.decode_seconds + timings.draft_prefill_seconds) / timings.emitted
         count = self.requests.get(timings.k, 0) + 1
-        old = self.seconds_per_token.get(timings.k, seconds)
-        # a plain mean of the first requests (the first one, warming up, weighs 1/n), then
-        # a running average that follows the traffic
-        weight = max(_COST_EMA, 1.0 / count)
-        self.seconds_per_token[timings.k] = (1.0 - weight) * old + weight * seconds
+        old = self.seconds_per_token.get(timings.k)
+        self.seconds_per_token[timings.k] = _running_average(old, seconds, count)
         self.requests[timings.k] = count
 
     def tokens_per_s(self, k: int) -> float | None:
