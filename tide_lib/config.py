@@ -478,6 +478,16 @@ class ServeConfig(StrictModel):
         ge=2,
         description="adaptive k: every Nth request runs at a k next to the chosen one",
     )
+    speculative_adaptive_calibration_tokens: int = Field(
+        24,
+        ge=0,
+        le=256,
+        description=(
+            "adaptive k: output tokens of each probe generation (one per k, on a fixed "
+            "prompt) that measure the draft and verify costs before serving; 0: the first "
+            "requests measure them"
+        ),
+    )
     speculative_adaptive_min_gain: float = Field(
         0.02,
         ge=0,

@@ -119,12 +119,13 @@ def test_server_info_and_metrics_show_the_choice(adaptive: tuple[Engine, TestCli
     costs = speculation["costs"]
     assert costs["draft_step_s"] > 0
     assert set(costs["verify_s"]) == {"0", "1", "2", "3"}
-    assert {1, 4} <= set(costs["measured_target_tokens"])  # max k first, then plain
+    assert costs["measured_target_tokens"] == [1, 2, 3, 4]  # probed before serving
+    assert speculation["calibrated"] is True
     rates = speculation["expected_tokens_per_s"]
     assert set(rates) == {"0", "1", "2", "3"} and min(rates.values()) > 0
     paying = [rate for rate in rates.values() if rate > rates["0"] * 1.02]  # min_gain
     assert rates[str(speculation["recommended_k"])] == max([rates["0"], *paying])
-    assert speculation["requests_by_k"]["3"] >= 1 and speculation["requests_by_k"]["0"] >= 1
+    assert speculation["requests_by_k"]["3"] >= 1  # untried positions: optimism
     metrics = client.get("/metrics").text
     model = {"model_name": engine.target_id}
     assert metric_value(metrics, "sglang:spec_num_steps", **model) == speculation["chosen_k"]
@@ -164,6 +165,38 @@ def test_segments_are_read_from_custom_labels_or_headers_and_checked(
         assert response.status_code == 400, response.text
         assert named in response.json()["error"]["message"]
     assert client.get("/health").status_code == 200
+
+
+def test_the_cost_probe_measures_every_k_before_serving_and_can_be_off(
+    tiny_target: Path, random_draft: Path, tmp_path: Path
+) -> None:
+    engines = {
+        tokens: Engine(
+            _config(
+                tmp_path / str(tokens),
+                tiny_target,
+                random_draft,
+                speculative_adaptive=True,
+                speculative_adaptive_calibration_tokens=tokens,
+            )
+        )
+        for tokens in (12, 0)
+    }
+    try:
+        probed, unprobed = (engines[n].k_controller.snapshot() for n in (12, 0))
+        assert probed["calibrated"] is True and unprobed["calibrated"] is False
+        assert probed["costs"]["measured_target_tokens"] == [1, 2, 3, 4]
+        assert probed["costs"]["draft_step_s"] > 0 and probed["modelled_k"] is not None
+        assert probed["acceptance"] == [1.0, 1.0, 1.0]  # a probe is no traffic
+        assert sum(probed["requests_by_k"].values()) == 0
+        assert unprobed["costs"]["measured_target_tokens"] == []
+        assert unprobed["modelled_k"] is None
+        for engine in engines.values():  # probed or not, the first request runs at max k
+            request = EngineRequest(engine.encode(PROMPT), 6, 0.0, None, "first")
+            assert engine.submit(request).result().spec_num_steps == 3
+    finally:
+        for engine in engines.values():
+            engine.close()
 
 
 def test_disable_speculation_forces_plain_decoding(

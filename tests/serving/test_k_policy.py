@@ -335,5 +335,37 @@ def test_a_count_measured_by_enough_forwards_costs_what_it_measured() -> None:
 def test_first_measurements_are_averaged_then_followed() -> None:
     controller = KController(4, adaptive=True)
     for seconds in (0.030, 0.010, 0.010, 0.010):  # a slow first request, then steady
-        controller.observe(RoundTimings(0, [], target_forwards=[(1, seconds)] * 8))
+        controller.observe(RoundTimings(0, [], target_forwards=[(1, seconds)] * 4))
     assert controller.costs.target_s[1] == pytest.approx(0.015)  # the mean, not 80% of 30 ms
+
+
+def test_a_forward_weighs_by_its_share_of_the_forwards_that_measured_its_count() -> None:
+    """Once a count is well measured, a request's single short last verify moves it by 5 %,
+    a request of many rounds by more: the figure follows forwards, not requests."""
+    controller = KController(4, adaptive=True)
+    controller.observe(RoundTimings(4, [(4, 1)] * 40, target_forwards=[(3, 0.010)] * 40))
+    controller.observe(RoundTimings(4, [(2, 1)], target_forwards=[(3, 0.030)]))
+    assert controller.costs.target_s[3] == pytest.approx(0.010 + 0.05 * 0.020)
+    controller.observe(RoundTimings(4, [(4, 1)] * 14, target_forwards=[(3, 0.020)] * 14))
+    assert controller.costs.target_s[3] == pytest.approx(0.011 + (1 - 0.95**14) * 0.009)
+
+
+def test_calibrated_costs_choose_from_the_first_request_and_teach_no_acceptance() -> None:
+    """The serve bench's case: every count measured by probes before serving, so the
+    first request (all positions untried: optimism) runs at max k, and from the second on
+    the k the measured acceptance pays for, with no plain request spent measuring."""
+    server = SyntheticServer(
+        draft_s=0.003, plain_s=0.012, per_token_s=0.0005, rates=[0.6, 0.5, 0.4, 0.3]
+    )
+    controller = KController(4, adaptive=True)
+    controller.calibrate(server.run(k) for k in range(5))
+    snapshot = controller.snapshot()
+    assert snapshot["calibrated"] is True
+    assert snapshot["costs"]["measured_target_tokens"] == [1, 2, 3, 4, 5]
+    assert snapshot["acceptance"] == [1.0] * 4  # the probes' acceptance is not kept
+    assert snapshot["realized_tokens_per_s"] == {}
+    assert snapshot["requests_by_k"] == {str(k): 0 for k in range(5)}
+    choice = choose_k(server.rates, 0.003, [0.012 + k * 0.0005 for k in range(5)], max_k=4)
+    picked = _serve(controller, server, 12)
+    assert picked[0] == 4 and choice.k == 1
+    assert picked[1:].count(choice.k) >= len(picked) - 2 and 0 not in picked[:4]

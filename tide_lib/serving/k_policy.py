@@ -2,8 +2,9 @@
 
 Speculative decoding is slower than plain decoding when the draft misses often or
 a draft step costs too much next to a target step (measured 0.87x-0.96x on CPU
-with a fitted draft). The engine therefore measures, as it serves, the wall
-cost of a draft forward, of a target forward as a function of how many tokens it
+with a fitted draft). The engine therefore measures, with probe generations at
+every k before it serves (:meth:`KController.calibrate`) and then as it serves, the
+wall cost of a draft forward, of a target forward as a function of how many tokens it
 reads (a verify at k reads k + 1; plain decoding reads 1), and the draft's
 per-position conditional acceptance, and serves each request at the k in
 ``0..max_k`` with the most expected tokens per second; k = 0 is plain decoding.
@@ -34,7 +35,7 @@ import math
 import statistics
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 __all__ = [
@@ -55,6 +56,9 @@ __all__ = [
 # Labels come from clients: at most this many segments are tracked (least recent dropped).
 MAX_SEGMENTS = 64
 _COST_EMA = 0.2  # weight of a new request's measurement in the running cost estimates
+# Weight of one target forward in its token count's running cost: a request's short last
+# verify is one noisy forward and moves the figure by 5 %, a request of 14 rounds by half.
+_FORWARD_EMA = 0.05
 _PRIOR_ROUNDS = 2.0  # pseudo-rounds of the prior behind each position's acceptance
 _SEGMENT_PRIOR_ROUNDS = 8.0  # pseudo-rounds of the overall estimate behind a segment's
 _EXPLORE_BACKOFF_LIMIT = 8  # exploration slows to one in explore_every x this requests
@@ -180,7 +184,6 @@ class CostModel:
     def __init__(self) -> None:
         self.draft_step_s: float | None = None
         self.target_s: dict[int, float] = {}  # tokens read -> seconds
-        self.target_requests: dict[int, int] = {}  # tokens read -> requests that measured it
         self.target_forwards: dict[int, int] = {}  # tokens read -> forwards measured
         self.round_overhead_s = 0.0  # per speculative round
         self.plain_overhead_s = 0.0  # per plain decode step
@@ -198,10 +201,11 @@ class CostModel:
             by_tokens.setdefault(tokens, []).append(seconds)
         for tokens, seconds_list in by_tokens.items():
             typical = statistics.median(seconds_list)  # one stalled forward is no cost
-            count = self.target_requests.get(tokens, 0) + 1
-            self.target_s[tokens] = _running_average(self.target_s.get(tokens), typical, count)
-            self.target_requests[tokens] = count
-            self.target_forwards[tokens] = self.target_forwards.get(tokens, 0) + len(seconds_list)
+            added = len(seconds_list)
+            count = self.target_forwards.get(tokens, 0) + added
+            old = self.target_s.get(tokens)
+            self.target_s[tokens] = _running_average(old, typical, count, added, _FORWARD_EMA)
+            self.target_forwards[tokens] = count
         steps = len(timings.target_forwards)
         if not steps or timings.decode_seconds <= 0:
             return
@@ -255,13 +259,15 @@ class CostModel:
         }
 
 
-def _running_average(old: float | None, new: float, count: int) -> float:
-    """The ``count``-th measurement folded in: a plain mean of the first ones (a first
-    one taken while warming up weighs 1/n), then a running average that follows the
-    traffic (weight ``_COST_EMA``)."""
+def _running_average(
+    old: float | None, new: float, count: int, added: int = 1, ema: float = _COST_EMA
+) -> float:
+    """A measurement worth ``added`` units folded in, ``count`` units in all with it: a
+    plain mean of the first ones (a first one taken while warming up weighs its share),
+    then a running average that follows the traffic (weight ``ema`` per unit)."""
     if old is None:
         return new
-    weight = max(_COST_EMA, 1.0 / count)
+    weight = max(1.0 - (1.0 - ema) ** added, added / count)
     return (1.0 - weight) * old + weight * new
 
 
@@ -402,6 +408,17 @@ class KController:
         self._exploring: dict[str | None, list[int]] = {}
         self.requests_by_k = [0] * (max_k + 1)
         self.realized = RealizedRates()
+        self.calibrated = False
+
+    def calibrate(self, probes: Iterable[RoundTimings]) -> None:
+        """Costs from probe generations run before serving, one per k: the first requests
+        are then served at a k chosen from measured costs instead of measuring them (each
+        token count read by a probe's every round, not by a request's short last verify).
+        Acceptance and realized rates are left alone: a probe's prompt is no traffic."""
+        with self._lock:
+            for timings in probes:
+                self.costs.observe(timings)
+            self.calibrated = True
 
     # -- estimates -------------------------------------------------------------------------
 
@@ -505,6 +522,7 @@ class KController:
             return {
                 "adaptive": self.adaptive,
                 "max_k": self.max_k,
+                "calibrated": self.calibrated,
                 **overall,
                 "costs": self.costs.snapshot(self.max_k),
                 "realized_tokens_per_s": self.realized.snapshot(),
