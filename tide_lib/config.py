@@ -419,6 +419,9 @@ class TrainConfig(StrictModel):
     )
 
 
+MIN_CALIBRATION_TOKENS = 8  # a cost probe shorter than this may time no draft step
+
+
 class ServeConfig(StrictModel):
     """The reference engine (``tide serve``); option names follow SGLang's server arguments."""
 
@@ -532,6 +535,18 @@ class ServeConfig(StrictModel):
         # An empty variable would otherwise be a key that "Bearer " matches.
         raw = value.get_secret_value() if isinstance(value, SecretStr) else value
         return None if raw is None or not str(raw).strip() else value
+
+    @field_validator("speculative_adaptive_calibration_tokens")
+    @classmethod
+    def _probes_measure_every_count(cls, value: int) -> int:
+        if 0 < value < MIN_CALIBRATION_TOKENS:
+            raise ValueError(
+                f"adaptive k's cost probes need at least {MIN_CALIBRATION_TOKENS} output "
+                "tokens each to measure a draft step and every verify size; set "
+                f"TIDE_SERVE__SPECULATIVE_ADAPTIVE_CALIBRATION_TOKENS to 0 (off) or >= "
+                f"{MIN_CALIBRATION_TOKENS}"
+            )
+        return value
 
 
 class FleetConfig(StrictModel):

@@ -16,10 +16,11 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.prometheus import metric_value
-from tide_lib.config import TideConfig
+from tide_lib.config import ServeConfig, TideConfig
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.serving.engine import Engine, EngineRequest
 from tide_lib.serving.server import create_app
@@ -192,11 +193,39 @@ def test_the_cost_probe_measures_every_k_before_serving_and_can_be_off(
         assert unprobed["costs"]["measured_target_tokens"] == []
         assert unprobed["modelled_k"] is None
         for engine in engines.values():  # probed or not, the first request runs at max k
-            request = EngineRequest(engine.encode(PROMPT), 6, 0.0, None, "first")
+            request = EngineRequest(engine.encode(PROMPT), 6, 0.0, None, "first", ignore_eos=True)
             assert engine.submit(request).result().spec_num_steps == 3
     finally:
         for engine in engines.values():
             engine.close()
+
+
+def test_an_engine_started_without_a_draft_probes_the_costs_of_the_first_one_swapped_in(
+    tiny_target: Path, random_draft: Path, tmp_path: Path
+) -> None:
+    config = _config(tmp_path, tiny_target, random_draft, speculative_adaptive=True)
+    serve = config.serve.model_copy(
+        update={
+            "speculative_draft_model_path": None,
+            "draft_sources": [str(random_draft.parent)],
+            "speculative_adaptive_calibration_tokens": 8,
+        }
+    )
+    engine = Engine(config.model_copy(update={"serve": serve}))
+    try:
+        assert engine.k_controller.snapshot()["calibrated"] is False  # nothing to probe
+        engine.swap_draft(str(random_draft), "v1")
+        snapshot = engine.k_controller.snapshot()
+        assert snapshot["calibrated"] is True
+        assert snapshot["costs"]["measured_target_tokens"] == [1, 2, 3, 4]
+    finally:
+        engine.close()
+
+
+def test_a_cost_probe_too_short_to_time_a_draft_step_is_refused() -> None:
+    with pytest.raises(ValidationError, match="CALIBRATION_TOKENS to 0"):
+        ServeConfig(speculative_adaptive_calibration_tokens=3)
+    assert ServeConfig(speculative_adaptive_calibration_tokens=0)
 
 
 def test_disable_speculation_forces_plain_decoding(

@@ -368,7 +368,7 @@ def _timing(
     }
     try:
         ids = [engines["static"].encode(prompt) for prompt in prompts]
-        warm_up(engines, ids[:4], max_new_tokens)  # adaptive k learns its costs first
+        warm_up(engines, ids[:4], max_new_tokens)  # adaptive k learns acceptance first
         totals = side_by_side(engines, ids, max_new_tokens)
     finally:
         for engine in engines.values():

@@ -395,19 +395,23 @@ class Engine:
         if not (controller.adaptive and self.speculative) or controller.calibrated or not tokens:
             return
         started = time.perf_counter()
-        ids = self.encode(_CALIBRATION_PROMPT)
-        self.decoder.generate(ids, 4, ignore_eos=True)  # untimed: one-off allocations
-        controller.calibrate(
-            self.decoder.generate(ids, tokens, ignore_eos=True, num_steps=k).timings
-            for k in range(controller.max_k + 1)
-        )
+        ids = self.encode(_CALIBRATION_PROMPT)  # not chat-rendered: only its costs count
+        try:
+            self.decoder.generate(ids, 4, ignore_eos=True)  # untimed: one-off allocations
+            probes = [
+                self.decoder.generate(ids, tokens, ignore_eos=True, num_steps=k).timings
+                for k in range(controller.max_k + 1)
+            ]
+        except Exception:  # serving must not hang on it: the first requests measure instead
+            logger.exception("adaptive k's cost probe failed; the first requests measure costs")
+            return
+        controller.calibrate(probes)
         costs = controller.costs.snapshot(controller.max_k)
-        verify_ms = ", ".join(f"k={k} {s * 1e3:.1f}" for k, s in costs["verify_s"].items())
         logger.info(
-            "adaptive k calibrated in %.1fs: draft step %.1f ms, verify (ms) %s",
+            "adaptive k calibrated in %.1fs: draft step %s s, verify seconds by k %s",
             time.perf_counter() - started,
-            costs["draft_step_s"] * 1e3,
-            verify_ms,
+            costs["draft_step_s"],
+            costs["verify_s"],
         )
 
     def avg_accept_length(self) -> float:

@@ -55,7 +55,7 @@ __all__ = [
 
 # Labels come from clients: at most this many segments are tracked (least recent dropped).
 MAX_SEGMENTS = 64
-_COST_EMA = 0.2  # weight of a new request's measurement in the running cost estimates
+_COST_EMA = 0.2  # weight of a request in the draft, bookkeeping and realized-rate averages
 # Weight of one target forward in its token count's running cost: a request's short last
 # verify is one noisy forward and moves the figure by 5 %, a request of 14 rounds by half.
 _FORWARD_EMA = 0.05
@@ -288,8 +288,8 @@ class RealizedRates:
     prefill included (running averages): the check on :func:`choose_k`'s model.
 
     A k's figure counts once ``MIN_REALIZED`` requests measured it, as their plain mean
-    at first (the first request of all, at the largest k, pays for warming up: it must
-    not dominate), then as a running average; plain decoding's counts after one.
+    at first (an early request that paid for warming up must not dominate), then as a
+    running average; plain decoding's counts after one.
     """
 
     def __init__(self) -> None:
@@ -415,8 +415,9 @@ class KController:
         are then served at a k chosen from measured costs instead of measuring them (each
         token count read by a probe's every round, not by a request's short last verify).
         Acceptance and realized rates are left alone: a probe's prompt is no traffic."""
+        measured = list(probes)  # generated before the lock: /metrics reads under it
         with self._lock:
-            for timings in probes:
+            for timings in measured:
                 self.costs.observe(timings)
             self.calibrated = True
 
@@ -457,7 +458,7 @@ class KController:
         if not self.adaptive:
             return self.max_k
         self._picks += 1
-        if self.costs.draft_step_s is None:
+        if self.costs.draft_step_s is None or not self._overall.rounds:
             return self.max_k  # measure the draft and every position first
         if 1 not in self.costs.target_s:
             return 0  # then one plain request: the cost speculation must beat
