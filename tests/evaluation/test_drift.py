@@ -6,10 +6,11 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 from tide_lib.evaluation.drift import judge_drift, pooled_gain, still_learning
 from tide_lib.evaluation.gate import GateDecision
-from tide_lib.evaluation.offline import length_margin
+from tide_lib.evaluation.offline import acceptance_ceiling, length_margin
 
 
 def judge(measured: dict[str, float], shares: dict[str, float], baseline: dict[str, float]):
@@ -83,6 +84,49 @@ def test_a_baseline_measured_on_a_sample_widens_the_margin() -> None:
         **kwargs,
     )
     assert not noisy.drift  # 0.4 - 0.283 < 0.15
+
+
+@dataclasses.dataclass
+class _Answered:
+    """A replayable request: ``prompt`` tokens, then ``output`` masked ones."""
+
+    prompt: int
+    output: int
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.arange(self.prompt + self.output)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return torch.tensor([0] * self.prompt + [1] * self.output)
+
+
+def test_the_ceiling_is_what_output_lengths_allow_a_draft_that_is_never_wrong() -> None:
+    # output tokens verified: the masked ones and the one the last state predicts;
+    # the first comes from the prefill, so 2 tokens are one verify step at any k
+    assert acceptance_ceiling([_Answered(5, 1)], 3) == 2.0
+    assert acceptance_ceiling([_Answered(5, 8)], 3) == 4.0  # 4 + 4 tokens in 2 steps
+    # 6 + 3: a last step drafting the 2 tokens left counts its bonus token, as replay does
+    assert acceptance_ceiling([_Answered(5, 8)], 5) == pytest.approx(9 / 2)
+    assert acceptance_ceiling([_Answered(5, 1), _Answered(5, 8)], 3) == pytest.approx(10 / 3)
+    assert acceptance_ceiling([_Answered(5, 0)], 3) == 0.0  # nothing to verify
+    assert acceptance_ceiling([], 3) == 0.0
+
+
+def test_a_segment_served_at_its_ceiling_is_no_drift() -> None:
+    """Traffic the target answers in a token or two: no draft does better than the
+    champion, so a low figure there is no reason to train (the drift trap)."""
+    kwargs = {"tolerance": 0.15, "min_share": 0.1}
+    measured, shares = {"en": 2.9, "law": 1.4}, {"en": 0.5, "law": 0.5}
+    trapped = judge_drift(measured, shares, {"en": 3.0}, **kwargs)
+    assert trapped.drift and set(trapped.drifted) == {"law"}
+    capped = judge_drift(measured, shares, {"en": 3.0}, ceilings={"law": 1.5}, **kwargs)
+    assert not capped.drift and "law 1.400 vs its ceiling" in capped.reason
+    below = judge_drift({"law": 1.2}, {"law": 1.0}, {"en": 3.0}, ceilings={"law": 1.5}, **kwargs)
+    assert below.drifted == {"law": pytest.approx(0.3)}  # held to the ceiling, and short of it
+    loose = judge_drift(measured, shares, {"en": 3.0}, ceilings={"law": 4.0, "en": 0.0}, **kwargs)
+    assert loose.drifted.keys() == {"law"}  # a ceiling above the reference, or unknown: no cap
 
 
 def _promotion(promoted: dict[str, float], replaced: dict[str, float] | None) -> GateDecision:

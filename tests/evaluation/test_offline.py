@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tide_lib.config import TideConfig
-from tide_lib.evaluation.offline import offline_acceptance
+from tide_lib.evaluation.offline import acceptance_ceiling, offline_acceptance
 from tide_lib.lake import LakeReader, ObjectStore, target_slug
 from tide_lib.serving.engine import Engine, EngineRequest
 from tide_lib.target_model import load_corpus, render_prompt
@@ -74,3 +74,4 @@ def test_offline_acceptance_matches_the_engine(
     assert offline.requests == len(documents)
     assert offline.verify_steps == verify
     assert abs(offline.accept_length - served) <= TOLERANCE, (offline.accept_length, served)
+    assert offline.accept_length <= acceptance_ceiling(samples, num_steps)

@@ -220,3 +220,18 @@ def test_a_first_measurement_keeps_traffic_it_does_not_fit_out_of_its_baseline(
         segmenter_key="segmenter-key",
     )
     assert drift_check._first_measurement(config, "1", fits, "c1").fitting is None
+    # Traffic at its ceiling (answered in a token or two) is neither learned nor a standard.
+    short = drift_check._Window(
+        measured={"english": 3.0, "law": 1.1},
+        margins={"english": 0.1, "law": 0.05},
+        all_margins={"english": 0.1, "law": 0.05},
+        shares={"english": 0.5, "law": 0.5},
+        segmenter_key="segmenter-key",
+        ceilings={"english": 4.0, "law": 1.15},
+    )
+    capped = drift_check._first_measurement(config, "1", short, "c1")
+    assert capped.drifted == [] and capped.fitting is None and capped.ceilings == short.ceilings
+    stored = json.loads(
+        state.lake_store(config).get_bytes(state.state_key(config, "baseline.json"))
+    )
+    assert stored["accept_length"] == {"english": 3.0}

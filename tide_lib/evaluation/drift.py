@@ -16,7 +16,10 @@ The rule (:func:`judge_drift`, a pure function): only segments holding at least
 ``min_share`` of the window's tokens count. A known segment has drifted when it
 fell more than ``tolerance`` below its baseline; a segment the baseline does
 not know (new traffic) has drifted when the champion serves it more than
-``tolerance`` below the average of the baseline's segments. The champion is
+``tolerance`` below the average of the baseline's segments. No segment is held
+above its *ceiling*, the acceptance its requests' output lengths allow a draft that
+is never wrong: traffic the target answers in a token or two cannot drift, and
+training on it is spent in vain. The champion is
 measured on a sample of the window, so a fall counts only beyond its margin of
 error (``margins``, one-sided 95%, combined with the baseline's own when it was
 measured on a sample too): a segment of three requests that the champion serves
@@ -42,7 +45,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tide_lib.evaluation.gate import GateDecision
 
-__all__ = ["DriftVerdict", "judge_drift", "pooled_gain", "still_learning"]
+__all__ = [
+    "DriftVerdict",
+    "capped_reference",
+    "judge_drift",
+    "pooled_gain",
+    "still_learning",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +65,12 @@ def _reference_of_new_segments(baseline: dict[str, float]) -> float:
     return sum(baseline.values()) / len(baseline)
 
 
+def capped_reference(reference: float, ceiling: float | None) -> float:
+    """What a segment is held to: its reference, or its acceptance ceiling when that
+    is lower (none or 0.0: not known, or no request with a token to verify)."""
+    return min(reference, ceiling) if ceiling else reference
+
+
 def judge_drift(
     measured: dict[str, float],
     shares: dict[str, float],
@@ -65,10 +80,14 @@ def judge_drift(
     min_share: float,
     margins: Mapping[str, float] | None = None,
     baseline_margins: Mapping[str, float] | None = None,
+    ceilings: Mapping[str, float] | None = None,
 ) -> DriftVerdict:
     """Drift or not; ``measured``/``baseline`` map segment -> acceptance length at one k,
     ``margins``/``baseline_margins`` segment -> margin of error of each figure (none:
-    exact). Two independent samples: the fall's margin is the root of their squares."""
+    exact). Two independent samples: the fall's margin is the root of their squares.
+    ``ceilings``: segment -> the most any draft can reach on the window's requests
+    (:func:`~tide_lib.evaluation.offline.acceptance_ceiling`); a segment is held to
+    no more than that, so traffic answered in a token or two is never drift."""
     if not baseline:
         return DriftVerdict(True, "the champion has no baseline to compare with", {})
     counted = {s: v for s, v in measured.items() if shares.get(s, 0.0) >= min_share}
@@ -81,12 +100,15 @@ def judge_drift(
     for segment, value in sorted(counted.items()):
         known = segment in baseline
         reference = baseline[segment] if known else _reference_of_new_segments(baseline)
+        what = "baseline" if known else "baseline average (new segment)"
+        ceiling = capped_reference(reference, (ceilings or {}).get(segment))
+        if ceiling < reference:
+            what, reference = f"its ceiling (below the {what} {reference:.3f})", ceiling
         fall = reference - value
         margin = math.hypot(
             (margins or {}).get(segment, 0.0),
             (baseline_margins or {}).get(segment, 0.0) if known else 0.0,
         )
-        what = "baseline" if known else "baseline average (new segment)"
         notes.append(f"{segment} {value:.3f}{_plus_minus(margin)} vs {what} {reference:.3f}")
         if fall - margin > tolerance:
             drifted[segment] = fall

@@ -36,6 +36,7 @@ from tide_lib.serving.speculative import DraftRunner
 __all__ = [
     "AcceptanceCount",
     "ReplaySample",
+    "acceptance_ceiling",
     "acceptance_counts",
     "content_digest",
     "content_fraction",
@@ -162,19 +163,49 @@ def paired_drop(
     return length_0 - length_1, _delta_error(residuals)
 
 
+def _output_length(sample: ReplaySample) -> int:
+    """Output tokens a replay verifies: the masked ones and the one the last state
+    predicts; 0 for a record without output (nothing to verify)."""
+    mask = sample.loss_mask.tolist()
+    return int(sample.input_ids.numel()) + 1 - mask.index(1) if 1 in mask else 0
+
+
+def _perfect_replay(output_length: int, num_steps: int) -> tuple[int, int]:
+    """``(emitted, verify steps)`` of a draft that is never wrong, counted as
+    :func:`replay_request` counts: the first output token comes from the prefill."""
+    produced, emitted, verify_steps = 1, 0, 0
+    while produced < output_length:
+        accepted = min(num_steps, output_length - produced)
+        emitted, verify_steps, produced = (
+            emitted + accepted + 1,
+            verify_steps + 1,
+            produced + accepted + 1,
+        )
+    return emitted, verify_steps
+
+
+def acceptance_ceiling(samples: Iterable[ReplaySample], num_steps: int) -> float:
+    """The highest pooled acceptance length any draft can reach on ``samples`` at
+    ``num_steps``: what their output lengths allow (a request answered in two tokens
+    is verified once, however good the draft). 0.0 when none has a token to verify."""
+    count = AcceptanceCount(keep_requests=False)
+    for sample in samples:
+        count.add(*_perfect_replay(_output_length(sample), num_steps))
+    return count.accept_length
+
+
 @torch.no_grad()
 def replay_request(
     runner: DraftRunner, lm_head: torch.nn.Module, sample: ReplaySample, num_steps: int
 ) -> tuple[int, int]:
     """``(tokens emitted by verify steps, verify steps)`` of one greedy request."""
-    mask = sample.loss_mask.tolist()
-    if 1 not in mask:
+    output_len = _output_length(sample)
+    if not output_len:
         return 0, 0
-    prompt_len = mask.index(1)
     aux = sample.aux_hidden_states.float()
     last_token = int(lm_head(sample.hidden_states[-1].float()).argmax())
     tokens = [*sample.input_ids.tolist(), last_token]  # prompt + every output token
-    output_len = len(tokens) - prompt_len
+    prompt_len = len(tokens) - output_len
     runner.reset()
     hidden, logits = runner.step(
         torch.tensor(tokens[1 : prompt_len + 1]), runner.project(aux[:prompt_len])

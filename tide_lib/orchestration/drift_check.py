@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tide_lib.config import TideConfig
+from tide_lib.evaluation.drift import capped_reference, judge_drift
 from tide_lib.evaluation.offline import (
     AcceptanceCount,
+    acceptance_ceiling,
     content_digest,
     content_fraction,
     length_margin,
@@ -99,17 +101,23 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
 @dataclasses.dataclass(frozen=True)
 class _Window:
     """The champion measured on the window: acceptance per segment, the margins of those
-    measured on two requests or more, token shares, and the segmenter that grouped them."""
+    measured on two requests or more, token shares, the segmenter that grouped them, and
+    each segment's ceiling (what its output lengths allow)."""
 
     measured: dict[str, float]
     margins: dict[str, float]  # finite ones only
     all_margins: dict[str, float]
     shares: dict[str, float]
     segmenter_key: str
+    # the most any draft reaches on each segment's requests (absent: not known)
+    ceilings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def held_to(self, segment: str, reference: float) -> float:
+        """``reference``, or the segment's ceiling when that is lower."""
+        return capped_reference(reference, self.ceilings.get(segment))
 
 
 def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
-    from tide_lib.evaluation.drift import judge_drift  # noqa: PLC0415
     from tide_lib.registry import CHAMPION  # noqa: PLC0415
 
     registry = state.draft_registry(config)
@@ -136,16 +144,23 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         min_share=config.gate.min_segment_share,
         margins=window.all_margins,
         baseline_margins=known.margins,
+        ceilings=window.ceilings,
+    )
+    average, tolerance = (
+        statistics.fmean(known.accept_length.values()),
+        config.cycle.drift_tolerance,
     )
     fitting = _fitting(
-        window,
-        lambda s: known.accept_length.get(s, statistics.fmean(known.accept_length.values())),
-        verdict.drifted,
-        config.cycle.drift_tolerance,
+        window, lambda s: known.accept_length.get(s, average), verdict.drifted, tolerance
     )
     if not verdict.drift:  # segments it serves well from now on join its baseline
         fits = set(window.margins) if fitting is None else set(fitting)
-        new = {s: window.measured[s] for s in fits if s not in known.accept_length}
+        # not one that fits only by its ceiling: it would lower what new traffic is held to
+        new = {
+            s: window.measured[s]
+            for s in fits
+            if s not in known.accept_length and window.measured[s] >= average - tolerance
+        }
         grown = Baseline(
             champion.version,
             {**known.accept_length, **new},
@@ -163,6 +178,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         champion_version=champion.version,
         measured=window.measured,
         margins=window.margins,
+        ceilings=window.ceilings,
         baseline=known.accept_length,
         drifted=sorted(verdict.drifted),
         fitting=fitting,
@@ -212,6 +228,10 @@ def _measure_window(
         all_margins=margins,
         shares=shares,
         segmenter_key=segmenter_key,
+        ceilings={
+            segment: acceptance_ceiling(records, config.gate.k)
+            for segment, records in samples.items()
+        },
     )
 
 
@@ -222,8 +242,10 @@ def _first_measurement(config: TideConfig, version: str, window: _Window, cycle_
     the standard later windows are held to (it would read as "no drift" ever after)."""
     # the best of the segments measured on two requests or more: one request is no standard
     best = max((window.measured[s] for s in window.margins), default=0.0)
-    drifted = {s for s, v in window.measured.items() if v < best - config.cycle.drift_tolerance}
-    kept = [s for s in window.margins if s not in drifted]
+    tolerance = config.cycle.drift_tolerance
+    drifted = {s for s, v in window.measured.items() if v < window.held_to(s, best) - tolerance}
+    # a segment at its ceiling far below the best is no drift, and no standard either
+    kept = [s for s in window.margins if window.measured[s] >= best - tolerance]
     first = Baseline(
         version,
         {s: window.measured[s] for s in kept},
@@ -245,9 +267,10 @@ def _first_measurement(config: TideConfig, version: str, window: _Window, cycle_
         champion_version=version,
         measured=window.measured,
         margins=window.margins,
+        ceilings=window.ceilings,
         baseline={},
         drifted=sorted(drifted),
-        fitting=_fitting(window, lambda _: best, drifted, config.cycle.drift_tolerance),
+        fitting=_fitting(window, lambda _: best, drifted, tolerance),
         segmenter_key=window.segmenter_key,
     )
 
@@ -256,7 +279,8 @@ def _fitting(
     window: _Window, reference: Callable[[str], float], drifted: Iterable[str], tolerance: float
 ) -> list[str] | None:
     """Segments whose figure, less its margin of error, is within ``tolerance`` of their
-    ``reference``: a cycle keeps their window traffic rather than learn it. A segment
+    ``reference`` (or of their ceiling, when lower: nothing is left to learn there): a
+    cycle keeps their window traffic rather than learn it. A segment
     measured on one request (no margin), or too loosely to tell, is learned: new
     traffic the check could not judge is the traffic a cycle exists for. None when
     every segment fits: a cycle that trains anyway learns its whole window."""
@@ -265,7 +289,8 @@ def _fitting(
         segment
         for segment, margin in window.margins.items()
         if segment not in fallen
-        and window.measured[segment] - margin >= reference(segment) - tolerance
+        and window.measured[segment] - margin
+        >= window.held_to(segment, reference(segment)) - tolerance
     }
     return sorted(fitting) if set(window.measured) - fitting else None
 

@@ -110,6 +110,11 @@ class Drift(HandOff):
         "(absent: too few requests to estimate one, so its fall cannot count)",
     )
     baseline: dict[str, float] = Field(description="its acceptance length at promotion")
+    ceilings: dict[str, float] = Field(
+        default_factory=dict,
+        description="the most any draft reaches on each measured segment's requests (what "
+        "their output lengths allow): no segment is held to more",
+    )
     drifted: list[str] = Field(
         default_factory=list,
         description="segments it serves worse than its baseline (or, never judged, far "
@@ -121,9 +126,10 @@ class Drift(HandOff):
         None,
         description="segments whose figure less its margin of error is within "
         "drift_tolerance of its reference (its baseline; a segment new to the baseline: "
-        "the baseline's average; never judged: its best segment): the window's requests "
-        "of these are trained as traffic to keep, every other segment is learned (one "
-        "measured on too few requests, or too loosely, too). None: every segment fits "
+        "the baseline's average; never judged: its best segment; at most its ceiling): "
+        "the window's requests of these are trained as traffic to keep, every other "
+        "segment is learned (one measured on too few requests, or too loosely, too). "
+        "None: every segment fits "
         "(learn the whole window), still learning, or a record of an older release "
         "(both: learn `drifted`)",
     )
