@@ -125,8 +125,11 @@ def test_a_segment_served_at_its_ceiling_is_no_drift() -> None:
     assert not capped.drift and "law 1.400 vs its ceiling" in capped.reason
     below = judge_drift({"law": 1.2}, {"law": 1.0}, {"en": 3.0}, ceilings={"law": 1.5}, **kwargs)
     assert below.drifted == {"law": pytest.approx(0.3)}  # held to the ceiling, and short of it
-    loose = judge_drift(measured, shares, {"en": 3.0}, ceilings={"law": 4.0, "en": 0.0}, **kwargs)
+    loose = judge_drift(measured, shares, {"en": 3.0}, ceilings={"law": 4.0}, **kwargs)
     assert loose.drifted.keys() == {"law"}  # a ceiling above the reference, or unknown: no cap
+    # answered in one token each: nothing verified, nothing a draft could do
+    silent = judge_drift({"law": 0.0}, {"law": 1.0}, {"en": 3.0}, ceilings={"law": 0.0}, **kwargs)
+    assert not silent.drift
 
 
 def _promotion(promoted: dict[str, float], replaced: dict[str, float] | None) -> GateDecision:

@@ -115,6 +115,41 @@ def test_a_segment_measured_on_too_few_tokens_cannot_block_a_promotion() -> None
     assert "english" not in older.protected
 
 
+def test_older_traffic_split_into_thin_clusters_is_protected_together() -> None:
+    """Seen in the adaptation benchmark: English, the traffic before Korean, fell into four
+    clusters of a few held-out requests each, none protected alone, and a promotion for
+    Korean lost a third of English's acceptance length unchecked."""
+    thin = CONFIG.min_segment_tokens // 2 + 1  # two together reach the minimum
+    tokens = {"korean": 400, "en-a": thin, "en-b": thin}
+    champion = {"korean": 1.2, "en-a": 3.0, "en-b": 3.4}
+    challenger = {"korean": 2.5, "en-a": 2.0, "en-b": 2.4}
+    shares, older = {"korean": 1.0}, {"en-a": 0.5, "en-b": 0.5}
+    asked: list[tuple[str, ...]] = []
+
+    def pooled(margin: float):
+        def figures(segments: tuple[str, ...]) -> tuple[float, float, float]:
+            asked.append(segments)
+            return 3.2, 2.2, margin  # the requests of both, pooled and paired
+
+        return figures
+
+    kwargs = {"weights": shares, "older_shares": older, "held_out_tokens": tokens}
+    alone = decide(challenger, champion, CONFIG, **kwargs)
+    assert alone.promote and "too little held-out traffic to protect: en-a, en-b" in alone.reason
+    together = decide(challenger, champion, CONFIG, **kwargs, pooled=pooled(0.3))
+    assert not together.promote and asked == [("en-a", "en-b")]
+    assert "too thin to protect alone (en-a, en-b), together 2.200 vs champion 3.200" in (
+        together.reason
+    )
+    assert together.protected == ("korean",)  # no segment alone counts as evidenced
+    noisy = decide(challenger, champion, CONFIG, **kwargs, pooled=pooled(0.9))
+    assert noisy.promote and "no drop beyond the tolerance" in noisy.reason
+    fewer = {**tokens, "en-b": 1}  # too little even together: not judged
+    kwargs["held_out_tokens"] = fewer
+    assert decide(challenger, champion, CONFIG, **kwargs, pooled=pooled(0.0)).promote
+    assert len(asked) == 2
+
+
 def test_tags_and_report_carry_the_figures() -> None:
     decision = decide(
         {"korean": 2.5, "english": 2.9},

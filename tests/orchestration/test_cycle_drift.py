@@ -9,6 +9,7 @@ once per cycle and read back on a rerun.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -235,3 +236,11 @@ def test_a_first_measurement_keeps_traffic_it_does_not_fit_out_of_its_baseline(
         state.lake_store(config).get_bytes(state.state_key(config, "baseline.json"))
     )
     assert stored["accept_length"] == {"english": 3.0}
+    # At its ceiling on too few requests to know a margin, or with a wide one: still kept.
+    loose = dataclasses.replace(
+        short,
+        margins={"english": 0.1},
+        all_margins={"english": 0.1, "law": float("inf")},
+        ceilings={"english": 4.0, "law": 1.1},
+    )
+    assert drift_check._first_measurement(config, "1", loose, "c1").fitting is None

@@ -67,8 +67,8 @@ def _reference_of_new_segments(baseline: dict[str, float]) -> float:
 
 def capped_reference(reference: float, ceiling: float | None) -> float:
     """What a segment is held to: its reference, or its acceptance ceiling when that
-    is lower (none or 0.0: not known, or no request with a token to verify)."""
-    return min(reference, ceiling) if ceiling else reference
+    is lower (None: not known; 0.0: no request with a token to verify, nothing to hold)."""
+    return reference if ceiling is None else min(reference, ceiling)
 
 
 def judge_drift(

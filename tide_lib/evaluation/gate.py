@@ -14,6 +14,9 @@ requests of the window and of the older traffic in the lookback. Rules, in order
    is noise, and would block every promotion by chance. And the drop must exceed
    the tolerance by its one-sided 95% margin of error (Student's t over the held-out
    requests, both drafts replayed on the same ones, see :func:`drop_margin`).
+   Segments too thin to protect alone are judged together, their held-out requests
+   pooled, once together they reach ``min_segment_tokens``: older traffic the
+   clusters split into small parts is still protected as a whole.
 3. The acceptance length weighted by each segment's share of the window's tokens
    must gain at least ``margin``: the challenger has to pay off on what the fleet
    serves now.
@@ -30,6 +33,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any, Final
 
 from tide_lib.config import GateConfig
@@ -37,6 +41,7 @@ from tide_lib.names import Tags
 
 __all__ = [
     "GateDecision",
+    "PooledFigures",
     "decide",
     "decision_from_tags",
     "decision_metrics",
@@ -83,6 +88,11 @@ class GateDecision:
     # Figures at the other ks evaluated, for the record: {k: {segment: acceptance length}}.
     challenger_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     champion_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+
+
+PooledFigures = Callable[[tuple[str, ...]], tuple[float, float, float]]
+"""Segments -> ``(champion, challenger, margin of error of the drop)``, their held-out
+requests pooled (both drafts replayed on the same ones)."""
 
 
 def _weighted(figures: dict[str, float], weights: dict[str, float]) -> float:
@@ -142,6 +152,32 @@ def _forgotten(
     return None
 
 
+def _forgotten_together(
+    thin: list[str],
+    champion: dict[str, float],
+    tokens: dict[str, int] | None,
+    pooled: PooledFigures | None,
+    config: GateConfig,
+) -> tuple[str, str | None]:
+    """Segments too thin to protect alone, judged together once their held-out output
+    tokens reach ``min_segment_tokens``: ``(what was judged, why they were forgotten or
+    None)``; ``("", None)`` when they were not judged."""
+    judged = tuple(segment for segment in thin if segment in champion)
+    if pooled is None or tokens is None or not judged:
+        return "", None
+    if sum(tokens.get(segment, 0) for segment in judged) < config.min_segment_tokens:
+        return "", None
+    before, after, margin = pooled(judged)
+    drop = before - after
+    figures = f"together {after:.3f} vs champion {before:.3f}"
+    if drop - margin <= config.tolerance + _EPSILON:
+        return f"{figures}: no drop beyond the tolerance", None
+    return figures, (
+        f"segments too thin to protect alone ({', '.join(judged)}), {figures} "
+        f"(drop {drop:.3f} > tolerance {config.tolerance:.3f} + margin of error {margin:.3f})"
+    )
+
+
 def decide(
     challenger: dict[str, float],
     champion: dict[str, float] | None,
@@ -151,6 +187,7 @@ def decide(
     *,
     held_out_tokens: dict[str, int] | None = None,
     drop_margins: dict[str, float] | None = None,
+    pooled: PooledFigures | None = None,
 ) -> GateDecision:
     """Promote or not; ``challenger``/``champion`` map segment -> acceptance length at k.
 
@@ -160,7 +197,8 @@ def decide(
     tokens each figure was measured on (not given: every figure counts as measured);
     ``drop_margins`` the one-sided 95% margin of error of each segment's drop, champion
     and challenger replayed on the same requests
-    (:func:`~tide_lib.evaluation.offline.drop_margin`): a drop rejects only beyond it.
+    (:func:`~tide_lib.evaluation.offline.drop_margin`): a drop rejects only beyond it;
+    ``pooled`` measures segments too thin to protect alone together (none: they are not).
     """
     if not challenger:
         raise ValueError("the challenger has no figures: no held-out traffic was evaluated")
@@ -202,6 +240,9 @@ def decide(
     )
     if forgotten is not None:
         return verdict(False, forgotten, weighted_champion)
+    together, forgotten = _forgotten_together(thin, champion, tokens, pooled, config)
+    if forgotten is not None:
+        return verdict(False, forgotten, weighted_champion)
     gain = weighted_common - weighted_champion
     if gain < config.margin - _EPSILON:
         return verdict(
@@ -211,6 +252,8 @@ def decide(
             weighted_champion,
         )
     unjudged = f"; too little held-out traffic to protect: {', '.join(thin)}" if thin else ""
+    if together:
+        unjudged = f"; too little held-out traffic to protect alone: {', '.join(thin)} ({together})"
     return verdict(
         True,
         f"window-weighted acceptance length {weighted_common:.3f} vs champion "

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import Any, Final, Literal, TextIO
 
 import pyarrow.parquet as pq
 
@@ -173,9 +173,10 @@ class _Batcher:
         self._flush_generation = 0
         self._flush_requested = threading.Event()
         self._stopping = threading.Event()
-        self.submitted = self.dropped = self.refused = self.shards_written = 0
+        self.submitted = self.shards_written = 0
+        self._losses = {"dropped": 0, "refused": 0}  # records lost, by why (see _count_loss)
+        self._last_loss_log = {"dropped": 0.0, "refused": 0.0}
         self._held_bytes = 0  # raw bytes of records queued or buffered, not yet spooled
-        self._last_drop_log = self._last_refuse_log = 0.0
         self.thread = threading.Thread(target=self._loop, name="tide-lake-batcher", daemon=True)
         self.thread.start()
 
@@ -343,14 +344,32 @@ class _Batcher:
         except Exception as error:  # a record that cannot even be checked is not written
             return f"its values could not be checked ({error})"
 
-    def _count_refused(self, request_id: str, reason: str) -> None:
+    # Read without the lock (an int's read is atomic): LakeWriter.stats() already holds it.
+    @property
+    def dropped(self) -> int:
+        """Records lost to a full queue or a failed spool write."""
+        return self._losses["dropped"]
+
+    @property
+    def refused(self) -> int:
+        """Records refused as invalid (never written)."""
+        return self._losses["refused"]
+
+    def _count_loss(self, kind: Literal["dropped", "refused"], count: int) -> int | None:
+        """Add ``count`` lost records of ``kind``: the new total when a log line is due
+        (at most one a kind every ``_DROP_LOG_EVERY_S``, so a flood cannot flood the
+        log), else None."""
         with self._lock:
-            self.refused += 1
-            total = self.refused
-            should_log = time.monotonic() - self._last_refuse_log >= _DROP_LOG_EVERY_S
-            if should_log:
-                self._last_refuse_log = time.monotonic()
-        if should_log:
+            self._losses[kind] += count
+            now = time.monotonic()
+            if now - self._last_loss_log[kind] < _DROP_LOG_EVERY_S:
+                return None
+            self._last_loss_log[kind] = now
+            return self._losses[kind]
+
+    def _count_refused(self, request_id: str, reason: str) -> None:
+        total = self._count_loss("refused", 1)
+        if total is not None:
             logger.warning(
                 "refused captured request %s: %s (%d refused so far; fix the capture hook or "
                 "the target it reads from)",
@@ -360,13 +379,8 @@ class _Batcher:
             )
 
     def _count_drops(self, count: int, reason: str) -> None:
-        with self._lock:
-            self.dropped += count
-            total = self.dropped
-            should_log = time.monotonic() - self._last_drop_log >= _DROP_LOG_EVERY_S
-            if should_log:
-                self._last_drop_log = time.monotonic()
-        if should_log:
+        total = self._count_loss("dropped", count)
+        if total is not None:
             logger.warning(
                 "dropped %d captured record(s): %s (%d dropped so far)", count, reason, total
             )

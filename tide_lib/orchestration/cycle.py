@@ -60,14 +60,16 @@ from tide_lib.orchestration.state import (
     lake_store,
     log_debris,
     markers_of,
+    read_state,
     sample_reader,
     state_key,
     stored_segmenter,
     task_scratch,
+    write_state,
 )
 
 if TYPE_CHECKING:
-    from tide_lib.evaluation.gate import GateDecision
+    from tide_lib.evaluation.gate import GateDecision, PooledFigures
     from tide_lib.registry import DraftRegistry
     from tide_lib.serving.fleet import FleetManager
 
@@ -101,10 +103,8 @@ def _reader(config: TideConfig) -> LakeReader:
 
 def read_watermark(config: TideConfig) -> str | None:
     """The order (a commit key, see ``CommitMarker.order``) up to which the lake is consumed."""
-    store, key = lake_store(config), state_key(config, "watermark.json")
-    if not store.exists(key):
-        return None
-    value: str | None = json.loads(store.get_bytes(key))["watermark"]
+    saved = read_state(config, _WATERMARK)
+    value: str | None = json.loads(saved)["watermark"] if saved is not None else None
     return value
 
 
@@ -124,15 +124,16 @@ def cycle_tokens(config: TideConfig, cycle_id: str) -> int:
     return saved.window_tokens if saved is not None else new_tokens(config)
 
 
-def _snapshot_key(config: TideConfig, cycle_id: str) -> str:
-    return state_key(config, f"cycles/{cycle_id}.json")
+_WATERMARK = "watermark.json"
+
+
+def _snapshot_name(cycle_id: str) -> str:
+    return f"cycles/{cycle_id}.json"
 
 
 def _saved_snapshot(config: TideConfig, cycle_id: str) -> Snapshot | None:
-    store, key = lake_store(config), _snapshot_key(config, cycle_id)
-    if not store.exists(key):
-        return None
-    return Snapshot.model_validate_json(store.get_bytes(key))
+    saved = read_state(config, _snapshot_name(cycle_id))
+    return Snapshot.model_validate_json(saved) if saved is not None else None
 
 
 def snapshot_window(config: TideConfig, cycle_id: str) -> Snapshot:
@@ -183,11 +184,7 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> Snapshot:
         replay_tokens=sum(m.num_tokens for m in replay),
         older_listed=len(older),
     )
-    lake_store(config).put_bytes(
-        _snapshot_key(config, cycle_id),
-        snapshot.model_dump_json().encode(),
-        content_type="application/json",
-    )
+    write_state(config, _snapshot_name(cycle_id), snapshot.model_dump_json().encode())
     logger.info(
         "cycle %s: window of %d shards (%d tokens); replay %d and older held-out %d shards "
         "drawn from %d older commits",
@@ -524,10 +521,11 @@ def _log_window_dataset(
     object (which lists every commit read), a digest of those commits and token counts."""
     commits = sorted(snapshot.window + snapshot.replay)
     digest = hashlib.sha256("\n".join(commits).encode()).hexdigest()[:16]
+    key = state_key(config, _snapshot_name(snapshot.cycle_id))
     registry.log_dataset(
         run_id,
         name=f"lake-{snapshot.target_id}-{snapshot.cycle_id}",
-        uri=f"s3://{config.store.lake_bucket}/{_snapshot_key(config, snapshot.cycle_id)}",
+        uri=f"s3://{config.store.lake_bucket}/{key}",
         digest=digest,
         profile={
             "window_tokens": snapshot.window_tokens,
@@ -696,6 +694,7 @@ def _judge(
         for segment, count in challenger_counts[k].items()
         if champion_counts and segment in champion_counts[k]
     }
+    pooled = _pooled(champion_counts[k], challenger_counts[k]) if champion_counts else None
     decision = decide(
         challenger[k],
         champion[k] if champion else None,
@@ -704,12 +703,31 @@ def _judge(
         older_shares=traffic.older_shares,
         held_out_tokens=traffic.output_tokens,
         drop_margins=margins,
+        pooled=pooled,
     )
     return dataclasses.replace(
         decision,
         challenger_by_k={at_k: f for at_k, f in challenger.items() if at_k != k},
         champion_by_k={at_k: f for at_k, f in (champion or {}).items() if at_k != k},
     )
+
+
+def _pooled(
+    champion: dict[str, AcceptanceCount], challenger: dict[str, AcceptanceCount]
+) -> PooledFigures:
+    """The gate's measure of segments judged together: their requests pooled, paired."""
+
+    def figures(segments: tuple[str, ...]) -> tuple[float, float, float]:
+        before, after = AcceptanceCount(), AcceptanceCount()
+        for segment in segments:
+            for pair in champion[segment].per_request:
+                before.add(*pair)
+            for pair in challenger[segment].per_request:
+                after.add(*pair)
+        margin = drop_margin(before.per_request, after.per_request)[1]
+        return before.accept_length, after.accept_length, margin
+
+    return figures
 
 
 def _lengths(counts: dict[int, dict[str, AcceptanceCount]]) -> dict[int, dict[str, float]]:
@@ -767,14 +785,12 @@ def _served(registry: DraftRegistry, version: str) -> tuple[str, str]:
 
 def advance_watermark(config: TideConfig, snapshot: Snapshot) -> str:
     """Mark the window consumed; never moves backwards."""
-    store, key = lake_store(config), state_key(config, "watermark.json")
     current = read_watermark(config)
     consumed_until = snapshot.watermark_after
     if current is not None and current >= consumed_until:
         return current
-    store.put_bytes(
-        key, json.dumps({"watermark": consumed_until, "cycle_id": snapshot.cycle_id}).encode()
-    )
+    consumed = {"watermark": consumed_until, "cycle_id": snapshot.cycle_id}
+    write_state(config, _WATERMARK, json.dumps(consumed).encode())
     return consumed_until
 
 
@@ -799,11 +815,8 @@ def rollback(config: TideConfig, version: str, run_id: str | None = None) -> dic
     else:
         number = _resolve_version(registry, version)
         if run_id:
-            lake_store(config).put_bytes(
-                _rollback_key(config, run_id),
-                json.dumps({"requested": version, "version": number}).encode(),
-                content_type="application/json",
-            )
+            resolved = {"requested": version, "version": number}
+            write_state(config, _rollback_name(run_id), json.dumps(resolved).encode())
     if config.cycle.servers:
         current = registry.alias(CHAMPION)
         _fleet(config).promote(
@@ -826,16 +839,14 @@ def _resolve_version(registry: DraftRegistry, version: str) -> str:
     return number
 
 
-def _rollback_key(config: TideConfig, run_id: str) -> str:
-    return state_key(config, f"rollbacks/{run_id}.json")
+def _rollback_name(run_id: str) -> str:
+    return f"rollbacks/{run_id}.json"
 
 
 def _rollback_target(config: TideConfig, run_id: str) -> str | None:
     """The version an earlier attempt of DAG run ``run_id`` resolved, if any."""
-    store, key = lake_store(config), _rollback_key(config, run_id)
-    if not store.exists(key):
-        return None
-    number: str = json.loads(store.get_bytes(key))["version"]
+    saved = read_state(config, _rollback_name(run_id))
+    number: str | None = json.loads(saved)["version"] if saved is not None else None
     return number
 
 

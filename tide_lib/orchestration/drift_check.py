@@ -56,13 +56,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+def _drift_name(cycle_id: str) -> str:
+    return f"cycles/{cycle_id}/drift.json"
+
+
 def drift_key(config: TideConfig, cycle_id: str) -> str:
-    return state.state_key(config, f"cycles/{cycle_id}/drift.json")
+    return state.state_key(config, _drift_name(cycle_id))
 
 
 def saved_drift(config: TideConfig, cycle_id: str) -> Drift | None:
-    store, key = state.lake_store(config), drift_key(config, cycle_id)
-    return Drift.model_validate_json(store.get_bytes(key)) if store.exists(key) else None
+    saved = state.read_state(config, _drift_name(cycle_id))
+    return Drift.model_validate_json(saved) if saved is not None else None
 
 
 def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
@@ -77,7 +81,6 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     saved = saved_drift(config, snapshot.cycle_id)
     if saved is not None:
         return saved
-    store, key = state.lake_store(config), drift_key(config, snapshot.cycle_id)
     try:
         drift = _measure_drift(config, snapshot)
     except StoreUnavailableError:
@@ -91,7 +94,7 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
             measured={},
             baseline={},
         )
-    store.put_bytes(key, drift.model_dump_json().encode(), content_type="application/json")
+    state.write_state(config, _drift_name(snapshot.cycle_id), drift.model_dump_json().encode())
     if drift.champion_version is not None:  # after the verdict: a run that died checked nothing
         _mark_checked(config, drift.champion_version, snapshot.cycle_id)
     logger.info("cycle %s: %s", snapshot.cycle_id, drift.reason)
@@ -279,8 +282,9 @@ def _fitting(
     window: _Window, reference: Callable[[str], float], drifted: Iterable[str], tolerance: float
 ) -> list[str] | None:
     """Segments whose figure, less its margin of error, is within ``tolerance`` of their
-    ``reference`` (or of their ceiling, when lower: nothing is left to learn there): a
-    cycle keeps their window traffic rather than learn it. A segment
+    ``reference`` (or of their ceiling, when lower: nothing is left to learn there), and
+    those served within ``tolerance`` of their ceiling: a cycle keeps their window
+    traffic rather than learn it. A segment
     measured on one request (no margin), or too loosely to tell, is learned: new
     traffic the check could not judge is the traffic a cycle exists for. None when
     every segment fits: a cycle that trains anyway learns its whole window."""
@@ -292,31 +296,36 @@ def _fitting(
         and window.measured[segment] - margin
         >= window.held_to(segment, reference(segment)) - tolerance
     }
+    # at its ceiling, margin or not: the ceiling is exact for the requests measured
+    fitting |= {
+        segment
+        for segment, ceiling in window.ceilings.items()
+        if segment not in fallen and window.measured.get(segment, 0.0) >= ceiling - tolerance
+    }
     return sorted(fitting) if set(window.measured) - fitting else None
 
 
-def _learning_key(config: TideConfig) -> str:
-    return state.state_key(config, "learning.json")
+_LEARNING = "learning.json"
 
 
 def _first_check_since_promotion(config: TideConfig, version: str, cycle_id: str) -> bool:
     """Is this cycle's check the champion's first since it was promoted? ``learning.json``
     names the latest champion and the cycle whose check of it was saved first (a retry
     of that cycle is still the first; a later cycle is not, whatever it decided)."""
-    store, key = state.lake_store(config), _learning_key(config)
-    if not store.exists(key):
+    saved = state.read_state(config, _LEARNING)
+    if saved is None:
         return True
-    first = json.loads(store.get_bytes(key))
+    first = json.loads(saved)
     return bool(first.get("version") != version or first.get("cycle_id") == cycle_id)
 
 
 def _mark_checked(config: TideConfig, version: str, cycle_id: str) -> None:
     """Record the first saved check of ``version`` (see :func:`_first_check_since_promotion`)."""
-    store, key = state.lake_store(config), _learning_key(config)
-    if store.exists(key) and json.loads(store.get_bytes(key)).get("version") == version:
+    saved = state.read_state(config, _LEARNING)
+    if saved is not None and json.loads(saved).get("version") == version:
         return
     payload = {"version": version, "cycle_id": cycle_id}
-    store.put_bytes(key, json.dumps(payload).encode(), content_type="application/json")
+    state.write_state(config, _LEARNING, json.dumps(payload).encode())
 
 
 def _comparable(config: TideConfig, known: Baseline) -> tuple[Baseline, Segmenter | None]:
@@ -447,6 +456,7 @@ def version_acceptance(
 
 
 _FIRST = "first measurement"  # baseline.json's source when the drift check set it
+_BASELINE = "baseline.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,9 +481,9 @@ def champion_baseline(
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
     none = Baseline(champion.version, {}, {}, None)
-    store, key = state.lake_store(config), state.state_key(config, "baseline.json")
-    if store.exists(key):
-        stored = json.loads(store.get_bytes(key))
+    saved = state.read_state(config, _BASELINE)
+    if saved is not None:
+        stored = json.loads(saved)
         own = stored.get("source") == _FIRST and stored.get("cycle_id") == cycle_id
         if stored.get("version") == champion.version and stored.get("k") == config.gate.k:
             if own:
@@ -511,11 +521,7 @@ def store_baseline(
         "segmenter": baseline.segmenter_key,
         "cycle_id": cycle_id,
     }
-    state.lake_store(config).put_bytes(
-        state.state_key(config, "baseline.json"),
-        json.dumps({**payload, "source": source}).encode(),
-        content_type="application/json",
-    )
+    state.write_state(config, _BASELINE, json.dumps({**payload, "source": source}).encode())
 
 
 def keep_champion_baseline(

@@ -40,11 +40,13 @@ __all__ = [
     "lake_store",
     "log_debris",
     "markers_of",
+    "read_state",
     "sample_reader",
     "segmenter_key",
     "state_key",
     "stored_segmenter",
     "task_scratch",
+    "write_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,18 @@ def draft_registry(config: TideConfig) -> DraftRegistry:
 
 def state_key(config: TideConfig, name: str) -> str:
     return f"{config.lake.prefix}/_state/target={target_slug(config.cycle.target_id)}/{name}"
+
+
+def read_state(config: TideConfig, name: str) -> bytes | None:
+    """The cycle state kept under ``name`` (a JSON document, see :func:`state_key`); None
+    when none is kept yet."""
+    store, key = lake_store(config), state_key(config, name)
+    return store.get_bytes(key) if store.exists(key) else None
+
+
+def write_state(config: TideConfig, name: str, document: bytes) -> None:
+    """Keep ``document`` (JSON) under ``name``: tasks on other hosts read it over S3."""
+    lake_store(config).put_bytes(state_key(config, name), document, content_type="application/json")
 
 
 def sample_reader(config: TideConfig) -> LakeReader:
@@ -98,6 +112,9 @@ def task_scratch(config: TideConfig, name: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
+_SEGMENTER_POINTER = "segmenter.json"  # names the latest cycle's segmenter (its warm start)
+
+
 def segmenter_key(config: TideConfig, cycle_id: str) -> str:
     return state_key(config, f"cycles/{cycle_id}/segmenter.json")
 
@@ -121,10 +138,10 @@ def stored_segmenter(config: TideConfig, key: str | None) -> Segmenter | None:
 def _latest_segmenter(config: TideConfig, cycle_id: str) -> Segmenter | None:
     """The segmenter of the latest other cycle that fitted one (its centroids keep names);
     None costs only stable names: this cycle's clusters start afresh."""
-    store, pointer = lake_store(config), state_key(config, "segmenter.json")
-    if not store.exists(pointer):
+    saved = read_state(config, _SEGMENTER_POINTER)
+    if saved is None:
         return None
-    latest = json.loads(store.get_bytes(pointer))
+    latest = json.loads(saved)
     if latest.get("cycle_id") == cycle_id:
         return None  # this cycle's own (a rerun): never fit on itself
     return stored_segmenter(config, latest.get("key"))
@@ -158,10 +175,10 @@ def cycle_segmenter(config: TideConfig, snapshot: Snapshot) -> tuple[Segmenter, 
 
 def _point_to_segmenter(config: TideConfig, snapshot: Snapshot, key: str) -> None:
     """Point the next cycle's warm start at this segmenter, unless a later window has one."""
-    store, pointer = lake_store(config), state_key(config, "segmenter.json")
-    if store.exists(pointer):
-        current = json.loads(store.get_bytes(pointer))
+    saved = read_state(config, _SEGMENTER_POINTER)
+    if saved is not None:
+        current = json.loads(saved)
         if str(current.get("window_until", "")) >= snapshot.watermark_after:
             return  # this cycle's, or a later one's (a cleared older run never moves it back)
     payload = {"cycle_id": snapshot.cycle_id, "key": key, "window_until": snapshot.watermark_after}
-    store.put_bytes(pointer, json.dumps(payload).encode(), content_type="application/json")
+    write_state(config, _SEGMENTER_POINTER, json.dumps(payload).encode())
