@@ -78,6 +78,8 @@ def test_adaptation_bench_on_a_generated_workload(
     assert written["new_segment"] == "new" and written == json.loads(json.dumps(result))
     assert {"static", "oracle"} <= set(written["accept_length"])
     assert any(name.startswith("adapted-") for name in written["accept_length"])
+    timed = written["adaptive_k"]["timed_requests_by_k"]  # every held-out prompt, once
+    assert sum(timed.values()) == written["requests"]["held_out_new_segment"]
     for figures in written["accept_length"].values():
         assert set(figures) == {"old", "new"} and set(figures["new"]) == {"k3", "k5"}
     assert set(written["al_ratio_adapted_static"]) == {"k3", "k5"}

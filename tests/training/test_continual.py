@@ -433,6 +433,36 @@ def test_forgetting_is_judged_paired_on_the_held_out_requests() -> None:
         assert selection.best is not None and selection.best.step == kept
 
 
+def test_groups_too_thin_alone_are_judged_together() -> None:
+    """Older traffic split into small segments: none is scored on forgetting_min_tokens,
+    but together they are, and a step that lost all of them is not kept."""
+    before = {"en-a": [(30, 10), (28, 10)], "en-b": [(32, 10), (29, 10)]}  # about 3.0
+    after = {"en-a": [(20, 10), (19, 10)], "en-b": [(22, 10), (20, 10)]}  # about 2.0
+
+    class Thin:
+        def __init__(self, tokens: int) -> None:
+            self.output_tokens = {"en-a": tokens, "en-b": tokens, "window": 500}
+
+        def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
+            groups = before if step == 0 else after
+            window = [(10, 10)] * 8 if step == 0 else [(30, 10)] * 8  # a gain beyond noise
+            requests = {**groups, "window": window}
+            lengths = {
+                group: sum(e for e, _ in pairs) / sum(v for _, v in pairs)
+                for group, pairs in requests.items()
+            }
+            return Evaluation(step, lengths["window"], lengths, requests)
+
+    draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    for tokens, kept in ((40, 0), (20, 10)):  # 80 together: judged; 40: too thin even so
+        selection = Selection(  # type: ignore[arg-type]
+            Thin(tokens), forgetting_tolerance=0.1, forgetting_min_tokens=64
+        )
+        selection.begin(draft, parent, None)
+        selection.evaluate(draft, 10)
+        assert selection.best is not None and selection.best.step == kept
+
+
 def test_a_gain_over_the_parent_within_its_noise_keeps_the_parent() -> None:
     """A warm start replaces the serving parent only on a gain its held-out requests can
     tell from noise (paired): else the cycle would register a draft the gate may well

@@ -344,10 +344,15 @@ def _retention(
 
 def _timing(
     loop: _Loop, target_dir: Path, prompts: list[str], max_new_tokens: int
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, Any]]:
     """Output tokens/s of static, final adapted (fixed and adaptive k) and plain decoding,
-    side by side on the same prompts."""
-    from tide_lib.harness.serve_bench import reference_engine, side_by_side, warm_up  # noqa: PLC0415
+    side by side on the same prompts; and what adaptive k did while timed."""
+    from tide_lib.harness.serve_bench import (  # noqa: PLC0415
+        adaptive_report,
+        reference_engine,
+        side_by_side,
+        warm_up,
+    )
 
     static = loop.versions["static"]
     engines = {
@@ -369,11 +374,14 @@ def _timing(
     try:
         ids = [engines["static"].encode(prompt) for prompt in prompts]
         warm_up(engines, ids[:4], max_new_tokens)  # adaptive k learns acceptance first
+        controller = engines["adapted_adaptive_k"].k_controller
+        warm_by_k = controller.snapshot()["requests_by_k"]
         totals = side_by_side(engines, ids, max_new_tokens)
+        adaptive = adaptive_report(warm_by_k, controller.snapshot())
     finally:
         for engine in engines.values():
             engine.close()
-    return {name: run.tokens_per_s for name, run in totals.items()}
+    return {name: run.tokens_per_s for name, run in totals.items()}, adaptive
 
 
 def run_adaptation_bench(
@@ -449,9 +457,14 @@ def run_adaptation_bench(
         }
         accept = _acceptance(loop.versions, target_dir, by_segment, ks)
         new_prompts = [item["prompt"] for item in held_items if item["segment"] == new_segment]
-        tokens_per_s = _timing(loop, target_dir, new_prompts, max_new_tokens)
+        tokens_per_s, adaptive = _timing(loop, target_dir, new_prompts, max_new_tokens)
     result = _result(loop, accept, tokens_per_s, segments, ks)
-    result["requests"] = {"served": len(served), "held_out": len(held)}
+    result["adaptive_k"] = adaptive
+    result["requests"] = {
+        "served": len(served),
+        "held_out": len(held),
+        "held_out_new_segment": len(new_prompts),  # the timed prompts
+    }
     result["params"] = {
         "cycle_tokens": cycle_tokens,
         "max_new_tokens": max_new_tokens,

@@ -22,7 +22,7 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,13 @@ from tide_lib.serving.speculative import SpeculativeDecoder
 from tide_lib.target_model import build_target, load_corpus, render_prompt
 from tide_lib.training.trainer import train_draft
 
-__all__ = ["HEADLINE_KEYS", "bootstrap_draft", "greedy_records", "run_serve_bench"]
+__all__ = [
+    "HEADLINE_KEYS",
+    "adaptive_report",
+    "bootstrap_draft",
+    "greedy_records",
+    "run_serve_bench",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +125,20 @@ class EngineRun:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> dict[str, Any]:
+    """What adaptive k did while timed: requests served at each k after the warm-up
+    (``warm_by_k``, the controller's ``requests_by_k`` then), and from the controller's
+    final snapshot (``chosen``) its modelled tokens/s, acceptance and costs."""
+    return {
+        "timed_requests_by_k": {
+            k: count - warm_by_k.get(k, 0) for k, count in chosen["requests_by_k"].items()
+        },
+        "expected_tokens_per_s": chosen["expected_tokens_per_s"],
+        "acceptance": chosen["acceptance"],
+        "costs": chosen["costs"],
+    }
 
 
 def side_by_side(
@@ -254,14 +274,7 @@ def run_serve_bench(
         "adaptive_vs_plain": rate["adaptive"] / rate["plain"],
         "spec_vs_plain": rate["spec"] / rate["plain"],
         "adaptive_k": chosen["chosen_k"],
-        "adaptive": {
-            "timed_requests_by_k": {
-                k: count - warm_by_k[k] for k, count in chosen["requests_by_k"].items()
-            },
-            "expected_tokens_per_s": chosen["expected_tokens_per_s"],
-            "acceptance": chosen["acceptance"],
-            "costs": chosen["costs"],
-        },
+        "adaptive": adaptive_report(warm_by_k, chosen),
         "accept_length": spec.acceptance.accept_length,
         "swap_seconds": swap_seconds,
         "failed_requests": failed,

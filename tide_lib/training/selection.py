@@ -294,14 +294,17 @@ class Selection:
     def _forgotten(self, evaluation: Evaluation) -> dict[str, float]:
         """Groups that fell below the start (step 0) by more than ``forgetting_tolerance``,
         beyond the noise of their held-out requests (:func:`significant_drop`), among
-        those measured on ``forgetting_min_tokens`` held-out output tokens (as the gate)."""
+        those measured on ``forgetting_min_tokens`` held-out output tokens; groups too
+        thin alone are judged together once they reach it (as the gate)."""
         start = self.evaluations[0] if self.evaluations else None
         tokens = self.held_out.output_tokens if self.held_out is not None else {}
         forgot: dict[str, float] = {}
+        thin: list[str] = []
         for group, value in evaluation.groups.items():
             if start is None or group not in start.groups:
                 continue
             if tokens.get(group, 0) < self.forgetting_min_tokens:
+                thin.append(group)
                 continue
             if group in start.requests and group in evaluation.requests:
                 drop = significant_drop(
@@ -318,7 +321,22 @@ class Selection:
                     start.requests.get(group),
                     evaluation.requests.get(group),
                 )
-        return forgot
+        together = self._forgotten_together(evaluation, thin, tokens)
+        return forgot | together
+
+    def _forgotten_together(
+        self, evaluation: Evaluation, thin: list[str], tokens: dict[str, int]
+    ) -> dict[str, float]:
+        """``thin`` groups (each on too few held-out tokens) pooled, when together they
+        reach ``forgetting_min_tokens``: {"a+b": drop} if they fell beyond the tolerance."""
+        start = self.evaluations[0]
+        pooled = [g for g in thin if g in start.requests and g in evaluation.requests]
+        if not pooled or sum(tokens.get(g, 0) for g in pooled) < self.forgetting_min_tokens:
+            return {}
+        before = [r for group in pooled for r in start.requests[group]]
+        after = [r for group in pooled for r in evaluation.requests[group]]
+        drop = significant_drop(before, after, self.forgetting_tolerance)
+        return {} if drop is None else {"+".join(pooled): drop}
 
     def _record(self, evaluation: Evaluation) -> None:
         self.evaluations.append(evaluation)
