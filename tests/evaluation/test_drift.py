@@ -10,7 +10,8 @@ import torch
 
 from tide_lib.evaluation.drift import judge_drift, pooled_gain, still_learning
 from tide_lib.evaluation.gate import GateDecision
-from tide_lib.evaluation.offline import acceptance_ceiling, length_margin
+from tide_lib.evaluation.offline import acceptance_ceiling, length_margin, replay_request
+from tide_lib.serving.acceptance import AcceptanceCount
 
 
 def judge(measured: dict[str, float], shares: dict[str, float], baseline: dict[str, float]):
@@ -112,6 +113,62 @@ def test_the_ceiling_is_what_output_lengths_allow_a_draft_that_is_never_wrong() 
     assert acceptance_ceiling([_Answered(5, 1), _Answered(5, 8)], 3) == pytest.approx(10 / 3)
     assert acceptance_ceiling([_Answered(5, 0)], 3) == 0.0  # nothing to verify
     assert acceptance_ceiling([], 3) == 0.0
+
+
+class _Oracle:
+    """A draft runner (as :func:`replay_request` drives one) that always drafts the
+    true next token, or, ``wrong``, never does."""
+
+    def __init__(self, tokens: list[int], vocab: int, wrong: bool = False) -> None:
+        self.tokens, self.vocab, self.wrong, self.position = tokens, vocab, wrong, 0
+
+    def reset(self) -> None:
+        self.position = 0
+
+    def crop(self, length: int) -> None:
+        self.position = length
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        return aux
+
+    def to_target_ids(self, token: torch.Tensor) -> int:
+        return int(token)
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.position += len(tokens)
+        following = self.position + 1
+        token = self.tokens[following] if following < len(self.tokens) else 0
+        logits = torch.zeros(len(tokens), self.vocab)
+        logits[-1, (token + 1) % self.vocab if self.wrong else token] = 1.0
+        return torch.zeros(len(tokens), 2), logits
+
+
+@pytest.mark.parametrize("output", [1, 2, 5, 9, 14])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_the_ceiling_is_what_replay_measures_for_a_draft_that_is_never_wrong(
+    output: int, k: int
+) -> None:
+    vocab, prompt = 32, 4
+    truth = [(7 * i + 3) % vocab for i in range(prompt + output + 1)]  # + the last state's
+    answered = _Answered(prompt, output)
+    states = torch.nn.functional.one_hot(torch.tensor(truth[1:]), vocab).float()
+    record = type(
+        "Record",
+        (),
+        {
+            "input_ids": torch.tensor(truth[:-1]),
+            "loss_mask": answered.loss_mask,
+            "hidden_states": states,  # the identity head reads the next token off each
+            "aux_hidden_states": torch.zeros(len(truth) - 1, 2),
+        },
+    )()
+    head = torch.nn.Identity()
+    perfect = replay_request(_Oracle(truth, vocab), head, record, k)  # type: ignore[arg-type]
+    wrong = replay_request(_Oracle(truth, vocab, True), head, record, k)  # type: ignore[arg-type]
+    count = AcceptanceCount()
+    count.add(*perfect)
+    assert count.accept_length == acceptance_ceiling([answered], k)
+    assert wrong[0] <= wrong[1]  # never right: the bonus token of each verify, no more
 
 
 def test_a_segment_served_at_its_ceiling_is_no_drift() -> None:

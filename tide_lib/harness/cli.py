@@ -115,8 +115,11 @@ def _bench_adaptation(args: argparse.Namespace, config: TideConfig) -> int:
     keys = ("al_ratio_adapted_static", "al_ratio_adapted_oracle", "retention", "cycle_outcomes")
     echo(json.dumps({k: result[k] for k in keys}))
     static, adapted = result["tokens_per_s_static"], result["tokens_per_s_adapted"]
-    plain = result["tokens_per_s_plain"]
-    echo(f"tokens/s static {static:.1f}, adapted {adapted:.1f}, plain {plain:.1f}")
+    adaptive, plain = result["tokens_per_s_adapted_adaptive_k"], result["tokens_per_s_plain"]
+    echo(
+        f"tokens/s static {static:.1f}, adapted {adapted:.1f}, adapted with adaptive k "
+        f"{adaptive:.1f}, plain {plain:.1f}"
+    )
     if args.json:
         echo(f"wrote {args.json}")
     return 0
