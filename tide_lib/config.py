@@ -277,7 +277,7 @@ class LakeConfig(StrictModel):
             "marker stamped earlier can land later, and a watermark must not jump over it. "
             "Cover the slowest marker PUT (3 tries of store.timeout_s x 7: 105 s at the "
             "default 5 s) plus clock skew between capture hosts; writers log a marker that "
-            "lands later than this"
+            "lands later than this. 0: off, for one writer flushed before each read"
         ),
     )
     retention_days: float = Field(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,24 @@ def _write(store: ObjectStore, config: LakeConfig, records: list) -> None:
         for record in records:
             assert writer.submit(record)
         assert writer.flush(timeout=30)
+
+
+def test_a_marker_landing_after_the_settle_time_is_logged_unless_the_rule_is_off(
+    lake_store: ObjectStore, lake_config: LakeConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every marker lands a few milliseconds after its stamp: beyond a settle time of a
+    microsecond, but with the rule off (0, one writer flushed before each read) that is
+    no news, and a benchmark's log was a warning per commit."""
+    with caplog.at_level(logging.WARNING, logger="tide_lib.lake.writer"):
+        _write(
+            lake_store, lake_config.model_copy(update={"commit_settle_s": 1e-6}), [make_record(0)]
+        )
+        assert "after its stamp, beyond lake.commit_settle_s" in caplog.text
+        caplog.clear()
+        _write(
+            lake_store, lake_config.model_copy(update={"commit_settle_s": 0.0}), [make_record(1)]
+        )
+        assert "after its stamp" not in caplog.text
 
 
 def test_round_trip_keeps_tensors_equal(lake_store: ObjectStore, lake_config: LakeConfig) -> None:
