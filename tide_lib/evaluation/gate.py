@@ -207,10 +207,7 @@ def decide(
     weighted_challenger = _weighted(challenger, shares)
     shared = protected_segments(list(challenger), shares, older, config.min_segment_share)
     tokens = held_out_tokens
-    protected = tuple(
-        s for s in shared if tokens is None or tokens.get(s, 0) >= config.min_segment_tokens
-    )
-    thin = [segment for segment in shared if segment not in protected]
+    protected, thin = _evidenced(shared, tokens, config.min_segment_tokens)
 
     def verdict(promote: bool, reason: str, weighted_champion: float | None = None) -> GateDecision:
         return GateDecision(
@@ -238,11 +235,9 @@ def decide(
         tolerance=config.tolerance,
         shares=(shares, older),
     )
-    if forgotten is not None:
-        return verdict(False, forgotten, weighted_champion)
-    together, forgotten = _forgotten_together(thin, champion, tokens, pooled, config)
-    if forgotten is not None:
-        return verdict(False, forgotten, weighted_champion)
+    together, forgotten_together = _forgotten_together(thin, champion, tokens, pooled, config)
+    if forgotten or forgotten_together:
+        return verdict(False, forgotten or forgotten_together or "", weighted_champion)
     gain = weighted_common - weighted_champion
     if gain < config.margin - _EPSILON:
         return verdict(
@@ -251,17 +246,32 @@ def decide(
             f"{weighted_champion:.3f} (gain {gain:+.3f} < margin {config.margin:.3f})",
             weighted_champion,
         )
-    unjudged = f"; too little held-out traffic to protect: {', '.join(thin)}" if thin else ""
-    if together:
-        unjudged = f"; too little held-out traffic to protect alone: {', '.join(thin)} ({together})"
     return verdict(
         True,
         f"window-weighted acceptance length {weighted_common:.3f} vs champion "
         f"{weighted_champion:.3f} (gain {gain:+.3f} >= margin {config.margin:.3f}); no "
         f"protected segment ({', '.join(protected) or 'none'}) drops by more than "
-        f"{config.tolerance:.3f}{unjudged}",
+        f"{config.tolerance:.3f}{_unjudged(thin, together)}",
         weighted_champion,
     )
+
+
+def _evidenced(
+    shared: tuple[str, ...], tokens: dict[str, int] | None, min_tokens: int
+) -> tuple[tuple[str, ...], list[str]]:
+    """``shared`` segments split into those measured on ``min_tokens`` held-out output
+    tokens (protected alone; all when the tokens are not given) and the thin rest."""
+    protected = tuple(s for s in shared if tokens is None or tokens.get(s, 0) >= min_tokens)
+    return protected, [segment for segment in shared if segment not in protected]
+
+
+def _unjudged(thin: list[str], together: str) -> str:
+    """What a promotion's reason says of the segments too thin to protect alone."""
+    if not thin:
+        return ""
+    if together:
+        return f"; too little held-out traffic to protect alone: {', '.join(thin)} ({together})"
+    return f"; too little held-out traffic to protect: {', '.join(thin)}"
 
 
 def _share_text(segment: str, shares: dict[str, float], older: dict[str, float]) -> str:
