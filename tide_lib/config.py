@@ -371,7 +371,8 @@ class TrainConfig(StrictModel):
         ge=0,
         description=(
             "held-out output tokens a group needs for the forgetting check to judge it "
-            "(as gate.min_segment_tokens)"
+            "alone; groups of older traffic with fewer are judged together once together "
+            "they have this many (as gate.min_segment_tokens)"
         ),
     )
     distill_weight: float = Field(
@@ -610,9 +611,10 @@ class GateConfig(StrictModel):
         64,
         ge=0,
         description=(
-            "held-out output tokens a segment needs before the tolerance protects it: a "
-            "figure from fewer is too noisy to block a promotion (it still counts in the "
-            "weighted gain)"
+            "held-out output tokens a segment needs before the tolerance protects it alone: "
+            "a figure from fewer is too noisy to block a promotion (it still counts in the "
+            "weighted gain); segments of older traffic with fewer are protected together "
+            "once together they have this many"
         ),
     )
     k: int = Field(4, ge=1, description="draft tokens per verify the gate judges at")

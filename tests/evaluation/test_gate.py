@@ -138,9 +138,17 @@ def test_older_traffic_split_into_thin_clusters_is_protected_together() -> None:
     assert alone.promote and "too little held-out traffic to protect: en-a, en-b" in alone.reason
     together = decide(challenger, champion, CONFIG, **kwargs, pooled=pooled(0.3))
     assert not together.promote and asked == [("en-a", "en-b")]
-    assert "too thin to protect alone (en-a, en-b), together 2.200 vs champion 3.200" in (
+    assert "too thin to protect segment by segment: en-a, en-b together 2.200 vs champion" in (
         together.reason
     )
+    # A thin segment the window holds (new traffic, trained for) is not pooled: its gain
+    # would hide what the older ones lost.
+    asked.clear()
+    new_thin = {**tokens, "korean": thin}
+    hidden = decide(
+        challenger, champion, CONFIG, **{**kwargs, "held_out_tokens": new_thin}, pooled=pooled(0.3)
+    )
+    assert not hidden.promote and asked == [("en-a", "en-b")]
     assert together.protected == ("korean",)  # no segment alone counts as evidenced
     noisy = decide(challenger, champion, CONFIG, **kwargs, pooled=pooled(0.9))
     assert noisy.promote and "no drop beyond the tolerance" in noisy.reason

@@ -440,8 +440,9 @@ def test_groups_too_thin_alone_are_judged_together() -> None:
     after = {"en-a": [(20, 10), (19, 10)], "en-b": [(22, 10), (20, 10)]}  # about 2.0
 
     class Thin:
-        def __init__(self, tokens: int) -> None:
+        def __init__(self, tokens: int, older: frozenset[str]) -> None:
             self.output_tokens = {"en-a": tokens, "en-b": tokens, "window": 500}
+            self.older_groups = older  # held out mostly from replay
 
         def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
             groups = before if step == 0 else after
@@ -454,9 +455,14 @@ def test_groups_too_thin_alone_are_judged_together() -> None:
             return Evaluation(step, lengths["window"], lengths, requests)
 
     draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    for tokens, kept in ((40, 0), (20, 10)):  # 80 together: judged; 40: too thin even so
+    older = frozenset({"en-a", "en-b"})
+    for tokens, groups, kept in (
+        (40, older, 0),  # 80 together: judged
+        (20, older, 10),  # 40 together: too thin even so
+        (40, frozenset({"en-a"}), 10),  # en-b is the window's traffic: not pooled
+    ):
         selection = Selection(  # type: ignore[arg-type]
-            Thin(tokens), forgetting_tolerance=0.1, forgetting_min_tokens=64
+            Thin(tokens, groups), forgetting_tolerance=0.1, forgetting_min_tokens=64
         )
         selection.begin(draft, parent, None)
         selection.evaluate(draft, 10)

@@ -14,9 +14,10 @@ requests of the window and of the older traffic in the lookback. Rules, in order
    is noise, and would block every promotion by chance. And the drop must exceed
    the tolerance by its one-sided 95% margin of error (Student's t over the held-out
    requests, both drafts replayed on the same ones, see :func:`drop_margin`).
-   Segments too thin to protect alone are judged together, their held-out requests
-   pooled, once together they reach ``min_segment_tokens``: older traffic the
-   clusters split into small parts is still protected as a whole.
+   Segments of the older traffic too thin to protect alone are judged together,
+   their held-out requests pooled, once together they reach ``min_segment_tokens``:
+   older traffic the clusters split into small parts is still protected as a whole
+   (segments the window holds are left out: their gain would hide the loss).
 3. The acceptance length weighted by each segment's share of the window's tokens
    must gain at least ``margin``: the challenger has to pay off on what the fleet
    serves now.
@@ -157,23 +158,34 @@ def _forgotten_together(
     champion: dict[str, float],
     tokens: dict[str, int] | None,
     pooled: PooledFigures | None,
+    *,
     config: GateConfig,
+    shares: tuple[dict[str, float], dict[str, float]],
 ) -> tuple[str, str | None]:
-    """Segments too thin to protect alone, judged together once their held-out output
-    tokens reach ``min_segment_tokens``: ``(what was judged, why they were forgotten or
-    None)``; ``("", None)`` when they were not judged."""
-    judged = tuple(segment for segment in thin if segment in champion)
+    """Older traffic too thin to protect segment by segment, judged together once its
+    held-out output tokens reach ``min_segment_tokens``: ``(what was judged, why it was
+    forgotten or None)``; ``("", None)`` when nothing was judged. Only segments protected
+    by their share of the older traffic are pooled: one the window holds is traffic the
+    challenger was trained for, and its gain would hide what the older ones lost."""
+    window, older = shares
+    judged = tuple(
+        segment
+        for segment in thin
+        if segment in champion
+        and older.get(segment, 0.0) >= config.min_segment_share - _EPSILON
+        and window.get(segment, 0.0) < config.min_segment_share - _EPSILON
+    )
     if pooled is None or tokens is None or not judged:
         return "", None
     if sum(tokens.get(segment, 0) for segment in judged) < config.min_segment_tokens:
         return "", None
     before, after, margin = pooled(judged)
     drop = before - after
-    figures = f"together {after:.3f} vs champion {before:.3f}"
+    figures = f"{', '.join(judged)} together {after:.3f} vs champion {before:.3f}"
     if drop - margin <= config.tolerance + _EPSILON:
         return f"{figures}: no drop beyond the tolerance", None
     return figures, (
-        f"segments too thin to protect alone ({', '.join(judged)}), {figures} "
+        f"older traffic too thin to protect segment by segment: {figures} "
         f"(drop {drop:.3f} > tolerance {config.tolerance:.3f} + margin of error {margin:.3f})"
     )
 
@@ -235,7 +247,9 @@ def decide(
         tolerance=config.tolerance,
         shares=(shares, older),
     )
-    together, forgotten_together = _forgotten_together(thin, champion, tokens, pooled, config)
+    together, forgotten_together = _forgotten_together(
+        thin, champion, tokens, pooled, config=config, shares=(shares, older)
+    )
     if forgotten or forgotten_together:
         return verdict(False, forgotten or forgotten_together or "", weighted_champion)
     gain = weighted_common - weighted_champion
@@ -269,9 +283,8 @@ def _unjudged(thin: list[str], together: str) -> str:
     """What a promotion's reason says of the segments too thin to protect alone."""
     if not thin:
         return ""
-    if together:
-        return f"; too little held-out traffic to protect alone: {', '.join(thin)} ({together})"
-    return f"; too little held-out traffic to protect: {', '.join(thin)}"
+    alone = f"; too little held-out traffic to protect: {', '.join(thin)}"
+    return f"{alone} ({together})" if together else alone
 
 
 def _share_text(segment: str, shares: dict[str, float], older: dict[str, float]) -> str:

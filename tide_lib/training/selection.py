@@ -147,6 +147,7 @@ class HeldOut:
     ) -> None:
         self.groups: dict[str, list[ReplaySample]] = {}
         self.output_tokens: dict[str, int] = {}  # what each group's figure rests on
+        replay_tokens: dict[str, int] = {}
         seen: set[bytes] = set()
         for path in paths:
             raw = load(path)
@@ -158,6 +159,14 @@ class HeldOut:
             self.groups.setdefault(group, []).append(replay_sample(raw))
             tokens = int(raw["loss_mask"].sum())
             self.output_tokens[group] = self.output_tokens.get(group, 0) + tokens
+            if sample_split(data_dir, path) == REPLAY:
+                replay_tokens[group] = replay_tokens.get(group, 0) + tokens
+        # groups held out mostly from replayed older traffic: what forgetting would lose
+        self.older_groups = frozenset(
+            group
+            for group, tokens in replay_tokens.items()
+            if 2 * tokens > self.output_tokens[group]
+        )
         on_cpu = all(param.device.type == "cpu" for param in lm_head.parameters())
         self.lm_head = lm_head if on_cpu else copy.deepcopy(lm_head).to("cpu")
         self.k = k
@@ -294,8 +303,8 @@ class Selection:
     def _forgotten(self, evaluation: Evaluation) -> dict[str, float]:
         """Groups that fell below the start (step 0) by more than ``forgetting_tolerance``,
         beyond the noise of their held-out requests (:func:`significant_drop`), among
-        those measured on ``forgetting_min_tokens`` held-out output tokens; groups too
-        thin alone are judged together once they reach it (as the gate)."""
+        those measured on ``forgetting_min_tokens`` held-out output tokens; groups of
+        older traffic too thin alone are judged together once they reach it (as the gate)."""
         start = self.evaluations[0] if self.evaluations else None
         tokens = self.held_out.output_tokens if self.held_out is not None else {}
         forgot: dict[str, float] = {}
@@ -321,16 +330,25 @@ class Selection:
                     start.requests.get(group),
                     evaluation.requests.get(group),
                 )
-        together = self._forgotten_together(evaluation, thin, tokens)
+        together = self._forgotten_together(evaluation, thin, tokens) if start else {}
         return forgot | together
 
     def _forgotten_together(
         self, evaluation: Evaluation, thin: list[str], tokens: dict[str, int]
     ) -> dict[str, float]:
-        """``thin`` groups (each on too few held-out tokens) pooled, when together they
-        reach ``forgetting_min_tokens``: {"a+b": drop} if they fell beyond the tolerance."""
+        """``thin`` groups of older traffic (each on too few held-out tokens, held out
+        mostly from replay) pooled, when together they reach ``forgetting_min_tokens``:
+        {"a+b": drop} if they fell beyond the tolerance. A group of the window is left
+        out: its gain would hide what the older ones lost."""
+        older: frozenset[str] = getattr(self.held_out, "older_groups", frozenset())
         start = self.evaluations[0]
-        pooled = [g for g in thin if g in start.requests and g in evaluation.requests]
+        pooled = [
+            group
+            for group in thin
+            if group in older
+            and len(start.requests.get(group, [])) == len(evaluation.requests.get(group, ()))
+            and group in start.requests
+        ]
         if not pooled or sum(tokens.get(g, 0) for g in pooled) < self.forgetting_min_tokens:
             return {}
         before = [r for group in pooled for r in start.requests[group]]
