@@ -86,6 +86,8 @@ class GateDecision:
     weighted_champion: float | None
     older_shares: dict[str, float] = dataclasses.field(default_factory=dict)
     protected: tuple[str, ...] = ()
+    # Older segments too thin to protect alone, judged together (their requests pooled).
+    protected_together: tuple[str, ...] = ()
     # Figures at the other ks evaluated, for the record: {k: {segment: acceptance length}}.
     challenger_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     champion_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
@@ -153,6 +155,16 @@ def _forgotten(
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Together:
+    """Thin older segments judged together: which, their figures, why they were
+    forgotten (None: they were not). Nothing judged: all empty."""
+
+    judged: tuple[str, ...] = ()
+    figures: str = ""
+    forgotten: str | None = None
+
+
 def _forgotten_together(
     thin: list[str],
     champion: dict[str, float],
@@ -161,10 +173,9 @@ def _forgotten_together(
     *,
     config: GateConfig,
     shares: tuple[dict[str, float], dict[str, float]],
-) -> tuple[str, str | None]:
+) -> _Together:
     """Older traffic too thin to protect segment by segment, judged together once its
-    held-out output tokens reach ``min_segment_tokens``: ``(what was judged, why it was
-    forgotten or None)``; ``("", None)`` when nothing was judged. Only segments protected
+    held-out output tokens reach ``min_segment_tokens``. Only segments protected
     by their share of the older traffic are pooled: one the window holds is traffic the
     challenger was trained for, and its gain would hide what the older ones lost."""
     window, older = shares
@@ -176,17 +187,19 @@ def _forgotten_together(
         and window.get(segment, 0.0) < config.min_segment_share - _EPSILON
     )
     if pooled is None or tokens is None or not judged:
-        return "", None
+        return _Together()
     if sum(tokens.get(segment, 0) for segment in judged) < config.min_segment_tokens:
-        return "", None
+        return _Together()
     before, after, margin = pooled(judged)
     drop = before - after
     figures = f"{', '.join(judged)} together {after:.3f} vs champion {before:.3f}"
     if drop - margin <= config.tolerance + _EPSILON:
-        return f"{figures}: no drop beyond the tolerance", None
-    return figures, (
+        return _Together(judged, f"{figures}: no drop beyond the tolerance")
+    return _Together(
+        judged,
+        figures,
         f"older traffic too thin to protect segment by segment: {figures} "
-        f"(drop {drop:.3f} > tolerance {config.tolerance:.3f} + margin of error {margin:.3f})"
+        f"(drop {drop:.3f} > tolerance {config.tolerance:.3f} + margin of error {margin:.3f})",
     )
 
 
@@ -221,7 +234,12 @@ def decide(
     tokens = held_out_tokens
     protected, thin = _evidenced(shared, tokens, config.min_segment_tokens)
 
-    def verdict(promote: bool, reason: str, weighted_champion: float | None = None) -> GateDecision:
+    def verdict(
+        promote: bool,
+        reason: str,
+        weighted_champion: float | None = None,
+        together: tuple[str, ...] = (),
+    ) -> GateDecision:
         return GateDecision(
             promote,
             reason,
@@ -232,6 +250,7 @@ def decide(
             weighted_champion,
             older,
             protected,
+            together,
         )
 
     if not champion:
@@ -247,11 +266,12 @@ def decide(
         tolerance=config.tolerance,
         shares=(shares, older),
     )
-    together, forgotten_together = _forgotten_together(
+    together = _forgotten_together(
         thin, champion, tokens, pooled, config=config, shares=(shares, older)
     )
-    if forgotten or forgotten_together:
-        return verdict(False, forgotten or forgotten_together or "", weighted_champion)
+    if forgotten or together.forgotten:
+        why = forgotten or together.forgotten or ""
+        return verdict(False, why, weighted_champion, together.judged)
     gain = weighted_common - weighted_champion
     if gain < config.margin - _EPSILON:
         return verdict(
@@ -259,14 +279,16 @@ def decide(
             f"window-weighted acceptance length: {weighted_common:.3f} vs champion "
             f"{weighted_champion:.3f} (gain {gain:+.3f} < margin {config.margin:.3f})",
             weighted_champion,
+            together.judged,
         )
     return verdict(
         True,
         f"window-weighted acceptance length {weighted_common:.3f} vs champion "
         f"{weighted_champion:.3f} (gain {gain:+.3f} >= margin {config.margin:.3f}); no "
         f"protected segment ({', '.join(protected) or 'none'}) drops by more than "
-        f"{config.tolerance:.3f}{_unjudged(thin, together)}",
+        f"{config.tolerance:.3f}{_unjudged(thin, together.figures)}",
         weighted_champion,
+        together.judged,
     )
 
 
@@ -300,6 +322,7 @@ def decision_tags(decision: GateDecision, k: int) -> dict[str, str]:
         Tags.REASON: decision.reason,
         Tags.WEIGHTED: f"{decision.weighted_challenger:.4f}",
         Tags.PROTECTED: json.dumps(list(decision.protected)),
+        Tags.PROTECTED_TOGETHER: json.dumps(list(decision.protected_together)),
     }
     if decision.weighted_champion is not None:
         tags[Tags.WEIGHTED_CHAMPION] = f"{decision.weighted_champion:.4f}"
@@ -401,6 +424,7 @@ def decision_from_tags(tags: dict[str, str], k: int) -> GateDecision | None:
         weighted_champion=float(weighted_champion) if weighted_champion is not None else None,
         older_shares=_by_segment(tags, Tags.OLDER_SHARE),
         protected=tuple(json.loads(tags.get(Tags.PROTECTED, "[]"))),
+        protected_together=tuple(json.loads(tags.get(Tags.PROTECTED_TOGETHER, "[]"))),
         challenger_by_k=challenger_by_k,
         champion_by_k=champion_by_k,
     )
@@ -424,7 +448,13 @@ def decision_report(decision: GateDecision, k: int, names: dict[str, Any] | None
         share = decision.weights.get(segment, 0.0)
         older = decision.older_shares.get(segment)
         older_text = f"{older:.2f}" if older is not None else "-"
-        guarded = "yes" if segment in decision.protected else "no"
+        guarded = (
+            "yes"
+            if segment in decision.protected
+            else "together"
+            if segment in decision.protected_together
+            else "no"
+        )
         lines.append(
             f"| {segment} | {share:.2f} | {older_text} | {guarded} | {value:.3f} "
             f"| {champion_text} |"
