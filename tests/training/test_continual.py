@@ -23,7 +23,7 @@ from tide_lib.config import TrainConfig
 from tide_lib.training.distill import distill_kl, teacher_columns
 from tide_lib.training.draft import build_vocab_mapping, count_output_tokens, load_draft
 from tide_lib.training.schedule import step_plan
-from tide_lib.training.selection import Evaluation, Selection, split_held_out
+from tide_lib.training.selection import Evaluation, HeldOut, Selection, split_held_out
 from tide_lib.training.trainer import (
     Eagle3Objective,
     draw_counts,
@@ -467,6 +467,31 @@ def test_groups_too_thin_alone_are_judged_together() -> None:
         selection.begin(draft, parent, None)
         selection.evaluate(draft, 10)
         assert selection.best is not None and selection.best.step == kept
+
+
+def test_held_out_groups_of_replayed_traffic_are_the_older_ones(tmp_path: Path) -> None:
+    """What the trainer pools when thin: groups held out mostly from replay (older
+    traffic), never one held out mostly from the window."""
+
+    def sample(segment: str, seed: int, output: int) -> dict[str, object]:
+        ids = torch.arange(seed, seed + 4 + output)
+        return {
+            "input_ids": ids,
+            "loss_mask": torch.tensor([0] * 4 + [1] * output),
+            "hidden_state": torch.zeros(len(ids), 2),
+            "aux_hidden_state": torch.zeros(len(ids), 6),
+            "segment": segment,
+        }
+
+    files = {
+        tmp_path / "window" / "a.ckpt": sample("new", 0, 8),
+        tmp_path / "window" / "b.ckpt": sample("mixed", 10, 3),
+        tmp_path / "replay" / "c.ckpt": sample("mixed", 20, 8),
+        tmp_path / "replay" / "d.ckpt": sample("old", 30, 5),
+    }
+    held = HeldOut(tmp_path, list(files), files.__getitem__, torch.nn.Identity(), 3)
+    assert held.older_groups == {"mixed", "old"}  # mixed: 8 of its 11 tokens replayed
+    assert held.output_tokens == {"new": 8, "mixed": 11, "old": 5}
 
 
 def test_a_gain_over_the_parent_within_its_noise_keeps_the_parent() -> None:
