@@ -282,9 +282,8 @@ def _fitting(
     window: _Window, reference: Callable[[str], float], drifted: Iterable[str], tolerance: float
 ) -> list[str] | None:
     """Segments whose figure, less its margin of error, is within ``tolerance`` of their
-    ``reference`` (or of their ceiling, when lower: nothing is left to learn there), and
-    those served within ``tolerance`` of their ceiling: a cycle keeps their window
-    traffic rather than learn it. A segment
+    ``reference``, and those served within ``tolerance`` of their ceiling (nothing is
+    left to learn there): a cycle keeps their window traffic rather than learn it. A segment
     measured on one request (no margin), or too loosely to tell, is learned: new
     traffic the check could not judge is the traffic a cycle exists for. None when
     every segment fits: a cycle that trains anyway learns its whole window."""
@@ -293,8 +292,7 @@ def _fitting(
         segment
         for segment, margin in window.margins.items()
         if segment not in fallen
-        and window.measured[segment] - margin
-        >= window.held_to(segment, reference(segment)) - tolerance
+        and window.measured[segment] - margin >= reference(segment) - tolerance
     }
     # at its ceiling, margin or not: the ceiling is exact for the requests measured
     fitting |= {

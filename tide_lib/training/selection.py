@@ -346,8 +346,9 @@ class Selection:
             group
             for group in thin
             if group in older
-            and len(start.requests.get(group, [])) == len(evaluation.requests.get(group, ()))
             and group in start.requests
+            and group in evaluation.requests
+            and len(start.requests[group]) == len(evaluation.requests[group])
         ]
         if not pooled or sum(tokens.get(g, 0) for g in pooled) < self.forgetting_min_tokens:
             return {}
