@@ -175,12 +175,10 @@ def _perfect_replay(output_length: int, num_steps: int) -> tuple[int, int]:
     :func:`replay_request` counts: the first output token comes from the prefill."""
     produced, emitted, verify_steps = 1, 0, 0
     while produced < output_length:
-        accepted = min(num_steps, output_length - produced)
-        emitted, verify_steps, produced = (
-            emitted + accepted + 1,
-            verify_steps + 1,
-            produced + accepted + 1,
-        )
+        accepted = min(num_steps, output_length - produced)  # every draft token right
+        emitted += accepted + 1  # and the verify's own token
+        verify_steps += 1
+        produced += accepted + 1
     return emitted, verify_steps
 
 
