@@ -97,7 +97,7 @@ def test_bench_lake_writes_json(
                 str(out),
                 "--records",
                 "16",
-                "--tokens",
+                "--tokens-per-record",
                 "32",
                 "--hidden-size",
                 "64",
@@ -116,6 +116,12 @@ def test_bench_lake_writes_json(
     ):
         assert result[key] > 0
     assert result["raw_fp16_bytes_per_token"] == 64 * 4 * 2
+    assert result["params"] == {
+        "records": 16,
+        "tokens_per_record": 32,
+        "hidden_size": 64,
+        "distinct_payloads": 8,
+    }
 
 
 @pytest.mark.slow

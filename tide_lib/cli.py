@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import logging
 import sys
@@ -112,13 +113,15 @@ def _lake_stats(args: argparse.Namespace, config: TideConfig) -> int:
     return 0
 
 
-# -- bench ------------------------------------------------------------------------------
-
-
 # -- serving ---------------------------------------------------------------------------------
 
 
 def _serve(args: argparse.Namespace, config: TideConfig) -> int:
+    """Serves POST /generate, GET /health, /model_info, /server_info, /metrics, and POST
+    /update_weights_from_disk with SGLang's field names. Chain drafting with
+    --speculative-num-steps draft tokens per verify; captured hidden states go to the
+    lake configured by TIDE_STORE__* / TIDE_LAKE__*.
+    """
     from tide_lib.serving.server import run_server  # noqa: PLC0415
 
     run_server(config.model_copy(update={"serve": config_from_args(args, config.serve)}))
@@ -245,6 +248,10 @@ def _eval(args: argparse.Namespace, config: TideConfig) -> int:
 
 
 def _target_build(args: argparse.Namespace, _config: TideConfig) -> int:
+    """Builds a small Llama-architecture target in HF format (config, safetensors,
+    tokenizer) from English/Korean conversations and documentation shipped in installed
+    packages. Reused when already built with the same preset and seed.
+    """
     from tide_lib.target_model import build_target  # noqa: PLC0415
 
     out = args.out or DEFAULT_TARGETS / args.preset
@@ -254,6 +261,11 @@ def _target_build(args: argparse.Namespace, _config: TideConfig) -> int:
 
 
 def _train(args: argparse.Namespace, config: TideConfig) -> int:
+    """Trains SpecForge's LlamaForCausalLMEagle3 with its EAGLE3 objective on a window of
+    captured target states, warm-started from --parent if given. Checkpoints go to
+    OUT/checkpoints (a rerun resumes), the SGLang-loadable draft to OUT/draft.
+    Multi-GPU: run under torchrun with --device cuda.
+    """
     from tide_lib.training.trainer import train_draft  # noqa: PLC0415
 
     train_config = config_from_args(args, config.training)
@@ -294,33 +306,49 @@ def config_from_args(args: argparse.Namespace, base: StrictModel) -> Any:
     return type(base).model_validate({**base.model_dump(), **given})
 
 
-def add_config_options(parser: argparse.ArgumentParser, model: type[StrictModel]) -> None:
-    """One ``--field`` per scalar field of a config section: the CLI mirrors the config."""
-    group = parser.add_argument_group(f"{model.__name__} (defaults from TIDE_* settings)")
+def add_config_options(
+    parser: argparse.ArgumentParser,
+    model: type[StrictModel],
+    title: str = "defaults from TIDE_* settings",
+) -> None:
+    """One ``--field`` per scalar (or list-of-scalar) field of a model: the CLI mirrors it."""
+    group = parser.add_argument_group(f"{model.__name__} ({title})")
     for name, field in model.model_fields.items():
-        annotation = field.annotation
-        if get_origin(annotation) in (Union, UnionType):  # X | None
-            annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
         flag = f"--{name.replace('_', '-')}"
         help_text = f"{field.description or ''} (default: {field.default})"
-        if annotation is bool:
-            group.add_argument(
-                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-            continue
-        choices = get_args(annotation) if get_origin(annotation) is Literal else None
-        converter = _CONVERTERS.get(str if choices else annotation)
-        if converter is None:
-            continue
-        group.add_argument(
-            flag, dest=name, type=converter, choices=choices, default=None, help=help_text
-        )
+        parsing = _parsing(field.annotation)
+        if parsing is not None:
+            group.add_argument(flag, dest=name, default=None, help=help_text, **parsing)
 
 
-# -- demo -------------------------------------------------------------------------------
+def _parsing(annotation: Any) -> dict[str, Any] | None:
+    """How argparse parses a field of this type; None for a type the CLI does not offer."""
+    if get_origin(annotation) in (Union, UnionType):  # X | None
+        annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
+    nargs = None
+    if get_origin(annotation) in (tuple, list):  # several values: --ks 3 5
+        annotation, nargs = get_args(annotation)[0], "+"
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    choices = get_args(annotation) if get_origin(annotation) is Literal else None
+    converter = _CONVERTERS.get(str if choices else annotation)
+    if converter is None:
+        return None
+    return {"type": converter, "nargs": nargs, "choices": choices}
 
 
 # -- parser -----------------------------------------------------------------------------
+
+
+def add_command(
+    parent: Commands, command: tuple[str, Handler], summary: str
+) -> argparse.ArgumentParser:
+    """``parent NAME``, run by its handler: ``summary`` in the list of commands, and the
+    handler's docstring (as click does) as the description of ``NAME --help``."""
+    name, handler = command
+    parser = parent.add_parser(name, help=summary, description=inspect.getdoc(handler) or summary)
+    parser.set_defaults(handler=handler)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -399,14 +427,10 @@ def _add_target(commands: Commands) -> None:
     target = commands.add_parser("target", help="the demo target model").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
-    build = target.add_parser(
-        "build",
-        help="train the demo target on packaged text (cached; a few minutes for 'demo')",
-        description=(
-            "Builds a small Llama-architecture target in HF format (config, safetensors, "
-            "tokenizer) from English/Korean conversations and documentation shipped in "
-            "installed packages. Reused when already built with the same preset and seed."
-        ),
+    build = add_command(
+        target,
+        ("build", _target_build),
+        "train the demo target on packaged text (cached; a few minutes for 'demo')",
     )
     build.add_argument(
         "--preset",
@@ -417,20 +441,12 @@ def _add_target(commands: Commands) -> None:
     build.add_argument("--seed", type=int, default=0, help="seed of weights and training order")
     build.add_argument("--out", type=Path, help="default: .tide/targets/<preset>")
     build.add_argument("--force", action="store_true", help="rebuild even if cached")
-    build.set_defaults(handler=_target_build)
 
 
 def _add_train(commands: Commands) -> None:
     """``tide train``."""
-    train = commands.add_parser(
-        "train",
-        help="train an EAGLE3 draft (SpecForge) on captured hidden states",
-        description=(
-            "Trains SpecForge's LlamaForCausalLMEagle3 with its EAGLE3 objective on a window "
-            "of captured target states, warm-started from --parent if given. Checkpoints go "
-            "to OUT/checkpoints (a rerun resumes), the SGLang-loadable draft to OUT/draft. "
-            "Multi-GPU: run under torchrun with --device cuda."
-        ),
+    train = add_command(
+        commands, ("train", _train), "train an EAGLE3 draft (SpecForge) on captured hidden states"
     )
     train.add_argument("--target", type=Path, required=True, help="HF target model directory")
     train.add_argument("--out", type=Path, required=True, help="run directory")
@@ -441,23 +457,12 @@ def _add_train(commands: Commands) -> None:
     train.add_argument("--parent", type=Path, help="exported draft to warm-start from")
     train.add_argument("--mlflow-run-id", help="log per-step metrics to this MLflow run")
     add_config_options(train, TrainConfig)
-    train.set_defaults(handler=_train)
 
 
 def _add_serve(commands: Commands) -> None:
     """``tide serve``."""
-    serve = commands.add_parser(
-        "serve",
-        help="the reference engine: SGLang's HTTP API over an HF target with EAGLE3 + capture",
-        description=(
-            "Serves POST /generate, GET /health, /model_info, /server_info, /metrics, "
-            "and POST /update_weights_from_disk with SGLang's field names. Chain drafting with "
-            "--speculative-num-steps draft tokens per verify; captured hidden states go to the "
-            "lake configured by TIDE_STORE__* / TIDE_LAKE__*."
-        ),
-    )
-    add_config_options(serve, ServeConfig)
-    serve.set_defaults(handler=_serve)
+    summary = "the reference engine: SGLang's HTTP API over an HF target with EAGLE3 + capture"
+    add_config_options(add_command(commands, ("serve", _serve), summary), ServeConfig)
 
 
 def _add_fleet(commands: Commands) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.harness.adaptation_bench import WorkloadError, load_workload, run_adaptation_bench
+from tide_lib.harness.params import AdaptationBenchParams
 from tide_lib.target_model import load_corpus, render_prompt
 
 
@@ -59,10 +60,9 @@ def test_adaptation_bench_on_a_generated_workload(
         forced,
         workload,
         out,
+        AdaptationBenchParams(cycle_tokens=120, max_new_tokens=12, labels=True),
         target_dir=tiny_target,
         preset="tiny",
-        cycle_tokens=120,
-        max_new_tokens=12,
         train=TrainConfig(
             steps=8,
             batch_size=2,
@@ -72,7 +72,6 @@ def test_adaptation_bench_on_a_generated_workload(
             validation_fraction=0,
             warm_epochs=0,
         ),
-        labels=True,
     )
     written = json.loads(out.read_text())
     assert written["new_segment"] == "new" and written == json.loads(json.dumps(result))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tide_lib.config import TideConfig
+from tide_lib.harness.params import ServeBenchParams
 from tide_lib.harness.serve_bench import run_serve_bench
 
 pytestmark = pytest.mark.slow
@@ -21,10 +22,9 @@ def test_serve_bench_writes_the_json_keys(
         stack,
         tiny_target,
         out,
-        draft_dir=tiny_drafts["en"],
-        prompts=3,
-        max_new_tokens=8,
-        num_steps=3,
+        ServeBenchParams(
+            draft=tiny_drafts["en"], prompts=3, max_new_tokens=8, speculative_num_steps=3
+        ),
         preset="tiny",
     )
     result = json.loads(out.read_text())

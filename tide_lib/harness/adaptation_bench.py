@@ -38,13 +38,20 @@ from tqdm import tqdm
 
 from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.errors import TideError
+from tide_lib.harness.params import AdaptationBenchParams
 from tide_lib.lake import CapturedRecord, target_slug
 
 if TYPE_CHECKING:
     from tide_lib.registry import DraftRegistry
     from tide_lib.serving.engine import Engine
 
-__all__ = ["WorkloadError", "demo_workload", "load_workload", "run_adaptation_bench"]
+__all__ = [
+    "AdaptationBenchParams",
+    "WorkloadError",
+    "demo_workload",
+    "load_workload",
+    "run_adaptation_bench",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -388,21 +395,21 @@ def run_adaptation_bench(
     config: TideConfig,
     workload: Path,
     json_path: Path | None,
+    params: AdaptationBenchParams | None = None,
     *,
     target_dir: Path,
     preset: str = "demo",
-    cycle_tokens: int = 1500,
-    max_new_tokens: int = 48,
-    ks: tuple[int, ...] = (3, 5),
-    held_out_percent: int = 20,
     train: TrainConfig | None = None,
-    labels: bool = False,
 ) -> dict[str, Any]:
     """Run the benchmark; returns its figures (and writes them to ``json_path``).
 
-    With ``labels`` the engine is told each request's segment (a client label);
-    without, segments come from the cycle's segmenter, as for unlabelled traffic.
+    With ``params.labels`` the engine is told each request's segment (a client
+    label); without, segments come from the cycle's segmenter, as for
+    unlabelled traffic.
     """
+    params = params or AdaptationBenchParams()
+    cycle_tokens, max_new_tokens, ks = params.cycle_tokens, params.max_new_tokens, params.ks
+    held_out_percent, labels = params.held_out_percent, params.labels
     from tide_lib.harness.serve_bench import bootstrap_draft, reference_engine  # noqa: PLC0415
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
     from tide_lib.target_model import build_target  # noqa: PLC0415

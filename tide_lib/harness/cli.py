@@ -13,36 +13,62 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from tide_lib.cli import DEFAULT_TARGETS, Commands, add_config_options, config_from_args, echo
+from tide_lib.cli import (
+    DEFAULT_TARGETS,
+    Commands,
+    add_command,
+    add_config_options,
+    config_from_args,
+    echo,
+)
 from tide_lib.config import TideConfig
+from tide_lib.harness.params import (
+    AdaptationBenchParams,
+    CycleBenchParams,
+    DemoSettings,
+    LakeBenchParams,
+    ServeBenchParams,
+    TrainBenchParams,
+)
 
 __all__ = ["add_bench_commands", "add_demo_command", "add_workload_commands"]
 
 logger = logging.getLogger("tide")
 
 
-def _bench_lake(args: argparse.Namespace, config: TideConfig) -> int:
-    from tide_lib.harness.lake_bench import HEADLINE_KEYS, LakeBenchParams, run_lake_bench  # noqa: PLC0415
+def _echo_figures(
+    result: dict[str, Any], keys: Iterable[str], json_path: Path | None, spec: str = ".2f"
+) -> None:
+    """One aligned line per headline figure, then where the JSON went."""
+    for key in keys:
+        echo(f"{key:<28}{result[key]:>14{spec}}")
+    if json_path:
+        echo(f"wrote {json_path}")
 
-    params = LakeBenchParams(
-        records=args.records, tokens_per_record=args.tokens, hidden_size=args.hidden_size
-    )
-    result = run_lake_bench(config, params, args.json)
-    for key in HEADLINE_KEYS:
-        echo(f"{key:<28}{result[key]:>14.1f}")
-    if args.json:
-        echo(f"wrote {args.json}")
+
+def _bench_lake(args: argparse.Namespace, config: TideConfig) -> int:
+    """Needs the S3 server up (`tide stack up`). Cleans up its own shards."""
+    from tide_lib.harness.lake_bench import HEADLINE_KEYS, run_lake_bench  # noqa: PLC0415
+
+    result = run_lake_bench(config, config_from_args(args, LakeBenchParams()), args.json)
+    _echo_figures(result, HEADLINE_KEYS, args.json, ".1f")
     return 0
 
 
 def _bench_cycle(args: argparse.Namespace, config: TideConfig) -> int:
+    """Builds older lakes of 1x, 10x, 100x consumed shards at the same traffic rate, adds a
+    new window, and runs the cycle's data steps on each: wall time, bytes read from S3,
+    objects listed. Needs the S3 server (`tide stack up`); removes its own objects.
+    """
     import tempfile  # noqa: PLC0415
 
-    from tide_lib.harness.cycle_bench import CycleBenchParams, run_cycle_bench  # noqa: PLC0415
+    from tide_lib.harness.cycle_bench import run_cycle_bench  # noqa: PLC0415
 
-    params = CycleBenchParams(scales=tuple(args.scales), older_shards=args.older_shards)
+    params = config_from_args(args, CycleBenchParams())
     with tempfile.TemporaryDirectory(prefix="tide-bench-cycle-") as tmp:
         result = run_cycle_bench(config, params, Path(tmp))
     echo(f"{'scale':>6}{'older shards':>14}{'seconds':>10}{'MB read':>10}{'listed':>8}{'GETs':>7}")
@@ -61,56 +87,49 @@ def _bench_cycle(args: argparse.Namespace, config: TideConfig) -> int:
 
 
 def _bench_train(args: argparse.Namespace, config: TideConfig) -> int:
-    from tide_lib.harness.train_bench import TrainBenchParams, run_train_bench  # noqa: PLC0415
+    """Needs the S3 server up (`tide stack up`): captures go through the real lake. Builds
+    the demo target if it is not cached. Reports the demo target and a random-weight
+    target shaped like Llama-3.1-8B scaled down.
+    """
+    from tide_lib.harness.train_bench import run_train_bench  # noqa: PLC0415
 
-    params = TrainBenchParams(samples=args.samples, steps=args.steps)
+    params = config_from_args(args, TrainBenchParams())
     result = run_train_bench(config, params, args.target or DEFAULT_TARGETS / "demo", args.json)
-    for key in (
-        "reuse_tokens_per_s",
-        "recompute_tokens_per_s",
-        "recompute_over_reuse_time",
-        "peak_rss_mb",
-    ):
-        echo(f"{key:<28}{result[key]:>14.2f}")
+    keys = ("reuse_tokens_per_s", "recompute_tokens_per_s", "recompute_over_reuse_time")
+    _echo_figures(result, (*keys, "peak_rss_mb"), None)
     for name, shape in result["shapes"].items():
         echo(f"  {name:<26}recompute/reuse time {shape['recompute_over_reuse_time']:.2f}x")
-    if args.json:
-        echo(f"wrote {args.json}")
+    _echo_figures(result, (), args.json)
     return 0
 
 
 def _bench_serve(args: argparse.Namespace, config: TideConfig) -> int:
+    """Needs the S3 server up (capture writes to the lake). Without --draft, bootstraps a
+    draft from the demo target's own greedy answers to English prompts (~3 minutes).
+    """
     from tide_lib.harness.serve_bench import HEADLINE_KEYS as SERVE_HEADLINE_KEYS  # noqa: PLC0415
     from tide_lib.harness.serve_bench import run_serve_bench  # noqa: PLC0415
 
-    result = run_serve_bench(
-        config,
-        args.target or DEFAULT_TARGETS / "demo",
-        args.json,
-        draft_dir=args.draft,
-        prompts=args.prompts,
-        max_new_tokens=args.max_new_tokens,
-        num_steps=args.speculative_num_steps,
-        warmup=args.warmup,
-    )
-    for key in SERVE_HEADLINE_KEYS:
-        echo(f"{key:<28}{result[key]:>14.2f}")
-    if args.json:
-        echo(f"wrote {args.json}")
+    params = config_from_args(args, ServeBenchParams())
+    result = run_serve_bench(config, args.target or DEFAULT_TARGETS / "demo", args.json, params)
+    _echo_figures(result, SERVE_HEADLINE_KEYS, args.json)
     return 0
 
 
 def _bench_adaptation(args: argparse.Namespace, config: TideConfig) -> int:
+    """Workload: JSONL, one request per line in arrival order, {"prompt": ..., "segment":
+    ..., "max_new_tokens": ...}; the last segment to appear is the new traffic (one
+    segment: a workload without shift). Needs the S3 and MLflow servers up
+    (`tide stack up`).
+    """
     from tide_lib.harness.adaptation_bench import run_adaptation_bench  # noqa: PLC0415
 
     result = run_adaptation_bench(
         config,
         args.workload,
         args.json,
+        config_from_args(args, AdaptationBenchParams()),
         target_dir=args.target or DEFAULT_TARGETS / "demo",
-        cycle_tokens=args.cycle_tokens,
-        max_new_tokens=args.max_new_tokens,
-        labels=args.labels,
     )
     keys = ("al_ratio_adapted_static", "al_ratio_adapted_oracle", "retention", "cycle_outcomes")
     echo(json.dumps({k: result[k] for k in keys}))
@@ -126,6 +145,10 @@ def _bench_adaptation(args: argparse.Namespace, config: TideConfig) -> int:
 
 
 def _workload_segments(args: argparse.Namespace, _config: TideConfig) -> int:
+    """Segments: english (conversation), english-docs (Python documentation), korean
+    (conversation), korean-law (Korean law). A document request is its first words; the
+    target continues it.
+    """
     from tide_lib.harness.adaptation_bench import WorkloadError, segments_workload  # noqa: PLC0415
 
     plan = []
@@ -152,7 +175,13 @@ def _workload_demo(args: argparse.Namespace, _config: TideConfig) -> int:
 
 
 def _demo(args: argparse.Namespace, config: TideConfig) -> int:
-    from tide_lib.harness.demo import DemoSettings, run_demo  # noqa: PLC0415
+    """Starts the stack and a fleet of reference engines serving a static English draft
+    with capture on, replays Korean conversations against it, and lets the Airflow
+    scheduler run tide_adaptation cycle after cycle while a live table shows the
+    acceptance length of the serving draft and of the static draft on the same traffic.
+    Writes a JSON summary and a PNG at the end.
+    """
+    from tide_lib.harness.demo import run_demo  # noqa: PLC0415
     from tide_lib.stack import StackManager  # noqa: PLC0415
 
     settings = config_from_args(args, DemoSettings())
@@ -201,134 +230,31 @@ def add_bench_commands(commands: Commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks that write JSON").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
-    for add_bench in (
-        _add_bench_lake,
-        _add_bench_cycle,
-        _add_bench_train,
-        _add_bench_serve,
-        _add_bench_adaptation,
+    summaries = {
+        "lake": "capture write/read throughput, bytes per token, writer cost per record",
+        "cycle": "a cycle's data I/O (snapshot, export, held-out read) as the lake grows older",
+        "train": "draft training tokens/s on captured states vs recomputing them; peak memory",
+        "serve": "capture overhead; fixed-k, adaptive-k and plain tokens/s side by side, with "
+        "the k adaptive chose; accept length; swap latency",
+        "adaptation": "the TIDE loop headless on a workload: AL per draft/segment/k, ratios, "
+        "tokens/s",
+    }
+    parsers: dict[str, argparse.ArgumentParser] = {}
+    for name, handler, params, runs_target in (
+        ("lake", _bench_lake, LakeBenchParams, False),
+        ("cycle", _bench_cycle, CycleBenchParams, False),
+        ("train", _bench_train, TrainBenchParams, True),
+        ("serve", _bench_serve, ServeBenchParams, True),
+        ("adaptation", _bench_adaptation, AdaptationBenchParams, True),
     ):
-        add_bench(bench)
-
-
-def _add_bench_lake(bench: Commands) -> None:
-    """``tide bench lake``."""
-    bench_lake = bench.add_parser(
-        "lake",
-        help="capture write/read throughput, bytes per token, writer cost per record",
-        description="Needs the S3 server up (`tide stack up`). Cleans up its own shards.",
-    )
-    bench_lake.add_argument("--json", type=Path, help="write the results to this file")
-    bench_lake.add_argument("--records", type=int, default=256, help="records to write")
-    bench_lake.add_argument("--tokens", type=int, default=256, help="tokens per record")
-    bench_lake.add_argument("--hidden-size", type=int, default=1024, help="target hidden size H")
-    bench_lake.set_defaults(handler=_bench_lake)
-
-
-def _add_bench_cycle(bench: Commands) -> None:
-    """``tide bench cycle``."""
-    bench_cycle = bench.add_parser(
-        "cycle",
-        help="a cycle's data I/O (snapshot, export, held-out read) as the lake grows older",
-        description=(
-            "Builds older lakes of 1x, 10x, 100x consumed shards at the same traffic rate, "
-            "adds a new window, and runs the cycle's data steps on each: wall time, bytes "
-            "read from S3, objects listed. Needs the S3 server (`tide stack up`); removes "
-            "its own objects."
-        ),
-    )
-    bench_cycle.add_argument("--json", type=Path, help="write the results to this file")
-    bench_cycle.add_argument(
-        "--scales", type=int, nargs="+", default=[1, 10, 100], help="older-lake sizes"
-    )
-    bench_cycle.add_argument(
-        "--older-shards", type=int, default=24, help="older shards at 1x (over the lookback)"
-    )
-    bench_cycle.set_defaults(handler=_bench_cycle)
-
-
-def _add_bench_train(bench: Commands) -> None:
-    """``tide bench train``."""
-    bench_train = bench.add_parser(
-        "train",
-        help="draft training tokens/s on captured states vs recomputing them; peak memory",
-        description=(
-            "Needs the S3 server up (`tide stack up`): captures go through the real lake. "
-            "Builds the demo target if it is not cached. Reports the demo target and a "
-            "random-weight target shaped like Llama-3.1-8B scaled down."
-        ),
-    )
-    bench_train.add_argument("--json", type=Path, help="write the results to this file")
-    bench_train.add_argument(
-        "--target", type=Path, help="demo target dir (default: .tide/targets/demo)"
-    )
-    bench_train.add_argument("--samples", type=int, default=64, help="captured requests")
-    bench_train.add_argument("--steps", type=int, default=16, help="optimizer steps per mode")
-    bench_train.set_defaults(handler=_bench_train)
-
-
-def _add_bench_serve(bench: Commands) -> None:
-    """``tide bench serve``."""
-    bench_serve = bench.add_parser(
-        "serve",
-        help=(
-            "capture overhead; fixed-k, adaptive-k and plain tokens/s side by side, with the "
-            "k adaptive chose; accept length; swap latency"
-        ),
-        description=(
-            "Needs the S3 server up (capture writes to the lake). Without --draft, bootstraps a "
-            "draft from the demo target's own greedy answers to English prompts (~3 minutes)."
-        ),
-    )
-    bench_serve.add_argument("--json", type=Path, help="write the results to this file")
-    bench_serve.add_argument("--target", type=Path, help="target dir (default: .tide/targets/demo)")
-    bench_serve.add_argument("--draft", type=Path, help="exported draft to serve")
-    bench_serve.add_argument("--prompts", type=int, default=24, help="held-out prompts per pair")
-    bench_serve.add_argument(
-        "--max-new-tokens", type=int, default=48, help="tokens generated per request"
-    )
-    bench_serve.add_argument(
-        "--speculative-num-steps", type=int, default=4, help="k, and adaptive k's largest"
-    )
-    bench_serve.add_argument(
-        "--warmup", type=int, default=4, help="untimed requests per engine before measuring"
-    )
-    bench_serve.set_defaults(handler=_bench_serve)
-
-
-def _add_bench_adaptation(bench: Commands) -> None:
-    """``tide bench adaptation``."""
-    bench_adaptation = bench.add_parser(
-        "adaptation",
-        help="the TIDE loop headless on a workload: AL per draft/segment/k, ratios, tokens/s",
-        description=(
-            "Workload: JSONL, one request per line in arrival order, "
-            '{"prompt": ..., "segment": ..., "max_new_tokens": ...}; the last segment to appear '
-            "is the new traffic (one segment: a workload without shift). Needs the S3 and "
-            "MLflow servers up (`tide stack up`)."
-        ),
-    )
-    bench_adaptation.add_argument(
-        "--workload",
-        type=Path,
-        required=True,
-        help="JSONL, one request per line in arrival order (`tide workload demo` writes one)",
-    )
-    bench_adaptation.add_argument("--json", type=Path, help="write the results to this file")
-    bench_adaptation.add_argument("--target", type=Path, help="default: .tide/targets/demo")
-    bench_adaptation.add_argument(
-        "--cycle-tokens", type=int, default=1500, help="new tokens per cycle"
-    )
-    bench_adaptation.add_argument(
-        "--max-new-tokens", type=int, default=48, help="tokens per request without its own"
-    )
-    bench_adaptation.add_argument(
-        "--labels",
-        action="store_true",
-        help="send each request's segment as a client label (custom_labels); "
-        "default: unlabelled, segments come from the cycles' clusters",
-    )
-    bench_adaptation.set_defaults(handler=_bench_adaptation)
+        parser = add_command(bench, (name, handler), summaries[name])
+        parser.add_argument("--json", type=Path, help="write the results to this file")
+        if runs_target:
+            parser.add_argument("--target", type=Path, help="default: .tide/targets/demo")
+        add_config_options(parser, params, "benchmark settings")
+        parsers[name] = parser
+    workload_help = "JSONL, one request per line in arrival order (`tide workload demo`)"
+    parsers["adaptation"].add_argument("--workload", type=Path, required=True, help=workload_help)
 
 
 def add_workload_commands(commands: Commands) -> None:
@@ -336,19 +262,16 @@ def add_workload_commands(commands: Commands) -> None:
     workload = commands.add_parser("workload", help="workload files").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
-    workload_demo = workload.add_parser("demo", help="English then Korean conversation (JSONL)")
+    workload_demo = add_command(
+        workload, ("demo", _workload_demo), "English then Korean conversation (JSONL)"
+    )
     workload_demo.add_argument("--out", type=Path, required=True, help="JSONL file to write")
     workload_demo.add_argument("--english", type=int, default=60, help="English requests first")
     workload_demo.add_argument("--korean", type=int, default=120, help="Korean requests then")
-    workload_demo.set_defaults(handler=_workload_demo)
-    workload_segments = workload.add_parser(
-        "segments",
-        help="segments arriving in turn, from the packaged corpora (JSONL)",
-        description=(
-            "Segments: english (conversation), english-docs (Python documentation), "
-            "korean (conversation), korean-law (Korean law). A document request is its first "
-            "words; the target continues it."
-        ),
+    workload_segments = add_command(
+        workload,
+        ("segments", _workload_segments),
+        "segments arriving in turn, from the packaged corpora (JSONL)",
     )
     workload_segments.add_argument("--out", type=Path, required=True, help="JSONL file to write")
     workload_segments.add_argument(
@@ -359,27 +282,17 @@ def add_workload_commands(commands: Commands) -> None:
     workload_segments.add_argument(
         "--max-new-tokens", type=int, default=48, help="tokens generated per request"
     )
-    workload_segments.set_defaults(handler=_workload_segments)
 
 
 def add_demo_command(commands: Commands) -> None:
     """``tide demo``."""
-    demo = commands.add_parser(
-        "demo",
-        help="the TIDE loop on this machine, driven by the Airflow scheduler",
-        description=(
-            "Starts the stack and a fleet of reference engines serving a static English "
-            "draft with capture on, replays Korean conversations against it, and lets "
-            "the Airflow scheduler run tide_adaptation cycle after cycle while a live "
-            "table shows the acceptance length of the serving draft and of the static "
-            "draft on the same traffic. Writes a JSON summary and a PNG at the end."
-        ),
+    demo = add_command(
+        commands,
+        ("demo", _demo),
+        "the TIDE loop on this machine, driven by the Airflow scheduler",
     )
-    from tide_lib.harness.demo import DemoSettings  # noqa: PLC0415
-
     add_config_options(demo, DemoSettings)
     demo.add_argument("--json", type=Path, default=Path("bench/demo.json"), help="summary")
     demo.add_argument("--plot", type=Path, default=Path("bench/demo.png"), help="PNG plot")
     demo.add_argument("--keep-up", action="store_true", help="keep the UIs up until Ctrl-C")
     demo.add_argument("--keep-running", action="store_true", help="leave the stack running on exit")
-    demo.set_defaults(handler=_demo)

@@ -29,6 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tide_lib.config import TideConfig
+from tide_lib.harness.params import CycleBenchParams
 from tide_lib.lake import CapturedRecord, LakeReader, LakeWriter, ObjectStore, target_slug
 from tide_lib.lake.layout import commit_key, new_shard_id, shard_key
 from tide_lib.lake.schema import NUM_AUX_LAYERS
@@ -37,19 +38,6 @@ from tide_lib.lake.store import StoreIO, process_io
 __all__ = ["CycleBenchParams", "CycleBenchResult", "ScaleFigures", "run_cycle_bench"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class CycleBenchParams:
-    scales: tuple[int, ...] = (1, 10, 100)
-    older_shards: int = 24  # at 1x, spread over the replay lookback
-    window_shards: int = 8
-    records_per_shard: int = 2
-    tokens_per_record: int = 64
-    hidden_size: int = 64
-    lookback_hours: float = 24.0
-    held_out_older_tokens: int = 256
-    replay_share: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +73,7 @@ class CycleBenchResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "benchmark": "cycle",
-            "params": dataclasses.asdict(self.params),
+            "params": self.params.model_dump(mode="json"),
             "scales": [dataclasses.asdict(figures) for figures in self.scales],
             f"ratio_{self.scales[-1].scale}x_over_{self.scales[0].scale}x": self.ratios(),
         }

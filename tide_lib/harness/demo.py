@@ -26,12 +26,12 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
-from pydantic import Field
 
-from tide_lib.config import StrictModel, TideConfig, TrainConfig, secrets_dir
+from tide_lib.config import TideConfig, TrainConfig, secrets_dir
+from tide_lib.harness.params import DemoSettings
 from tide_lib.names import Tags
 from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.stack.airflow_api import AirflowAPI
@@ -42,37 +42,6 @@ logger = logging.getLogger(__name__)
 _COMMIT_SETTLE_S = 15.0  # one local store: markers land in milliseconds, not minutes
 DAG_ID = "tide_adaptation"
 _AIRFLOW_SERVICES = ("airflow-scheduler", "airflow-dag-processor", "airflow-triggerer")
-
-
-class DemoSettings(StrictModel):
-    """What one demo run does; ``tide demo --help`` lists them as flags."""
-
-    preset: Literal["demo", "tiny"] = Field("demo", description="target size (tiny: a test run)")
-    cycles: int = Field(3, ge=1, description="adaptation cycles to run")
-    engines: int = Field(2, ge=1, le=4, description="reference engines in the fleet")
-    num_steps: int = Field(3, ge=1, le=8, description="draft tokens per verify (k)")
-    max_new_tokens: int = Field(32, gt=0, description="tokens generated per request")
-    tokens_per_cycle: int = Field(4000, gt=0, description="new captured tokens a cycle waits for")
-    static_prompts: int = Field(120, gt=0, description="English prompts the static draft learns")
-    train_steps: int = Field(120, gt=0, description="training steps per cycle")
-    ttt_length: int = Field(4, ge=1, description="test-time-training unroll length")
-    learning_rate: float = Field(2e-3, gt=0)
-    draft_vocab_size: int = Field(2048, gt=0, description="draft vocabulary (<= the target's)")
-    refresh_s: float = Field(15.0, gt=0, description="seconds between table rows")
-    request_pause_s: float = Field(0.2, ge=0, description="pause between replayed requests")
-    force_promote: bool = Field(False, description="promote even when the gate rejects")
-    engine_port: int = Field(30100, ge=1, le=65000, description="first engine port")
-    timeout_s: float = Field(3600.0, gt=0, description="give up after this long")
-
-    def training(self, base: TrainConfig) -> TrainConfig:
-        return base.model_copy(
-            update={
-                "steps": self.train_steps,
-                "ttt_length": self.ttt_length,
-                "learning_rate": self.learning_rate,
-                "draft_vocab_size": self.draft_vocab_size,
-            }
-        )
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ states do; the benchmark's own shards are deleted afterwards.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tide_lib.config import TideConfig
+from tide_lib.harness.params import LakeBenchParams
 from tide_lib.lake.layout import target_slug
 from tide_lib.lake.reader import LakeReader
 from tide_lib.lake.schema import NUM_AUX_LAYERS, CapturedRecord
@@ -44,14 +44,6 @@ HEADLINE_KEYS = (
     "read_tokens_per_s",
     "writer_us_per_record",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class LakeBenchParams:
-    records: int = 256
-    tokens_per_record: int = 256
-    hidden_size: int = 1024
-    distinct_payloads: int = 8
 
 
 def _payloads(params: LakeBenchParams, rng: np.random.Generator) -> list[tuple[np.ndarray, ...]]:
@@ -140,7 +132,7 @@ def run_lake_bench(
         "writer_us_per_record": statistics.mean(submit_seconds) * 1e6,
         "writer_us_per_record_p99": float(np.percentile(submit_seconds, 99) * 1e6),
         "shards": len(shards),
-        "params": dataclasses.asdict(params),
+        "params": params.model_dump(),
         "tensor_compression": config.lake.tensor_compression,
         "store_endpoint": config.store.endpoint,
         "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version()},

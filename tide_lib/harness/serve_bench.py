@@ -30,6 +30,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tide_lib.config import TideConfig, TrainConfig
+from tide_lib.harness.params import ServeBenchParams
 from tide_lib.lake import CapturedRecord
 from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.engine import Engine, EngineRequest
@@ -39,6 +40,7 @@ from tide_lib.training.trainer import train_draft
 
 __all__ = [
     "HEADLINE_KEYS",
+    "ServeBenchParams",
     "adaptive_report",
     "bootstrap_draft",
     "greedy_records",
@@ -215,14 +217,13 @@ def run_serve_bench(
     config: TideConfig,
     target_dir: Path,
     json_path: Path | None,
+    params: ServeBenchParams | None = None,
     *,
-    draft_dir: Path | None = None,
-    prompts: int = 24,
-    max_new_tokens: int = 48,
-    num_steps: int = 4,
     preset: str = "demo",
-    warmup: int = 4,
 ) -> dict[str, Any]:
+    params = params or ServeBenchParams()
+    draft_dir, prompts, warmup = params.draft, params.prompts, params.warmup
+    max_new_tokens, num_steps = params.max_new_tokens, params.speculative_num_steps
     build_target(target_dir, preset_name=preset)
     bootstrapped = draft_dir is None
     corpus = load_corpus()

@@ -11,7 +11,6 @@ down, because the ratio depends on how large the target is next to the draft.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import resource
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from tide_lib.config import TideConfig, TrainConfig
+from tide_lib.harness.params import TrainBenchParams
 from tide_lib.lake import LakeReader, LakeWriter, ObjectStore, target_slug
 from tide_lib.target_model import build_target, load_corpus
 from tide_lib.target_model.hidden import capture_records
@@ -31,15 +31,6 @@ from tide_lib.training.trainer import train_draft
 __all__ = ["TrainBenchParams", "run_train_bench"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainBenchParams:
-    samples: int = 64
-    steps: int = 16
-    batch_size: int = 4
-    ttt_length: int = 7
-    draft_vocab_size: int = 2048
 
 
 def _scaled_llama_8b(demo_target: Path, out_dir: Path) -> Path:
@@ -152,7 +143,7 @@ def run_train_bench(
         },
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "shapes": shapes,
-        "params": dataclasses.asdict(params),
+        "params": params.model_dump(),
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
         "measured_at": datetime.now(UTC).isoformat(),

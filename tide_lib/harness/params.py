@@ -1,0 +1,114 @@
+"""The typed settings of the harness's commands, light enough for ``tide --help``.
+
+Each benchmark takes one of these models; ``tide bench ... --help`` lists its
+fields as flags (``add_config_options``), so the CLI, the defaults and the
+JSON's "params" come from one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from tide_lib.config import StrictModel, TrainConfig
+
+__all__ = [
+    "AdaptationBenchParams",
+    "CycleBenchParams",
+    "DemoSettings",
+    "LakeBenchParams",
+    "ServeBenchParams",
+    "TrainBenchParams",
+]
+
+
+class LakeBenchParams(StrictModel):
+    """What ``tide bench lake`` writes; its flags."""
+
+    records: int = Field(256, ge=1, description="records to write")
+    tokens_per_record: int = Field(256, ge=1, description="tokens of each record")
+    hidden_size: int = Field(1024, ge=1, description="target hidden size H")
+    distinct_payloads: int = Field(8, ge=1, description="random payloads the records cycle through")
+
+
+class CycleBenchParams(StrictModel):
+    """The lakes ``tide bench cycle`` builds; its flags."""
+
+    scales: tuple[int, ...] = Field((1, 10, 100), description="older-lake sizes (x the 1x lake)")
+    older_shards: int = Field(24, ge=1, description="older shards at 1x (over the lookback)")
+    window_shards: int = Field(8, ge=1, description="shards of the new window")
+    records_per_shard: int = Field(2, ge=1, description="records in each shard")
+    tokens_per_record: int = Field(64, ge=1, description="tokens of each record")
+    hidden_size: int = Field(64, ge=1, description="target hidden size H of the records")
+    lookback_hours: float = Field(24.0, gt=0, description="replay lookback the older lake spans")
+    held_out_older_tokens: int = Field(256, ge=0, description="older tokens held out for the gate")
+    replay_share: float = Field(0.5, ge=0, le=1, description="replay share of the training mix")
+
+
+class TrainBenchParams(StrictModel):
+    """What ``tide bench train`` trains; its flags."""
+
+    samples: int = Field(64, ge=1, description="captured requests")
+    steps: int = Field(16, ge=1, description="optimizer steps per mode")
+    batch_size: int = Field(4, ge=1, description="samples per step")
+    ttt_length: int = Field(7, ge=1, description="test-time-training unroll length")
+    draft_vocab_size: int = Field(2048, ge=1, description="draft vocabulary (<= the target's)")
+
+
+class ServeBenchParams(StrictModel):
+    """What ``tide bench serve`` runs; its flags."""
+
+    draft: Path | None = Field(
+        None, description="exported draft to serve (omitted: bootstraps one)"
+    )
+    prompts: int = Field(24, ge=1, description="held-out prompts per pair")
+    max_new_tokens: int = Field(48, ge=1, description="tokens generated per request")
+    speculative_num_steps: int = Field(4, ge=1, description="k, and adaptive k's largest")
+    warmup: int = Field(4, ge=0, description="untimed requests per engine before measuring")
+
+
+class AdaptationBenchParams(StrictModel):
+    """How ``tide bench adaptation`` replays a workload; its flags."""
+
+    cycle_tokens: int = Field(1500, ge=1, description="new tokens per cycle")
+    max_new_tokens: int = Field(48, ge=1, description="tokens per request without its own")
+    ks: tuple[int, ...] = Field((3, 5), description="draft tokens per verify to measure at")
+    held_out_percent: int = Field(20, ge=1, le=99, description="requests held out to measure on")
+    labels: bool = Field(
+        False,
+        description="send each request's segment as a client label (custom_labels); "
+        "else segments come from the cycles' clusters",
+    )
+
+
+class DemoSettings(StrictModel):
+    """What one demo run does; ``tide demo --help`` lists them as flags."""
+
+    preset: Literal["demo", "tiny"] = Field("demo", description="target size (tiny: a test run)")
+    cycles: int = Field(3, ge=1, description="adaptation cycles to run")
+    engines: int = Field(2, ge=1, le=4, description="reference engines in the fleet")
+    num_steps: int = Field(3, ge=1, le=8, description="draft tokens per verify (k)")
+    max_new_tokens: int = Field(32, gt=0, description="tokens generated per request")
+    tokens_per_cycle: int = Field(4000, gt=0, description="new captured tokens a cycle waits for")
+    static_prompts: int = Field(120, gt=0, description="English prompts the static draft learns")
+    train_steps: int = Field(120, gt=0, description="training steps per cycle")
+    ttt_length: int = Field(4, ge=1, description="test-time-training unroll length")
+    learning_rate: float = Field(2e-3, gt=0)
+    draft_vocab_size: int = Field(2048, gt=0, description="draft vocabulary (<= the target's)")
+    refresh_s: float = Field(15.0, gt=0, description="seconds between table rows")
+    request_pause_s: float = Field(0.2, ge=0, description="pause between replayed requests")
+    force_promote: bool = Field(False, description="promote even when the gate rejects")
+    engine_port: int = Field(30100, ge=1, le=65000, description="first engine port")
+    timeout_s: float = Field(3600.0, gt=0, description="give up after this long")
+
+    def training(self, base: TrainConfig) -> TrainConfig:
+        return base.model_copy(
+            update={
+                "steps": self.train_steps,
+                "ttt_length": self.ttt_length,
+                "learning_rate": self.learning_rate,
+                "draft_vocab_size": self.draft_vocab_size,
+            }
+        )
