@@ -315,7 +315,8 @@ def add_config_options(
     group = parser.add_argument_group(f"{model.__name__} ({title})")
     for name, field in model.model_fields.items():
         flag = f"--{name.replace('_', '-')}"
-        help_text = f"{field.description or ''} (default: {field.default})"
+        default = field.get_default(call_default_factory=True)
+        help_text = f"{field.description or ''} (default: {default})"
         parsing = _parsing(field.annotation)
         if parsing is not None:
             group.add_argument(flag, dest=name, default=None, help=help_text, **parsing)

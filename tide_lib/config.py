@@ -691,6 +691,14 @@ class CycleConfig(StrictModel):
     drift_tolerance: float = Field(
         0.15, ge=0, description="acceptance-length fall of a segment that counts as drift"
     )
+    relearn_older: bool = Field(
+        True,
+        description=(
+            "a cycle the drift check sends to learn a segment also learns that segment's "
+            "earlier requests among the older traffic it reads (never held-out ones), not "
+            "the window's alone; off: older traffic is only replayed (kept, not learned)"
+        ),
+    )
     drift_sample_tokens: int = Field(
         20000, ge=1, description="window tokens the champion is measured on (an even sample)"
     )

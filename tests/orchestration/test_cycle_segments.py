@@ -197,3 +197,72 @@ def test_the_window_learns_every_segment_but_those_the_champion_still_fits(
 
     assert segments("window") == ["korean law"]  # unjudged new traffic is learned
     assert segments("replay") == ["english"]  # what it still fits is kept
+
+
+@pytest.mark.parametrize("relearn", [True, False])
+def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
+    config: TideConfig, lake_store: ObjectStore, tmp_path: Path, relearn: bool
+) -> None:
+    """Korean law arrives over two windows: the cycle the drift check sends to learn it
+    trains on the first window's Korean-law requests as well (none the gate holds out),
+    as a draft trained on that traffic alone would; English, which it keeps, stays
+    replay. With ``cycle.relearn_older`` off, older requests are only replayed."""
+    config = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"relearn_older": relearn})}
+    )
+    older = [_record(i, CENTERS[0], "english") for i in range(10)]
+    older += [_record(100 + i, CENTERS[1], "korean law") for i in range(10)]
+    _write(lake_store, config, older)
+    cycle.advance_watermark(config, cycle.snapshot_window(config, "c1"))
+    window = [_record(200 + i, CENTERS[1], "korean law") for i in range(10)]
+    _write(lake_store, config, window)
+    snapshot = cycle.snapshot_window(config, "c2")
+    checked = Drift(
+        drift=True,
+        reason="test",
+        champion_version="1",
+        measured={"korean law": 1.0, "english": 3.0},
+        margins={"korean law": 0.05, "english": 0.05},
+        baseline={"korean law": 2.0, "english": 3.0},
+        drifted=["korean law"],
+        fitting=["english"],
+    )
+    lake_store.put_bytes(drift_check.drift_key(config, "c2"), checked.model_dump_json().encode())
+    exported = cycle.export_training_data(config, snapshot, tmp_path / "data")
+
+    def ids(part: str) -> dict[str, set[tuple[int, ...]]]:
+        found: dict[str, set[tuple[int, ...]]] = {}
+        for path in (tmp_path / "data" / part).glob("*.ckpt"):
+            raw = torch.load(path, weights_only=True)
+            found.setdefault(raw["segment"], set()).add(tuple(raw["input_ids"].tolist()))
+        return found
+
+    def trainable(records: list[CapturedRecord]) -> set[tuple[int, ...]]:  # the gate's rest
+        return {
+            tuple(r.input_ids.tolist())
+            for r in records
+            if content_fraction(torch.from_numpy(r.input_ids)) * 100
+            >= config.cycle.held_out_percent
+        }
+
+    learned, replayed = ids("window"), ids("replay")
+    earlier = trainable(older[10:])
+    assert earlier  # some of the first window's Korean law is not held out
+    assert trainable(window[1:]) <= learned["korean law"]  # the window's first is judged
+    judged_older = {tuple(r.input_ids.tolist()) for r in older[10:]} - earlier
+    assert not judged_older & (learned["korean law"] | replayed.get("korean law", set()))
+    if relearn:
+        assert earlier <= learned["korean law"] and not replayed.get("korean law")
+    else:  # replayed (kept) instead: the budget is four windows
+        assert not earlier & learned["korean law"] and earlier <= replayed["korean law"]
+    assert set(learned) == {"korean law"} and "english" in replayed
+    assert exported.requests["window"] == sum(len(v) for v in learned.values())
+    if relearn:  # training without a champion's check relearns nothing: same every cycle
+        unchecked = checked.model_copy(update={"champion_version": None})
+        lake_store.put_bytes(
+            drift_check.drift_key(config, "c2"), unchecked.model_dump_json().encode()
+        )
+        cycle.export_training_data(config, snapshot, tmp_path / "unchecked")
+        assert len(list((tmp_path / "unchecked" / "window").glob("*.ckpt"))) == len(
+            trainable(window[1:])
+        )

@@ -476,6 +476,7 @@ def run_adaptation_bench(
         "cycle_tokens": cycle_tokens,
         "max_new_tokens": max_new_tokens,
         "ks": list(ks),
+        "held_out_percent": held_out_percent,
         "train_steps_per_cycle": train.steps,
         "labels": labels,
         "workload": str(workload),

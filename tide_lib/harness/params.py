@@ -44,7 +44,7 @@ class CycleBenchParams(StrictModel):
     hidden_size: int = Field(64, ge=1, description="target hidden size H of the records")
     lookback_hours: float = Field(24.0, gt=0, description="replay lookback the older lake spans")
     held_out_older_tokens: int = Field(256, ge=0, description="older tokens held out for the gate")
-    replay_share: float = Field(0.5, ge=0, le=1, description="replay share of the training mix")
+    replay_share: float = Field(0.5, ge=0, le=4, description="replay share of the training mix")
 
 
 class TrainBenchParams(StrictModel):

@@ -255,8 +255,9 @@ REPLAY_DIR = "replay"  # from replayed older traffic by these sub-directories
 @dataclasses.dataclass(frozen=True)
 class TrainingSet:
     """What :func:`export_training_data` wrote: requests and their tokens, per part:
-    ``window`` the new traffic learned, ``replay`` the older requests chosen by segment
-    and the window's requests of segments the champion still fits. The snapshot's
+    ``window`` the traffic learned (the window's, and with ``cycle.relearn_older`` the
+    earlier requests of the segments it learns), ``replay`` the older requests chosen by
+    segment and the window's requests of segments the champion still fits. The snapshot's
     ``window_tokens``/``replay_tokens`` count the commits drawn, held-out requests
     included; these count what the trainer gets."""
 
@@ -284,48 +285,69 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     (:mod:`.replay`), and the window's requests of segments the drift check found the
     champion still fits (:func:`_window_to_learn`): the trainer holds the draft close
     to the champion on them (distillation), so a cycle that learns Korean does not
-    forget the English arriving beside it.
+    forget the English arriving beside it. Traffic to learn is the window's, and, when
+    the drift check of a champion sends the cycle to learn (``cycle.relearn_older``), the
+    earlier requests of the segments it learns among the older traffic read: a segment
+    arriving over several windows is learned from all of them, not one at a time.
 
     Lake debris (a marker whose shard is gone, a corrupt shard, bad records) is
     quarantined or skipped, counted and logged; the cycle goes on without it.
     """
     reader = sample_reader(config)
     segmenter, _ = cycle_segmenter(config, snapshot)
-    learns, drift_segmenter = _window_to_learn(config, snapshot, segmenter)
+    learns, drift_segmenter, relearn = _window_to_learn(config, snapshot, segmenter)
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
     tokens = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
+    def learned(sample: CapturedRecord) -> bool:
+        return learns(segment_as_grouped(sample, drift_segmenter, segmenter))
+
     def save(sample: CapturedRecord, segment: str, window: bool) -> None:
-        learn = learns(segment_as_grouped(sample, drift_segmenter, segmenter))
-        part = WINDOW_DIR if window and learn else REPLAY_DIR
+        part = WINDOW_DIR if window and learned(sample) else REPLAY_DIR
         sample.save_specforge(out / part, counts[part], segment=segment)
         counts[part] += 1
         tokens[part] += int(sample.input_ids.numel())
 
     window_tokens: dict[str, int] = {}  # what the window carries, by segment
     judged: set[bytes] = set()  # copies of the window's first request (held out by position)
+    carried: set[bytes] = set()  # the window's requests: an older copy is not learned again
     for held, sample in _window_split(config, snapshot, reader):
         segment, digest = segment_of(sample, segmenter), content_digest(sample.input_ids)
         window_tokens[segment] = window_tokens.get(segment, 0) + int(sample.input_ids.numel())
+        carried.add(digest)
         if held:
             judged.add(digest)
         elif digest not in judged:
             save(sample, segment, window=True)
-    chosen = {
-        candidate.key: candidate
-        for candidate in _choose_replay(
-            config, snapshot, reader, segmenter, window_tokens=window_tokens, judged=judged
-        )
-    }
-    commits = sorted({candidate.commit for candidate in chosen.values()})
+    window_requests = counts[WINDOW_DIR]
+
+    def relearned(sample: CapturedRecord, segment: str) -> bool:
+        if not relearn or segment not in window_tokens:
+            return False
+        return content_digest(sample.input_ids) not in carried and learned(sample)
+
+    replay, older = _choose_replay(
+        config,
+        snapshot,
+        reader,
+        segmenter,
+        window_tokens=window_tokens,
+        judged=judged,
+        relearned=relearned,
+    )
+    chosen = {candidate.key: (candidate, False) for candidate in replay}
+    chosen |= {candidate.key: (candidate, True) for candidate in older}
+    commits = sorted({candidate.commit for candidate, _learn in chosen.values()})
     for sample in reader.iter_records(markers_of(reader, commits)):  # only those holding one
-        candidate = chosen.pop(_replay_key(sample), None)  # copies under one id: saved once
-        if candidate is not None:
-            save(sample, candidate.segment, window=False)
+        found = chosen.pop(_replay_key(sample), None)  # copies under one id: saved once
+        if found is not None:
+            save(sample, found[0].segment, window=found[1])
     logger.info(
-        "cycle %s: %d window and %d replay training samples",
+        "cycle %s: %d window training samples (%d of them earlier requests of the segments "
+        "it learns) and %d replay samples",
         snapshot.cycle_id,
         counts[WINDOW_DIR],
+        counts[WINDOW_DIR] - window_requests,
         counts[REPLAY_DIR],
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} export")
@@ -334,9 +356,12 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
 
 def _window_to_learn(
     config: TideConfig, snapshot: Snapshot, segmenter: Segmenter
-) -> tuple[Callable[[str], bool], Segmenter]:
+) -> tuple[Callable[[str], bool], Segmenter, bool]:
     """Which of the window's segments a cycle learns (the rest it keeps, by distillation),
-    and the segmenter that names them: the drift check's, the baseline's grouping.
+    the segmenter that names them (the drift check's, the baseline's grouping), and
+    whether the learned segments' earlier requests are learned too: when the drift
+    check sent the cycle to learn (``cycle.relearn_older``), so that a segment arriving
+    over several windows is learned from all of them, as a draft trained on it alone is.
 
     Every segment but those the check found the champion still fits; a check saved
     without that list (still learning, an older release) names what to learn itself.
@@ -344,18 +369,21 @@ def _window_to_learn(
     """
     drift = saved_drift(config, snapshot.cycle_id)
     if drift is None:
-        return (lambda _segment: True), segmenter
+        return (lambda _segment: True), segmenter, False
+    # only on a check of a champion: not when training unconditionally (no champion yet,
+    # the check off or failed), which would relearn the same older traffic every cycle
+    relearn = config.cycle.relearn_older and drift.drift and drift.champion_version is not None
     drift_segmenter = segmenter
     if drift.segmenter_key:
         drift_segmenter = stored_segmenter(config, drift.segmenter_key) or segmenter
         if drift_segmenter is segmenter and (drift.drifted or drift.fitting):
             logger.warning("cycle %s: learning the whole window", snapshot.cycle_id)
-            return (lambda _segment: True), segmenter
+            return (lambda _segment: True), segmenter, False
     if drift.fitting is not None:
         fitting = set(drift.fitting)
-        return (lambda segment: segment not in fitting), drift_segmenter
+        return (lambda segment: segment not in fitting), drift_segmenter, relearn
     drifted = set(drift.drifted)
-    return (lambda segment: not drifted or segment in drifted), drift_segmenter
+    return (lambda segment: not drifted or segment in drifted), drift_segmenter, relearn
 
 
 def _replay_key(sample: CapturedRecord) -> str:
@@ -371,24 +399,30 @@ def _choose_replay(
     *,
     window_tokens: dict[str, int],
     judged: set[bytes],
-) -> list[ReplayCandidate]:
-    """Older requests to replay, by segment (:mod:`.replay`).
+    relearned: Callable[[CapturedRecord, str], bool],
+) -> tuple[list[ReplayCandidate], list[ReplayCandidate]]:
+    """Older requests to replay, by segment (:mod:`.replay`), and those to learn again
+    (``relearned``: earlier requests of a segment the cycle learns).
 
     The candidates are the requests of the older held-out commits that the gate does
     not hold out (the content hash decides, so a key is never a held-out request);
-    this pass reads their segments and sizes, not their states (the caller reads the
-    commits of the chosen ones again).
+    this pass keeps their segments and sizes, not their states (the caller reads the
+    commits of the chosen ones again). Requests learned again take no replay budget:
+    the budget is split by the older traffic left to keep.
     """
     older_tokens: dict[str, int] = {}
     candidates: list[ReplayCandidate] = []
+    learned: list[ReplayCandidate] = []
     for marker in markers_of(reader, snapshot.held_out_older):
         for sample in reader.iter_records([marker]):
             segment, tokens = segment_of(sample, segmenter), int(sample.input_ids.numel())
-            older_tokens[segment] = older_tokens.get(segment, 0) + tokens
             held = _held_out(sample, config.cycle.held_out_percent)
             if not held and content_digest(sample.input_ids) not in judged:
-                key = _replay_key(sample)
-                candidates.append(ReplayCandidate(key, segment, tokens, marker.key))
+                candidate = ReplayCandidate(_replay_key(sample), segment, tokens, marker.key)
+                (learned if relearned(sample, segment) else candidates).append(candidate)
+            older_tokens[segment] = older_tokens.get(segment, 0) + tokens
+    for segment in {candidate.segment for candidate in learned}:
+        older_tokens.pop(segment)  # learned, not kept: no share of the replay budget
     budget = config.cycle.replay_share * snapshot.window_tokens
     quotas = replay_quotas(budget, older_tokens, window_tokens)
     logger.info(
@@ -399,7 +433,7 @@ def _choose_replay(
         dict(sorted(older_tokens.items())),
         dict(sorted(window_tokens.items())),
     )
-    return choose_replay(candidates, quotas, seed=snapshot.cycle_id)
+    return choose_replay(candidates, quotas, seed=snapshot.cycle_id), learned
 
 
 @dataclasses.dataclass
