@@ -524,3 +524,31 @@ def test_a_gain_over_the_parent_within_its_noise_keeps_the_parent() -> None:
     fresh.begin(draft, None, None)  # a new draft: step 0 is no parent to protect
     fresh.evaluate(draft, 10)
     assert fresh.best is not None and fresh.best.step == 10
+
+
+def test_the_gain_over_the_parent_is_judged_on_the_traffic_the_run_learns() -> None:
+    """Korean held out from the window gained on every request; English, held out from
+    replay, moved up and down (no drop beyond tolerance). Pooled, the Korean gain is
+    within the noise of the English requests; judged where the run learns, it is not."""
+    before = {"korean": [(20, 10), (24, 10), (22, 10), (26, 10)], "english": [(20, 10)] * 8}
+    after = {"korean": [(23, 10), (27, 10), (25, 10), (29, 10)]}
+    after["english"] = [(12, 10), (28, 10)] * 4
+
+    class Held:
+        def __init__(self, older: frozenset[str]) -> None:
+            self.output_tokens = {"korean": 500, "english": 500}
+            self.older_groups = older
+
+        def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
+            requests = before if step == 0 else after
+            pairs = [r for group in requests.values() for r in group]
+            pooled = sum(e for e, _ in pairs) / sum(v for _, v in pairs)
+            lengths = {g: sum(e for e, _ in r) / sum(v for _, v in r) for g, r in requests.items()}
+            return Evaluation(step, pooled, lengths, requests)
+
+    draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    for older, kept in ((frozenset({"english"}), 10), (frozenset(), 0)):
+        selection = Selection(Held(older), forgetting_tolerance=0.5)  # type: ignore[arg-type]
+        selection.begin(draft, parent, None)
+        selection.evaluate(draft, 10)
+        assert selection.best is not None and selection.best.step == kept

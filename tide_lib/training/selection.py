@@ -283,16 +283,20 @@ class Selection:
         """Would ``evaluation`` replace the parent of a warm start on a gain that its
         held-out requests cannot tell from noise? The gain over the parent, paired on the
         same requests, must exceed its one-sided 95% margin of error (a draft registered
-        on noise is as likely worse than its parent on the cycle's own held-out traffic)."""
+        on noise is as likely worse than its parent on the cycle's own held-out traffic).
+
+        The gain is judged on the traffic the run learns (the groups not held out mostly
+        from replay), where a warm start is meant to gain: pooled with the older traffic
+        it is meant to keep (what :meth:`_forgotten` protects), a real gain drowns in
+        their noise. Without such groups, on every held-out request."""
         if not self.warm or self.best is None or self.best.step != 0 or not self.evaluations:
             return False
         if evaluation.accept_length <= self.best.accept_length:
             return False  # not better at all: offer() refuses it anyway
         parent = self.evaluations[0]
-        groups = sorted(parent.requests)
-        paired = groups == sorted(evaluation.requests) and all(
-            len(parent.requests[g]) == len(evaluation.requests[g]) for g in groups
-        )
+        older: frozenset[str] = getattr(self.held_out, "older_groups", frozenset())
+        groups = sorted(g for g in parent.requests if g not in older) or sorted(parent.requests)
+        paired = all(len(parent.requests[g]) == len(evaluation.requests.get(g, ())) for g in groups)
         if not groups or not paired:
             return False  # figures without their requests (a script, an old checkpoint)
         now = [r for group in groups for r in evaluation.requests[group]]
