@@ -321,10 +321,10 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
             save(sample, segment, window=True)
     window_requests = counts[WINDOW_DIR]
 
-    def relearned(sample: CapturedRecord, segment: str) -> bool:
-        if not relearn or segment not in window_tokens:
+    def relearned(sample: CapturedRecord, segment: str, digest: bytes) -> bool:
+        if not relearn or segment not in window_tokens or digest in carried:
             return False
-        return content_digest(sample.input_ids) not in carried and learned(sample)
+        return learned(sample)
 
     replay, older = _choose_replay(
         config,
@@ -341,7 +341,8 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     for sample in reader.iter_records(markers_of(reader, commits)):  # only those holding one
         found = chosen.pop(_replay_key(sample), None)  # copies under one id: saved once
         if found is not None:
-            save(sample, found[0].segment, window=found[1])
+            candidate, learn = found
+            save(sample, candidate.segment, window=learn)
     logger.info(
         "cycle %s: %d window training samples (%d of them earlier requests of the segments "
         "it learns) and %d replay samples",
@@ -399,7 +400,7 @@ def _choose_replay(
     *,
     window_tokens: dict[str, int],
     judged: set[bytes],
-    relearned: Callable[[CapturedRecord, str], bool],
+    relearned: Callable[[CapturedRecord, str, bytes], bool],
 ) -> tuple[list[ReplayCandidate], list[ReplayCandidate]]:
     """Older requests to replay, by segment (:mod:`.replay`), and those to learn again
     (``relearned``: earlier requests of a segment the cycle learns).
@@ -416,11 +417,13 @@ def _choose_replay(
     for marker in markers_of(reader, snapshot.held_out_older):
         for sample in reader.iter_records([marker]):
             segment, tokens = segment_of(sample, segmenter), int(sample.input_ids.numel())
-            held = _held_out(sample, config.cycle.held_out_percent)
-            if not held and content_digest(sample.input_ids) not in judged:
-                candidate = ReplayCandidate(_replay_key(sample), segment, tokens, marker.key)
-                (learned if relearned(sample, segment) else candidates).append(candidate)
             older_tokens[segment] = older_tokens.get(segment, 0) + tokens
+            if _held_out(sample, config.cycle.held_out_percent):
+                continue
+            digest = content_digest(sample.input_ids)
+            if digest not in judged:
+                candidate = ReplayCandidate(_replay_key(sample), segment, tokens, marker.key)
+                (learned if relearned(sample, segment, digest) else candidates).append(candidate)
     for segment in {candidate.segment for candidate in learned}:
         older_tokens.pop(segment)  # learned, not kept: no share of the replay budget
     budget = config.cycle.replay_share * snapshot.window_tokens

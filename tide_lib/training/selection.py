@@ -294,7 +294,7 @@ class Selection:
         if evaluation.accept_length <= self.best.accept_length:
             return False  # not better at all: offer() refuses it anyway
         parent = self.evaluations[0]
-        older: frozenset[str] = getattr(self.held_out, "older_groups", frozenset())
+        older = self._older_groups()
         groups = sorted(g for g in parent.requests if g not in older) or sorted(parent.requests)
         paired = all(len(parent.requests[g]) == len(evaluation.requests.get(g, ())) for g in groups)
         if not groups or not paired:
@@ -344,7 +344,7 @@ class Selection:
         mostly from replay) pooled, when together they reach ``forgetting_min_tokens``:
         {"a+b": drop} if they fell beyond the tolerance. A group of the window is left
         out: its gain would hide what the older ones lost."""
-        older: frozenset[str] = getattr(self.held_out, "older_groups", frozenset())
+        older = self._older_groups()
         start = self.evaluations[0]
         pooled = [
             group
@@ -360,6 +360,11 @@ class Selection:
         after = [r for group in pooled for r in evaluation.requests[group]]
         drop = significant_drop(before, after, self.forgetting_tolerance)
         return {} if drop is None else {"+".join(pooled): drop}
+
+    def _older_groups(self) -> frozenset[str]:
+        """Groups held out mostly from replayed older traffic (none for a held-out set
+        that does not tell them apart)."""
+        return getattr(self.held_out, "older_groups", frozenset())
 
     def _record(self, evaluation: Evaluation) -> None:
         self.evaluations.append(evaluation)
