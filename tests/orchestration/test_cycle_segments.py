@@ -11,6 +11,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -70,6 +71,24 @@ def _write(store: ObjectStore, config: TideConfig, records: list[CapturedRecord]
 
 
 CENTERS = [3.0 * np.random.default_rng(seed).standard_normal(HIDDEN) for seed in (1, 2)]
+
+
+def _store_drift(
+    store: ObjectStore, config: TideConfig, checked: dict[str, float], **verdict: Any
+) -> Drift:
+    """A drift check of champion v1 saved for cycle c2, which measured ``checked``
+    (acceptance length per segment, each at its baseline, margin 0.05)."""
+    drift = Drift(
+        drift=True,
+        reason="test",
+        champion_version="1",
+        measured=checked,
+        margins=dict.fromkeys(checked, 0.05),
+        baseline=checked,
+        **verdict,
+    )
+    store.put_bytes(drift_check.drift_key(config, "c2"), drift.model_dump_json().encode())
+    return drift
 
 
 def test_held_out_traffic_is_grouped_by_segment_with_window_and_older_shares(
@@ -178,17 +197,7 @@ def test_the_window_learns_every_segment_but_those_the_champion_still_fits(
     _write(lake_store, config, window)
     snapshot = cycle.snapshot_window(config, "c2")
     # The check fit English closely and could not judge Korean law (too few requests).
-    checked = Drift(
-        drift=True,
-        reason="test",
-        champion_version="1",
-        measured={"english": 3.0},
-        margins={"english": 0.05},
-        baseline={"english": 3.0},
-        drifted=[],
-        fitting=["english"],
-    )
-    lake_store.put_bytes(drift_check.drift_key(config, "c2"), checked.model_dump_json().encode())
+    _store_drift(lake_store, config, {"english": 3.0}, drifted=[], fitting=["english"])
     cycle.export_training_data(config, snapshot, tmp_path / "data")
 
     def segments(part: str) -> list[str]:
@@ -217,17 +226,13 @@ def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
     window = [_record(200 + i, CENTERS[1], "korean law") for i in range(10)]
     _write(lake_store, config, window)
     snapshot = cycle.snapshot_window(config, "c2")
-    checked = Drift(
-        drift=True,
-        reason="test",
-        champion_version="1",
-        measured={"korean law": 1.0, "english": 3.0},
-        margins={"korean law": 0.05, "english": 0.05},
-        baseline={"korean law": 2.0, "english": 3.0},
+    checked = _store_drift(
+        lake_store,
+        config,
+        {"korean law": 1.0, "english": 3.0},
         drifted=["korean law"],
         fitting=["english"],
     )
-    lake_store.put_bytes(drift_check.drift_key(config, "c2"), checked.model_dump_json().encode())
     exported = cycle.export_training_data(config, snapshot, tmp_path / "data")
 
     def ids(part: str) -> dict[str, set[tuple[int, ...]]]:
