@@ -341,14 +341,15 @@ def test_settled_readers_do_not_jump_over_a_marker_that_lands_late(
         key = commit_key(lake_config.prefix, SLUG, stamped, shard_id)
         lake_store.put_bytes(key, dataclasses.replace(marker, committed_at=stamped).to_json())
 
-    land(written[1], age_s=30)  # B: stamped later, landed first
+    land(written[1], age_s=10)  # B: stamped later, landed first
     eager = LakeReader(lake_store, lake_config.model_copy(update={"commit_settle_s": 0}))
-    settled = LakeReader(lake_store, lake_config.model_copy(update={"commit_settle_s": 60}))
+    settled = LakeReader(lake_store, lake_config.model_copy(update={"commit_settle_s": 100}))
+    # B stays too fresh for the settled reader for 90 s: slack for a slow store on a busy host
     assert settled.list_shards(SLUG, settled=True) == []  # B is too fresh to move a watermark
-    time.sleep(2.5)  # B landed 30 s after its stamp: an eager reader takes it once it landed
+    time.sleep(2.5)  # B landed 10 s after its stamp: an eager reader takes it once it landed
     eager_first = eager.list_shards(SLUG, settled=True)
     assert [m.shard_key for m in eager_first] == [written[1].shard_key]
-    land(written[0], age_s=120)  # A lands now, 120 s after its stamp: later than settle
+    land(written[0], age_s=300)  # A lands now, 300 s after its stamp: later than settle
     time.sleep(2.5)  # so it counts from when it landed (to the second), once that passed
     first = settled.list_shards(SLUG, settled=True)
     assert [m.shard_key for m in first] == [written[0].shard_key]
