@@ -213,13 +213,12 @@ def replay_request(
     while produced < output_len:
         budget = min(num_steps, output_len - produced)
         drafted: list[int] = []
-        last_hidden, last_logits = hidden[-1:], logits[-1]
+        last_hidden, last_logits = hidden[-1:], logits
         for step in range(budget):
             token = int(runner.to_target_ids(last_logits.argmax()))
             drafted.append(token)
             if step + 1 < budget:
-                last_hidden, step_logits = runner.step(torch.tensor([token]), last_hidden)
-                last_logits = step_logits[-1]
+                last_hidden, last_logits = runner.step(torch.tensor([token]), last_hidden)
         truth = tokens[position + 1 : position + 1 + budget]
         accepted = 0
         while accepted < min(len(drafted), len(truth)) and drafted[accepted] == truth[accepted]:

@@ -82,29 +82,57 @@ class Generation:
 
 
 class DraftRunner:
-    """Incremental inference of SpecForge's ``LlamaForCausalLMEagle3`` with a KV cache."""
+    """Incremental inference of SpecForge's ``LlamaForCausalLMEagle3`` with a KV cache.
+
+    Written for a chain draft's few rows per step, where per-call overhead is most of
+    the cost: the KV cache is one buffer grown by doubling (a step writes its rows, a
+    crop moves the length back; no copy of the whole cache per step), grouped-query
+    heads are read in place by the attention (no repeated copy), a single query attends
+    to every position without a mask, and only the last position's logits are computed,
+    the only ones a chain draft reads.
+    """
+
+    _MIN_CAPACITY = 64
 
     def __init__(self, draft: Any) -> None:
         self.draft = draft.eval()
         layer = draft.midlayer
         self.attn = layer.self_attn
-        self.keys: torch.Tensor | None = None  # [1, heads, L, head_dim] after repeat_kv
-        self.values: torch.Tensor | None = None
+        self._keys: torch.Tensor | None = None  # [1, kv_heads, capacity, head_dim]
+        self._values: torch.Tensor | None = None
+        self._length = 0
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[2])
+        return self._length
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self._length = 0
 
     def crop(self, length: int) -> None:
-        if self.keys is not None and self.values is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self._length = min(self._length, length)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         projected: torch.Tensor = self.draft.project_hidden_states(aux)
         return projected
+
+    def _append(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a step's keys/values [1, kv_heads, q, dim] after the kept positions;
+        returns the whole cache so far."""
+        start, end = self._length, self._length + int(keys.shape[2])
+        if self._keys is None or self._values is None or int(self._keys.shape[2]) < end:
+            shape = (1, keys.shape[1], max(self._MIN_CAPACITY, 2 * end), keys.shape[3])
+            grown_keys, grown_values = keys.new_empty(shape), values.new_empty(shape)
+            if self._keys is not None and self._values is not None and start:
+                grown_keys[:, :, :start] = self._keys[:, :, :start]
+                grown_values[:, :, :start] = self._values[:, :, :start]
+            self._keys, self._values = grown_keys, grown_values
+        self._keys[:, :, start:end] = keys
+        self._values[:, :, start:end] = values
+        self._length = end
+        return self._keys[:, :, :end], self._values[:, :, :end]
 
     @torch.no_grad()
     def step(
@@ -113,15 +141,12 @@ class DraftRunner:
         """Append positions for ``token_ids`` [q] with input states ``hidden`` [q, H].
 
         Returns the layer outputs [q, H] (the next step's input state) and the draft
-        logits [q, draft_vocab] of the token after each position.
+        logits [draft_vocab] of the token after the last position.
         """
-        from specforge.modeling.draft.llama3_eagle import (  # noqa: PLC0415
-            apply_rotary_pos_emb,
-            repeat_kv,
-        )
+        from specforge.modeling.draft.llama3_eagle import rotate_half  # noqa: PLC0415
 
         layer, attn = self.draft.midlayer, self.attn
-        start, count = self.length, int(token_ids.shape[0])
+        start, count = self._length, int(token_ids.shape[0])
         embeds = self.draft.embed_input_ids(token_ids[None]).to(hidden.dtype)
         residual = hidden[None]
         x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(residual)), dim=-1)
@@ -129,21 +154,23 @@ class DraftRunner:
         q = attn.q_proj(x).view(1, count, heads, dim).transpose(1, 2)
         k = attn.k_proj(x).view(1, count, kv_heads, dim).transpose(1, 2)
         v = attn.v_proj(x).view(1, count, kv_heads, dim).transpose(1, 2)
-        positions = torch.arange(start, start + count)
-        cos, sin = attn.rotary_emb(q, seq_len=start + count)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, positions[None])
-        k, v = repeat_kv(k, attn.num_key_value_groups), repeat_kv(v, attn.num_key_value_groups)
-        self.keys = k if self.keys is None else torch.cat((self.keys, k), dim=2)
-        self.values = v if self.values is None else torch.cat((self.values, v), dim=2)
-        mask = torch.arange(start + count)[None, :] <= positions[:, None]
+        cos, sin = attn.rotary_emb(q, seq_len=start + count)  # positions 0.. of the cache
+        cos = cos.reshape(-1, dim)[start : start + count]
+        sin = sin.reshape(-1, dim)[start : start + count]
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        keys, values = self._append(k, v)
+        # row i sees the cache and the step's rows up to i; a single row sees everything
+        mask = (
+            None if count == 1 else torch.ones(count, start + count, dtype=torch.bool).tril(start)
+        )
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, self.keys, self.values, attn_mask=mask
+            q, keys, values, attn_mask=mask, enable_gqa=kv_heads != heads
         )
         out = attn.o_proj(out.transpose(1, 2).reshape(1, count, heads * dim))
         hidden_out = residual + out
         hidden_out = hidden_out + layer.mlp(layer.post_attention_layernorm(hidden_out))
-        logits = self.draft.compute_logits(hidden_out)
-        return hidden_out[0], logits[0]
+        logits = self.draft.compute_logits(hidden_out[0, -1])
+        return hidden_out[0], logits
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         mapped: torch.Tensor = draft_ids + self.draft.d2t[draft_ids]
@@ -332,7 +359,7 @@ class _Run:
         self.timings.draft_prefill_seconds = started - prefill
         while self.running():
             budget = min(k, self.max_new_tokens - len(self.output))
-            drafted, draft_probs = self._draft(hidden[-1:], draft_logits[-1], budget)
+            drafted, draft_probs = self._draft(hidden[-1:], draft_logits, budget)
             logits, self.cache, finals, auxes = decoder._timed_forward(
                 self.output[-1:] + drafted, self.cache, self.timings
             )
@@ -375,10 +402,9 @@ class _Run:
             token = int(runner.to_target_ids(torch.tensor(draft_id)))
             drafted.append(token)
             if step + 1 < budget:
-                last_hidden, step_logits = self.decoder._timed_draft(
+                last_hidden, last_logits = self.decoder._timed_draft(
                     torch.tensor([token]), last_hidden, self.timings
                 )
-                last_logits = step_logits[-1]
         return drafted, draft_probs
 
     def _verify(
