@@ -357,6 +357,15 @@ class TrainConfig(StrictModel):
         ),
     )
     eval_every: int = Field(20, gt=0, description="steps between held-out evaluations")
+    warm_gain: Literal["beyond_noise", "any"] = Field(
+        "beyond_noise",
+        description=(
+            "what a warm start's checkpoint must gain over its parent on held-out traffic to "
+            "replace it: beyond_noise, a paired gain beyond the noise of its held-out requests; "
+            "any, a higher figure (a cycle uses it when its champion's drift check "
+            "found the traffic it learns no longer fitted; the gate still judges the draft)"
+        ),
+    )
     k: int = Field(4, ge=1, description="draft tokens per verify of the held-out replay")
     forgetting_tolerance: float = Field(
         0.1,
@@ -694,9 +703,11 @@ class CycleConfig(StrictModel):
     relearn_older: bool = Field(
         True,
         description=(
-            "a cycle the drift check sends to learn a segment also learns that segment's "
-            "earlier requests among the older traffic it reads (never held-out ones), not "
-            "the window's alone; off: older traffic is only replayed (kept, not learned)"
+            "a cycle the drift check sends to learn a segment it found fallen also learns "
+            "that segment's earlier requests among the older traffic it reads (never "
+            "held-out ones), not the window's alone; segments learned only because the "
+            "window held too little to judge keep theirs as replay; off: older traffic is "
+            "only replayed (kept, not learned)"
         ),
     )
     drift_sample_tokens: int = Field(

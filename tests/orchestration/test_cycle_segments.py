@@ -77,11 +77,11 @@ def _store_drift(
     store: ObjectStore, config: TideConfig, checked: dict[str, float], **verdict: Any
 ) -> Drift:
     """A drift check of champion v1 saved for cycle c2, which measured ``checked``
-    (acceptance length per segment, each at its baseline, margin 0.05)."""
+    (acceptance length per segment, each at its baseline, margin 0.05): drift unless
+    ``verdict`` says otherwise."""
+    verdict = {"drift": True, "champion_version": "1", **verdict}
     drift = Drift(
-        drift=True,
         reason="test",
-        champion_version="1",
         measured=checked,
         margins=dict.fromkeys(checked, 0.05),
         baseline=checked,
@@ -215,15 +215,19 @@ def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
     """Korean law arrives over two windows: the cycle the drift check sends to learn it
     trains on the first window's Korean-law requests as well (none the gate holds out),
     as a draft trained on that traffic alone would; English, which it keeps, stays
-    replay. With ``cycle.relearn_older`` off, older requests are only replayed."""
+    replay. English docs, too thin in the window to judge (learned there, not found
+    fallen), keep their earlier requests as replay. With ``cycle.relearn_older`` off,
+    older requests are only replayed."""
     config = config.model_copy(
         update={"cycle": config.cycle.model_copy(update={"relearn_older": relearn})}
     )
     older = [_record(i, CENTERS[0], "english") for i in range(10)]
     older += [_record(100 + i, CENTERS[1], "korean law") for i in range(10)]
-    _write(lake_store, config, older)
+    docs = [_record(300 + i, CENTERS[0], "english docs") for i in range(10)]
+    _write(lake_store, config, older + docs)
     cycle.advance_watermark(config, cycle.snapshot_window(config, "c1"))
     window = [_record(200 + i, CENTERS[1], "korean law") for i in range(10)]
+    window += [_record(400 + i, CENTERS[0], "english docs") for i in range(3)]
     _write(lake_store, config, window)
     snapshot = cycle.snapshot_window(config, "c2")
     checked = _store_drift(
@@ -253,14 +257,16 @@ def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
     learned, replayed = ids("window"), ids("replay")
     earlier = trainable(older[10:])
     assert earlier  # some of the first window's Korean law is not held out
-    assert trainable(window[1:]) <= learned["korean law"]  # the window's first is judged
+    assert trainable(window[1:10]) <= learned["korean law"]  # the window's first is judged
     judged_older = {tuple(r.input_ids.tolist()) for r in older[10:]} - earlier
     assert not judged_older & (learned["korean law"] | replayed.get("korean law", set()))
+    assert trainable(window[10:]) <= learned["english docs"]  # unjudged: learned here
+    assert not trainable(docs) & learned["english docs"]  # not relearned: never found fallen
     if relearn:
         assert earlier <= learned["korean law"] and not replayed.get("korean law")
     else:  # replayed (kept) instead: the budget is four windows
         assert not earlier & learned["korean law"] and earlier <= replayed["korean law"]
-    assert set(learned) == {"korean law"} and "english" in replayed
+    assert set(learned) == {"korean law", "english docs"} and "english" in replayed
     assert exported.requests["window"] == sum(len(v) for v in learned.values())
     if relearn:  # training without a champion's check relearns nothing: same every cycle
         unchecked = checked.model_copy(update={"champion_version": None})
@@ -271,3 +277,22 @@ def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
         assert len(list((tmp_path / "unchecked" / "window").glob("*.ckpt"))) == len(
             trainable(window[1:])
         )
+
+
+def test_a_cycle_sent_to_learn_by_drift_takes_any_gain_over_its_champion(
+    config: TideConfig, lake_store: ObjectStore
+) -> None:
+    """The trainer asks a gain beyond the noise of its few held-out requests, except in a
+    cycle whose champion's drift check found it no longer fits the window: there any
+    higher figure replaces the parent (the gate still judges it)."""
+    assert cycle._training_settings(config, "c2").warm_gain == "beyond_noise"  # no check saved
+    _store_drift(lake_store, config, {"english": 1.2}, drifted=["english"])
+    assert cycle._training_settings(config, "c2").warm_gain == "any"
+    _store_drift(lake_store, config, {"english": 3.0}, drift=False)  # it still fits
+    assert cycle._training_settings(config, "c2").warm_gain == "beyond_noise"
+    _store_drift(lake_store, config, {}, champion_version=None)  # none yet: it trains
+    assert cycle._training_settings(config, "c2").warm_gain == "beyond_noise"
+    forced = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"force_promote": True})}
+    )
+    assert cycle._training_settings(forced, "c2").export == "last"

@@ -524,6 +524,16 @@ def test_a_gain_over_the_parent_within_its_noise_keeps_the_parent() -> None:
     fresh.begin(draft, None, None)  # a new draft: step 0 is no parent to protect
     fresh.evaluate(draft, 10)
     assert fresh.best is not None and fresh.best.step == 10
+    # a parent the drift check found no longer fitting (training.warm_gain: any)
+    unfit = Selection(Held(noisy), forgetting_tolerance=0.1, gain_beyond_noise=False)  # type: ignore[arg-type]
+    unfit.begin(draft, parent, None)
+    unfit.evaluate(draft, 10)
+    assert unfit.best is not None and unfit.best.step == 10
+    lower = [(20, 10), (24, 10), (22, 10), (16, 10)]  # 2.05
+    worse = Selection(Held(lower), gain_beyond_noise=False)  # type: ignore[arg-type]
+    worse.begin(draft, parent, None)
+    worse.evaluate(draft, 10)
+    assert worse.best is not None and worse.best.step == 0  # a lower figure never replaces it
 
 
 def test_the_gain_over_the_parent_is_judged_on_the_traffic_the_run_learns() -> None:

@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tide_lib.config import TideConfig
+from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.evaluation.offline import (
     AcceptanceCount,
     content_digest,
@@ -47,7 +47,7 @@ from tide_lib.orchestration.drift_check import (
     saved_drift,
     version_acceptance,
 )
-from tide_lib.orchestration.handoff import Decision, Promotion, Snapshot, Trained
+from tide_lib.orchestration.handoff import Decision, Drift, Promotion, Snapshot, Trained
 from tide_lib.orchestration.replay import (
     ReplayCandidate,
     choose_replay,
@@ -295,7 +295,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     """
     reader = sample_reader(config)
     segmenter, _ = cycle_segmenter(config, snapshot)
-    learns, drift_segmenter, relearn = _window_to_learn(config, snapshot, segmenter)
+    learns, drift_segmenter, relearns = _window_to_learn(config, snapshot, segmenter)
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
     tokens = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
@@ -322,9 +322,9 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     window_requests = counts[WINDOW_DIR]
 
     def relearned(sample: CapturedRecord, segment: str, digest: bytes) -> bool:
-        if not relearn or segment not in window_tokens or digest in carried:
+        if segment not in window_tokens or digest in carried:
             return False
-        return learned(sample)
+        return relearns(segment_as_grouped(sample, drift_segmenter, segmenter))
 
     replay, older = _choose_replay(
         config,
@@ -357,12 +357,15 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
 
 def _window_to_learn(
     config: TideConfig, snapshot: Snapshot, segmenter: Segmenter
-) -> tuple[Callable[[str], bool], Segmenter, bool]:
+) -> tuple[Callable[[str], bool], Segmenter, Callable[[str], bool]]:
     """Which of the window's segments a cycle learns (the rest it keeps, by distillation),
     the segmenter that names them (the drift check's, the baseline's grouping), and
-    whether the learned segments' earlier requests are learned too: when the drift
-    check sent the cycle to learn (``cycle.relearn_older``), so that a segment arriving
-    over several windows is learned from all of them, as a draft trained on it alone is.
+    which segments' earlier requests are learned too: those the drift check found the
+    champion fell on (``cycle.relearn_older``), so that a segment arriving over several
+    windows is learned from all of them, as a draft trained on it alone is. A segment
+    learned only because this window held too little of it to judge keeps its earlier
+    requests as replay: relearning them took the distillation that kept it (an English
+    cluster with 28 window tokens was relearned with Korean law and fell 2.83 -> 1.98).
 
     Every segment but those the check found the champion still fits; a check saved
     without that list (still learning, an older release) names what to learn itself.
@@ -370,21 +373,47 @@ def _window_to_learn(
     """
     drift = saved_drift(config, snapshot.cycle_id)
     if drift is None:
-        return (lambda _segment: True), segmenter, False
+        return (lambda _segment: True), segmenter, (lambda _segment: False)
     # only on a check of a champion: not when training unconditionally (no champion yet,
     # the check off or failed), which would relearn the same older traffic every cycle
-    relearn = config.cycle.relearn_older and drift.drift and drift.champion_version is not None
+    drifted = set(drift.drifted)
+    relearn = config.cycle.relearn_older and _champion_drifted(drift)
     drift_segmenter = segmenter
     if drift.segmenter_key:
         drift_segmenter = stored_segmenter(config, drift.segmenter_key) or segmenter
         if drift_segmenter is segmenter and (drift.drifted or drift.fitting):
             logger.warning("cycle %s: learning the whole window", snapshot.cycle_id)
-            return (lambda _segment: True), segmenter, False
-    if drift.fitting is not None:
-        fitting = set(drift.fitting)
-        return (lambda segment: segment not in fitting), drift_segmenter, relearn
-    drifted = set(drift.drifted)
-    return (lambda segment: not drifted or segment in drifted), drift_segmenter, relearn
+            return (lambda _segment: True), segmenter, (lambda _segment: False)
+
+    fitting = None if drift.fitting is None else set(drift.fitting)
+
+    def learns(segment: str) -> bool:
+        if fitting is not None:
+            return segment not in fitting
+        return not drifted or segment in drifted
+
+    def relearns(segment: str) -> bool:
+        return relearn and (segment in drifted if drifted else learns(segment))
+
+    return learns, drift_segmenter, relearns
+
+
+def _champion_drifted(drift: Drift | None) -> bool:
+    """Did a champion's drift check find that it no longer fits the window (not training
+    unconditionally: no champion yet, the check off or failed)?"""
+    return drift is not None and drift.drift and drift.champion_version is not None
+
+
+def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
+    """The trainer's settings for this cycle: the last step when promotion is forced; any
+    gain over a champion its drift check found no longer fitting (``warm_gain: any``: a
+    window's few held-out requests hid real gains on the traffic it fell on; the gate
+    still judges the draft), else a gain beyond the noise."""
+    if config.cycle.force_promote:  # promote what was trained, whatever it scores
+        return config.training.model_copy(update={"export": "last"})
+    if _champion_drifted(saved_drift(config, cycle_id)):
+        return config.training.model_copy(update={"warm_gain": "any"})
+    return config.training
 
 
 def _replay_key(sample: CapturedRecord) -> str:
@@ -597,14 +626,11 @@ def _train_in_run(
     with task_scratch(config, f"train-{cycle_id}") as work:
         exported = export_training_data(config, snapshot, work / "data")
         parent = registry.download(parent_version, work / "parent") if parent_version else None
-        forced = config.cycle.force_promote  # promote what was trained, whatever it scores
         job = TrainJob(
             data_dir=work / "data",
             target_dir=config.cycle.target_path,
             out_dir=work / "run",
-            training=config.training.model_copy(update={"export": "last"})
-            if forced
-            else config.training,
+            training=_training_settings(config, cycle_id),
             parent_dir=parent,
             checkpoint_prefix=_checkpoint_prefix(config, cycle_id),
             mlflow_run_id=run_id,

@@ -683,6 +683,7 @@ def _selection(
         metrics.log_metrics if metrics is not None else None,
         forgetting_tolerance=config.forgetting_tolerance,
         forgetting_min_tokens=config.forgetting_min_tokens,
+        gain_beyond_noise=config.warm_gain == "beyond_noise",
     )
 
 
