@@ -362,8 +362,8 @@ class TrainConfig(StrictModel):
         description=(
             "what a warm start's checkpoint must gain over its parent on held-out traffic to "
             "replace it: beyond_noise, a paired gain beyond the noise of its held-out requests; "
-            "any, a higher figure (a cycle uses it when its champion's drift check "
-            "found the traffic it learns no longer fitted; the gate still judges the draft)"
+            "any, a higher figure (a cycle uses it when its champion's drift check named "
+            "segments it no longer fits, or still learns; the gate still judges the draft)"
         ),
     )
     k: int = Field(4, ge=1, description="draft tokens per verify of the held-out replay")
@@ -703,7 +703,8 @@ class CycleConfig(StrictModel):
     relearn_older: bool = Field(
         True,
         description=(
-            "a cycle the drift check sends to learn a segment it found fallen also learns "
+            "a cycle the drift check sends to learn a segment it named (fallen, far below "
+            "the champion's best, or still being learned) also learns "
             "that segment's earlier requests among the older traffic it reads (never "
             "held-out ones), not the window's alone; segments learned only because the "
             "window held too little to judge keep theirs as replay; off: older traffic is "

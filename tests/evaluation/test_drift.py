@@ -138,8 +138,8 @@ class _Oracle:
         self.position += len(tokens)
         following = self.position + 1
         token = self.tokens[following] if following < len(self.tokens) else 0
-        logits = torch.zeros(len(tokens), self.vocab)
-        logits[-1, (token + 1) % self.vocab if self.wrong else token] = 1.0
+        logits = torch.zeros(self.vocab)  # the last position's, as DraftRunner.step
+        logits[(token + 1) % self.vocab if self.wrong else token] = 1.0
         return torch.zeros(len(tokens), 2), logits
 
 

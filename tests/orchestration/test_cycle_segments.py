@@ -262,6 +262,7 @@ def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
     assert not judged_older & (learned["korean law"] | replayed.get("korean law", set()))
     assert trainable(window[10:]) <= learned["english docs"]  # unjudged: learned here
     assert not trainable(docs) & learned["english docs"]  # not relearned: never found fallen
+    assert trainable(docs) & replayed["english docs"]  # kept, with its replay budget
     if relearn:
         assert earlier <= learned["korean law"] and not replayed.get("korean law")
     else:  # replayed (kept) instead: the budget is four windows
@@ -283,12 +284,14 @@ def test_a_cycle_sent_to_learn_by_drift_takes_any_gain_over_its_champion(
     config: TideConfig, lake_store: ObjectStore
 ) -> None:
     """The trainer asks a gain beyond the noise of its few held-out requests, except in a
-    cycle whose champion's drift check found it no longer fits the window: there any
+    cycle whose champion's drift check named segments it no longer fits: there any
     higher figure replaces the parent (the gate still judges it)."""
     assert cycle._training_settings(config, "c2").warm_gain == "beyond_noise"  # no check saved
     _store_drift(lake_store, config, {"english": 1.2}, drifted=["english"])
     assert cycle._training_settings(config, "c2").warm_gain == "any"
     _store_drift(lake_store, config, {"english": 3.0}, drift=False)  # it still fits
+    assert cycle._training_settings(config, "c2").warm_gain == "beyond_noise"
+    _store_drift(lake_store, config, {"english": 3.0}, drifted=[])  # trains, found no fall
     assert cycle._training_settings(config, "c2").warm_gain == "beyond_noise"
     _store_drift(lake_store, config, {}, champion_version=None)  # none yet: it trains
     assert cycle._training_settings(config, "c2").warm_gain == "beyond_noise"

@@ -393,15 +393,22 @@ def _window_to_learn(
         return not drifted or segment in drifted
 
     def relearns(segment: str) -> bool:
-        return relearn and (segment in drifted if drifted else learns(segment))
+        return relearn and segment in drifted
 
     return learns, drift_segmenter, relearns
 
 
 def _champion_drifted(drift: Drift | None) -> bool:
-    """Did a champion's drift check find that it no longer fits the window (not training
-    unconditionally: no champion yet, the check off or failed)?"""
-    return drift is not None and drift.drift and drift.champion_version is not None
+    """Did a champion's drift check name segments of the window it no longer fits (fell
+    on, far below its best segment, or still learning after a promotion for them)? Not
+    when training without such a finding: no champion yet, the check off, failed or
+    unable to judge, a champion without a baseline that fits every segment."""
+    return (
+        drift is not None
+        and drift.drift
+        and drift.champion_version is not None
+        and bool(drift.drifted)
+    )
 
 
 def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
@@ -453,8 +460,10 @@ def _choose_replay(
             if digest not in judged:
                 candidate = ReplayCandidate(_replay_key(sample), segment, tokens, marker.key)
                 (learned if relearned(sample, segment, digest) else candidates).append(candidate)
-    for segment in {candidate.segment for candidate in learned}:
-        older_tokens.pop(segment)  # learned, not kept: no share of the replay budget
+    # a segment learned again, none of it kept, takes no share of the replay budget (the
+    # drift check's groups can split a cluster: one with requests to keep keeps its share)
+    for segment in {c.segment for c in learned} - {c.segment for c in candidates}:
+        older_tokens.pop(segment)
     budget = config.cycle.replay_share * snapshot.window_tokens
     quotas = replay_quotas(budget, older_tokens, window_tokens)
     logger.info(
