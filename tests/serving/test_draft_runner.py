@@ -91,3 +91,20 @@ def test_a_crop_forgets_the_rejected_positions() -> None:
     torch.testing.assert_close(
         again, _specforge_layer(draft, tokens[:5], hidden[:5]), rtol=1e-4, atol=1e-4
     )
+
+
+def test_a_draft_moved_to_another_dtype_gets_a_cache_of_that_dtype() -> None:
+    """The cache buffer follows the draft (a draft cast or moved between requests)."""
+    draft = _draft()
+    tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(5))
+    hidden = torch.randn(12, 64, generator=torch.Generator().manual_seed(6))
+    runner = DraftRunner(draft)
+    runner.step(tokens, hidden)
+    draft.double()
+    runner.reset()
+    out, _ = runner.step(tokens[:8], hidden[:8].double())
+    more, _ = runner.step(tokens[8:], hidden[8:].double())
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(
+        torch.cat((out, more)), _specforge_layer(draft, tokens, hidden.double())
+    )

@@ -122,13 +122,19 @@ class DraftRunner:
         """Write a step's keys/values [1, kv_heads, q, dim] after the kept positions;
         returns the whole cache so far."""
         start, end = self._length, self._length + int(keys.shape[2])
-        if self._keys is None or self._values is None or int(self._keys.shape[2]) < end:
+        old_keys, old_values = self._keys, self._values
+        fits = (
+            old_keys is not None
+            and int(old_keys.shape[2]) >= end
+            and (old_keys.dtype, old_keys.device) == (keys.dtype, keys.device)
+        )
+        if not fits:  # grown (or moved with the draft) past what the buffer holds
             shape = (1, keys.shape[1], max(self._MIN_CAPACITY, 2 * end), keys.shape[3])
-            grown_keys, grown_values = keys.new_empty(shape), values.new_empty(shape)
-            if self._keys is not None and self._values is not None and start:
-                grown_keys[:, :, :start] = self._keys[:, :, :start]
-                grown_values[:, :, :start] = self._values[:, :, :start]
-            self._keys, self._values = grown_keys, grown_values
+            self._keys, self._values = keys.new_empty(shape), values.new_empty(shape)
+            if old_keys is not None and old_values is not None and start:
+                self._keys[:, :, :start] = old_keys[:, :, :start]
+                self._values[:, :, :start] = old_values[:, :, :start]
+        assert self._keys is not None and self._values is not None
         self._keys[:, :, start:end] = keys
         self._values[:, :, start:end] = values
         self._length = end
@@ -161,7 +167,9 @@ class DraftRunner:
         keys, values = self._append(k, v)
         # row i sees the cache and the step's rows up to i; a single row sees everything
         mask = (
-            None if count == 1 else torch.ones(count, start + count, dtype=torch.bool).tril(start)
+            None
+            if count == 1
+            else torch.ones(count, start + count, dtype=torch.bool, device=q.device).tril(start)
         )
         out = torch.nn.functional.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, enable_gqa=kv_heads != heads
