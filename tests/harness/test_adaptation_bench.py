@@ -90,3 +90,4 @@ def test_adaptation_bench_on_a_generated_workload(
     outcomes = [entry["outcome"] for entry in written["cycle_log"]]
     assert outcomes and set(outcomes) <= {"promoted", "rejected", "no-drift", "parent-best"}
     assert written["cycles_trained"] == len(outcomes)  # the drift check was off
+    assert written["params"]["static_steps"] == 4 * 8  # fitted: four cycles' steps

@@ -244,3 +244,94 @@ def test_a_first_measurement_keeps_traffic_it_does_not_fit_out_of_its_baseline(
         ceilings={"english": 4.0, "law": 1.1},
     )
     assert drift_check._first_measurement(config, "1", loose, "c1").fitting is None
+
+
+def test_a_champion_promoted_without_a_protected_segment_trains_only_for_traffic_it_does_not_fit(
+    stack: TideConfig, tmp_path: Path
+) -> None:
+    """A champion a cycle promoted on its window-weighted figure alone (no segment held
+    out enough to count) has no baseline either; unlike a seeded one it was judged on
+    the traffic it was trained for, so its first measurement trains only when a segment
+    is far below its best beyond the margin of error (seen in the no-shift benchmark:
+    every cycle after a promotion trained, for a draft the gate then rejected)."""
+    config = _config(stack, tmp_path, segment_clusters=1)
+    window = drift_check._Window(
+        measured={"english": 3.0, "korean": 1.4, "docs": 2.9},
+        margins={"english": 0.1, "korean": 0.1, "docs": 0.2},
+        all_margins={"english": 0.1, "korean": 0.1, "docs": 0.2},
+        shares={"english": 0.5, "korean": 0.3, "docs": 0.2},
+        segmenter_key="segmenter-key",
+    )
+    new_traffic = drift_check._first_measurement(config, "2", window, "c1", promoted=True)
+    assert new_traffic.drift and new_traffic.drifted == ["korean"]
+    assert "far below its best" in new_traffic.reason
+    # The same figures with a margin as wide as the fall: no evidence of new traffic.
+    loose = dataclasses.replace(
+        window,
+        margins={**window.margins, "korean": 1.6},
+        all_margins={**window.all_margins, "korean": 1.6},
+    )
+    fits = drift_check._first_measurement(config, "2", loose, "c2", promoted=True)
+    assert not fits.drift and fits.drifted == [] and "no drift" in fits.reason
+    stored = json.loads(
+        state.lake_store(config).get_bytes(state.state_key(config, "baseline.json"))
+    )
+    assert stored["accept_length"] == {"english": 3.0, "docs": 2.9}  # its standard from now on
+    assert stored["version"] == "2" and stored["cycle_id"] == "c2"
+    # Seeded, the same loose figures train: it was never judged on any traffic.
+    seeded = drift_check._first_measurement(config, "1", loose, "c3")
+    assert seeded.drift and seeded.drifted == ["korean"]
+    # Nothing measurable on two requests: it cannot judge, so it trains.
+    single = drift_check._Window(
+        measured={"english": 3.0},
+        margins={},
+        all_margins={"english": float("inf")},
+        shares={"english": 1.0},
+        segmenter_key="segmenter-key",
+    )
+    assert drift_check._first_measurement(config, "2", single, "c4", promoted=True).drift
+
+
+def test_the_check_after_a_thin_promotion_measures_instead_of_training(
+    stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
+) -> None:
+    config = _drift_config(stack, tmp_path, tiny_target)
+    config = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"drift_tolerance": 10.0})}
+    )
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    champion = registry.seed_champion(tiny_drafts["ko"]).version
+    small_gain = GateDecision(
+        promote=True,
+        reason="window-weighted gain",
+        challenger={"cluster-0": 2.1},
+        champion={"cluster-0": 2.0},
+        weights={"cluster-0": 1.0},
+        weighted_challenger=2.1,
+        weighted_champion=2.0,
+        protected=(),  # too little held-out traffic to protect any segment alone
+    )
+    registry.set_tags(champion, decision_tags(small_gain, config.gate.k))
+    _capture(config, tiny_target, documents=6)
+    first = cycle.snapshot_window(config, "c1")
+    measured = cycle.check_drift(config, first)
+    assert not measured.drift and "promoted without a segment" in measured.reason
+    assert measured.champion_version == champion and measured.measured
+    assert measured.saved_train_seconds is None  # no cycle has trained in this registry
+    cycle.advance_watermark(config, first)
+
+    # Its figures are its baseline now: the next window is judged against them.
+    _capture(config, tiny_target, documents=6)
+    second = cycle.snapshot_window(config, "c2")
+    judged = cycle.check_drift(config, second)
+    assert not judged.drift and judged.baseline and "vs baseline" in judged.reason
+
+    # Promoted for a large window-weighted gain, the first check trains once more.
+    large_gain = dataclasses.replace(small_gain, weighted_challenger=3.0)
+    registry.set_tags(champion, decision_tags(large_gain, config.gate.k))
+    state.lake_store(config).remove(drift_check.drift_key(config, "c2"))
+    state.lake_store(config).remove(state.state_key(config, "baseline.json"))
+    state.lake_store(config).remove(state.state_key(config, "learning.json"))
+    learning = cycle.check_drift(config, second)
+    assert learning.drift and "still being learned" in learning.reason
+    assert "promoted without a segment" in learning.reason

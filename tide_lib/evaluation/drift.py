@@ -8,9 +8,12 @@ length on the window, per segment, and compares it with a *baseline*: the
 champion's acceptance as the gate last measured it: at its promotion (the
 gate's figures on its version), or, for a champion never promoted by a cycle (a
 seeded one), when a challenger failed to beat it. A champion without either
-trains once, and the figures that first check measured (with their margins)
-become its baseline; they then stay (a sample of the whole window, with
-margins, is better evidence than the gate's held-out figures).
+(seeded, or promoted on the window-weighted figure alone, no segment held out
+enough to count) takes the figures its first check measured (with their
+margins) as its baseline; they then stay (a sample of the whole window, with
+margins, is better evidence than the gate's held-out figures). That first check
+trains a seeded champion, never judged on any traffic; a promoted one only when
+a segment is far below its best beyond the margin of error (new traffic).
 
 The rule (:func:`judge_drift`, a pure function): only segments holding at least
 ``min_share`` of the window's tokens count. A known segment has drifted when it

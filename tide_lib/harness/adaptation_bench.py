@@ -5,8 +5,9 @@ The workload is JSONL, one request per line in order of arrival:
 optional); the last segment to appear is the new traffic. A share of each
 segment's requests is held out for evaluation and never captured.
 
-1. A static draft is bootstrapped from the target's greedy answers to the older
-   segments' requests and registered as champion.
+1. A static draft is bootstrapped from the target's greedy answers to the first
+   segment's requests (``static_steps``: by default trained to fit them, as a
+   deployed draft is) and registered as champion.
 2. The remaining requests are served in order by the reference engine (capture
    on, real S3 lake). Whenever the new captured tokens since the watermark cross
    ``cycle_tokens``, one adaptation cycle runs with the same library functions
@@ -410,6 +411,7 @@ def run_adaptation_bench(
     params = params or AdaptationBenchParams()
     cycle_tokens, max_new_tokens, ks = params.cycle_tokens, params.max_new_tokens, params.ks
     held_out_percent, labels = params.held_out_percent, params.labels
+    static_steps = params.static_steps or 4 * (train or config.training).steps
     from tide_lib.harness.serve_bench import bootstrap_draft, reference_engine  # noqa: PLC0415
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
     from tide_lib.target_model import build_target  # noqa: PLC0415
@@ -433,8 +435,9 @@ def run_adaptation_bench(
             train=train,
         )
         first = [item["prompt"] for item in served if item["segment"] == segments[0]]
+        static_train = train.model_copy(update={"steps": static_steps})
         static_dir = bootstrap_draft(
-            target_dir, first, work / "static", max_new_tokens=max_new_tokens, train=train
+            target_dir, first, work / "static", max_new_tokens=max_new_tokens, train=static_train
         )
         registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
         registry.seed_champion(static_dir)
@@ -478,6 +481,7 @@ def run_adaptation_bench(
         "ks": list(ks),
         "held_out_percent": held_out_percent,
         "train_steps_per_cycle": train.steps,
+        "static_steps": static_steps,
         "labels": labels,
         "workload": str(workload),
         "oracle_data": loop.oracle_data,

@@ -81,6 +81,12 @@ class AdaptationBenchParams(StrictModel):
         description="send each request's segment as a client label (custom_labels); "
         "else segments come from the cycles' clusters",
     )
+    static_steps: int = Field(
+        0,
+        ge=0,
+        description="training steps of the static draft (0: 4 x training.steps, "
+        "a draft fitted to its traffic as a deployed one is, not one a cycle still improves)",
+    )
 
 
 class DemoSettings(StrictModel):

@@ -138,21 +138,35 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         config, registry, snapshot, version=champion.version, known=known, grouping=grouping
     )
     if not known.accept_length:
-        return _first_measurement(config, champion.version, window, snapshot.cycle_id)
+        promoted = _promoted(config, champion)
+        drift = _first_measurement(
+            config, champion.version, window, snapshot.cycle_id, promoted=promoted
+        )
+    else:
+        drift = _judged_against(config, champion.version, window, known)
+    if drift.drift:
+        return drift
+    drift = drift.model_copy(update={"saved_train_seconds": registry.last_run_seconds()})
+    # Traffic it was just promoted for, served as well as then, may still be learning.
+    learning = _still_learning(config, champion, drift.reason) if first_check else None
+    return learning or drift
+
+
+def _judged_against(config: TideConfig, version: str, window: _Window, known: Baseline) -> Drift:
+    """The window judged against the champion's baseline (:func:`judge_drift`); without
+    drift, the segments it serves well join the baseline."""
+    tolerance = config.cycle.drift_tolerance
     verdict = judge_drift(
         window.measured,
         window.shares,
         known.accept_length,
-        tolerance=config.cycle.drift_tolerance,
+        tolerance=tolerance,
         min_share=config.gate.min_segment_share,
         margins=window.all_margins,
         baseline_margins=known.margins,
         ceilings=window.ceilings,
     )
-    average, tolerance = (
-        statistics.fmean(known.accept_length.values()),
-        config.cycle.drift_tolerance,
-    )
+    average = statistics.fmean(known.accept_length.values())
     fitting = _fitting(
         window, lambda s: known.accept_length.get(s, average), verdict.drifted, tolerance
     )
@@ -165,27 +179,22 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
             if s not in known.accept_length and window.measured[s] >= average - tolerance
         }
         grown = Baseline(
-            champion.version,
+            version,
             {**known.accept_length, **new},
             {**known.margins, **{s: window.margins[s] for s in new}},
             window.segmenter_key,
         )
         store_baseline(config, grown, "measured")
-        # Traffic it was just promoted for, served as well as then, may still be learning.
-        learning = _still_learning(config, champion, verdict.reason) if first_check else None
-        if learning is not None:
-            return learning
     return Drift(
         drift=verdict.drift,
-        reason=f"champion v{champion.version}: {verdict.reason}",
-        champion_version=champion.version,
+        reason=f"champion v{version}: {verdict.reason}",
+        champion_version=version,
         measured=window.measured,
         margins=window.margins,
         ceilings=window.ceilings,
         baseline=known.accept_length,
         drifted=sorted(verdict.drifted),
         fitting=fitting,
-        saved_train_seconds=None if verdict.drift else registry.last_run_seconds(),
         segmenter_key=window.segmenter_key,
     )
 
@@ -238,15 +247,38 @@ def _measure_window(
     )
 
 
-def _first_measurement(config: TideConfig, version: str, window: _Window, cycle_id: str) -> Drift:
-    """A champion without a baseline trains; its figures on this window (segments of two
-    requests or more, with their margins) are its baseline from then on, but for those
-    far below its best segment: traffic it does not fit is what the cycle learns, never
-    the standard later windows are held to (it would read as "no drift" ever after)."""
+def _promoted(config: TideConfig, champion: Any) -> bool:
+    """Was the champion promoted by a cycle's gate (on its window-weighted figure, as
+    one without a baseline was: no segment held out enough to count alone)?"""
+    from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
+
+    judged = decision_from_tags(dict(champion.tags or {}), config.gate.k)
+    return judged is not None and judged.promote
+
+
+def _first_measurement(
+    config: TideConfig, version: str, window: _Window, cycle_id: str, *, promoted: bool = False
+) -> Drift:
+    """A champion's first figures on a window (segments of two requests or more, with
+    their margins) are its baseline from then on, but for those far below its best
+    segment: traffic it does not fit is what the cycle learns, never the standard later
+    windows are held to (it would read as "no drift" ever after).
+
+    A seeded champion (never judged) trains. One a cycle ``promoted`` was judged, on
+    the window it was trained for: it trains only when a segment is far below its best
+    beyond the margin of error (new traffic), else this is "no drift". Training it again
+    on the traffic it was just fitted to buys a draft the gate then rejects."""
     # the best of the segments measured on two requests or more: one request is no standard
     best = max((window.measured[s] for s in window.margins), default=0.0)
     tolerance = config.cycle.drift_tolerance
     drifted = {s for s, v in window.measured.items() if v < window.held_to(s, best) - tolerance}
+    if promoted:  # a fall counts beyond its margin of error, as in judge_drift
+        drifted = {
+            s
+            for s in drifted
+            if window.held_to(s, best) - window.measured[s] - window.all_margins.get(s, 0.0)
+            > tolerance
+        }
     # a segment at its ceiling far below the best is no drift, and no standard either
     kept = [s for s in window.margins if window.measured[s] >= best - tolerance]
     first = Baseline(
@@ -257,16 +289,12 @@ def _first_measurement(config: TideConfig, version: str, window: _Window, cycle_
     )
     if first.accept_length:
         store_baseline(config, first, _FIRST, cycle_id=cycle_id)
+    drift, why = _first_verdict(
+        version, promoted, sorted(drifted), measurable=bool(kept), best=best, tolerance=tolerance
+    )
     return Drift(
-        drift=True,
-        reason=f"training: champion v{version} had no baseline (never judged on "
-        "enough held-out traffic); "
-        + (
-            "its figures on this window are its baseline from now on (but for segments far "
-            "below its best)"
-            if first.accept_length
-            else "no segment of this window has two requests to measure one on"
-        ),
+        drift=drift,
+        reason=why,
         champion_version=version,
         measured=window.measured,
         margins=window.margins,
@@ -276,6 +304,36 @@ def _first_measurement(config: TideConfig, version: str, window: _Window, cycle_
         fitting=_fitting(window, lambda _: best, drifted, tolerance),
         segmenter_key=window.segmenter_key,
     )
+
+
+def _first_verdict(
+    version: str,
+    promoted: bool,
+    drifted: list[str],
+    *,
+    measurable: bool,
+    best: float,
+    tolerance: float,
+) -> tuple[bool, str]:
+    """Whether a first measurement trains, and why (see :func:`_first_measurement`)."""
+    kept = (
+        "its figures on this window are its baseline from now on (but for segments far below "
+        "its best)"
+        if measurable
+        else "no segment of this window has two requests to measure one on"
+    )
+    if not promoted:
+        why = "had no baseline (never judged on enough held-out traffic)"
+        return True, f"training: champion v{version} {why}; {kept}"
+    promoted_thin = "was promoted without a segment held out enough to count alone"
+    if drifted:
+        far = f"serves {', '.join(drifted)} far below its best segment ({best:.3f})"
+        why = f"{promoted_thin}, and {far} beyond the margin of error"
+        return True, f"training: champion v{version} {why}; {kept}"
+    if not measurable:
+        return True, f"training: champion v{version} {promoted_thin}; {kept}"
+    fits = f"serves every segment within {tolerance:.3f} of its best ({best:.3f}) or its ceiling"
+    return False, f"no drift: champion v{version} {promoted_thin}, and {fits}; {kept}"
 
 
 def _fitting(
