@@ -395,7 +395,8 @@ class _Run:
     def _draft(
         self, last_hidden: torch.Tensor, last_logits: torch.Tensor, budget: int
     ) -> tuple[list[int], list[torch.Tensor]]:
-        """Chain-draft ``budget`` tokens (target ids) and, when sampling, their draft probs."""
+        """Chain-draft ``budget`` tokens (target ids) and, when sampling, their draft probs;
+        fewer when the draft proposes the end of the output (the verify reads no further)."""
         runner = self.decoder.runner
         assert runner is not None
         drafted: list[int] = []
@@ -409,6 +410,8 @@ class _Run:
                 draft_probs.append(probs)
             token = int(runner.to_target_ids(torch.tensor(draft_id)))
             drafted.append(token)
+            if token == self.eos:  # what follows an end would never be emitted
+                break
             if step + 1 < budget:
                 last_hidden, last_logits = self.decoder._timed_draft(
                     torch.tensor([token]), last_hidden, self.timings

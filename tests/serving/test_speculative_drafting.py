@@ -1,0 +1,59 @@
+"""The chain draft stops at a drafted end of output: tokens after it would never be emitted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tide_lib.serving.speculative import SpeculativeDecoder
+from tide_lib.training.draft import draft_config_for
+
+
+def _models() -> tuple[LlamaForCausalLM, torch.nn.Module]:
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).eval(), LlamaForCausalLMEagle3(draft_config_for(config, 128))
+
+
+def _verified(decoder: SpeculativeDecoder, prompt: list[int], tokens: int) -> list[list[int]]:
+    """The token ids of every verify forward of one greedy request."""
+    seen: list[list[int]] = []
+    forward = decoder._timed_forward
+
+    def spy(ids: list[int], cache: Any, timings: Any) -> Any:
+        seen.append(list(ids))
+        return forward(ids, cache, timings)
+
+    decoder._timed_forward = spy  # type: ignore[method-assign]
+    decoder.generate(prompt, tokens)
+    return seen
+
+
+def test_a_drafted_end_of_output_is_the_last_token_drafted_and_verified() -> None:
+    target, draft = _models()
+    prompt = list(range(3, 24))
+    free = _verified(SpeculativeDecoder(target, draft, 4, None), prompt, 12)
+    first_round = free[0][1:]  # the target's first token, then the chain's drafts
+    assert len(first_round) == 4
+    # An end token the draft proposes after its first draft (not the target's first token:
+    # that would end the request at its prefill)
+    end = next(t for t in first_round[1:] if t != free[0][0] and t not in first_round[:1])
+    cut = first_round.index(end) + 1
+    ended = _verified(SpeculativeDecoder(target, draft, 4, end), prompt, 12)
+    assert ended[0] == free[0][: 1 + cut]  # the same chain, up to and with the end token
+    for verify in ended:
+        assert end not in verify[1:-1]  # never a drafted token after a drafted end
+    with_end = SpeculativeDecoder(target, draft, 4, end).generate(prompt, 12)
+    plain = SpeculativeDecoder(target, None, 4, end).generate(prompt, 12, speculative=False)
+    assert with_end.output_ids == plain.output_ids  # still exactly greedy decoding
