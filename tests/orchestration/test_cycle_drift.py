@@ -30,6 +30,18 @@ def _drift_config(stack: TideConfig, tmp_path: Path, tiny_target: Path) -> TideC
     return config.model_copy(update={"gate": config.gate.model_copy(update={"k": 3})})
 
 
+def _never_drifting(
+    stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
+) -> tuple[TideConfig, DraftRegistry, str]:
+    """A config whose drift tolerance no figure exceeds, its registry and a seeded champion."""
+    config = _drift_config(stack, tmp_path, tiny_target)
+    config = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"drift_tolerance": 10.0})}
+    )
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    return config, registry, registry.seed_champion(tiny_drafts["ko"]).version
+
+
 def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
     stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
 ) -> None:
@@ -81,13 +93,8 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
 def test_a_promotion_for_a_large_gain_trains_once_more_then_the_drift_rule_decides(
     stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
 ) -> None:
-    config = _drift_config(stack, tmp_path, tiny_target)
     # Whatever the tiny draft measures, no drift: the one-more-cycle rule is what decides.
-    config = config.model_copy(
-        update={"cycle": config.cycle.model_copy(update={"drift_tolerance": 10.0})}
-    )
-    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
-    champion = registry.seed_champion(tiny_drafts["ko"]).version
+    config, registry, champion = _never_drifting(stack, tmp_path, tiny_target, tiny_drafts)
     promoted = GateDecision(
         promote=True,
         reason="gain",
@@ -295,12 +302,7 @@ def test_a_champion_promoted_without_a_protected_segment_trains_only_for_traffic
 def test_the_check_after_a_thin_promotion_measures_instead_of_training(
     stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
 ) -> None:
-    config = _drift_config(stack, tmp_path, tiny_target)
-    config = config.model_copy(
-        update={"cycle": config.cycle.model_copy(update={"drift_tolerance": 10.0})}
-    )
-    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
-    champion = registry.seed_champion(tiny_drafts["ko"]).version
+    config, registry, champion = _never_drifting(stack, tmp_path, tiny_target, tiny_drafts)
     small_gain = GateDecision(
         promote=True,
         reason="window-weighted gain",

@@ -17,11 +17,9 @@ from tide_lib.training.draft import draft_config_for
 POSITIONS = 90  # past the runner's first cache capacity (64): the cache grows once
 
 
-def _draft() -> torch.nn.Module:
-    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
-
-    torch.manual_seed(0)
-    target = LlamaConfig(
+def target_config() -> LlamaConfig:
+    """A tiny target's config (its drafts here have a vocabulary of 128)."""
+    return LlamaConfig(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
@@ -29,7 +27,13 @@ def _draft() -> torch.nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query heads, read in place by the runner
     )
-    return LlamaForCausalLMEagle3(draft_config_for(target, 128)).eval()
+
+
+def _draft() -> torch.nn.Module:
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+
+    torch.manual_seed(0)
+    return LlamaForCausalLMEagle3(draft_config_for(target_config(), 128)).eval()
 
 
 def _specforge_layer(

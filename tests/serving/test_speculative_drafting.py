@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from tests.serving.test_draft_runner import target_config
 from tide_lib.serving.speculative import SpeculativeDecoder
 from tide_lib.training.draft import draft_config_for
 
@@ -15,14 +16,7 @@ def _models() -> tuple[LlamaForCausalLM, torch.nn.Module]:
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = target_config()
     return LlamaForCausalLM(config).eval(), LlamaForCausalLMEagle3(draft_config_for(config, 128))
 
 
