@@ -161,6 +161,47 @@ def test_older_traffic_split_into_thin_clusters_is_protected_together() -> None:
     assert len(asked) == 2
 
 
+def test_thin_window_traffic_the_champion_already_serves_well_is_protected_together() -> None:
+    """Seen in the demo benchmark with a fitted static draft: the first Korean window still
+    held the English tail, so English was window traffic, thin in every cluster, and the
+    promotion for Korean lost English 3.68 -> 2.83 unchecked. English, served well above
+    the window as a whole, is traffic to keep; the Korean the champion serves poorly is
+    what the challenger learns and stays out of the pool."""
+    thin = CONFIG.min_segment_tokens // 2 + 1
+    tokens = {"korean": 400, "ko-thin": thin, "en-a": thin, "en-b": thin}
+    champion = {"korean": 1.2, "ko-thin": 1.3, "en-a": 3.6, "en-b": 3.4}
+    challenger = {"korean": 2.6, "ko-thin": 2.5, "en-a": 2.7, "en-b": 2.6}
+    shares = {"korean": 0.6, "ko-thin": 0.15, "en-a": 0.125, "en-b": 0.125}
+    older = {"en-a": 0.5, "en-b": 0.5}
+    asked: list[tuple[str, ...]] = []
+
+    def pooled(segments: tuple[str, ...]) -> tuple[float, float, float]:
+        asked.append(segments)
+        return 3.5, 2.65, 0.2
+
+    decision = decide(
+        challenger,
+        champion,
+        CONFIG,
+        weights=shares,
+        older_shares=older,
+        held_out_tokens=tokens,
+        pooled=pooled,
+    )
+    assert asked == [("en-a", "en-b")]  # both in the window, neither the learned Korean
+    assert not decision.promote and "en-a, en-b together 2.650 vs champion 3.500" in (
+        decision.reason
+    )
+    # Served no better than the window as a whole, window traffic is what is learned.
+    asked.clear()
+    level = {**champion, "en-a": 1.3, "en-b": 1.3}
+    learned = decide(
+        challenger, level, CONFIG, weights=shares, held_out_tokens=tokens, pooled=pooled
+    )
+    assert learned.promote
+    assert asked == []
+
+
 def test_tags_and_report_carry_the_figures() -> None:
     decision = decide(
         {"korean": 2.5, "english": 2.9},

@@ -14,10 +14,12 @@ requests of the window and of the older traffic in the lookback. Rules, in order
    is noise, and would block every promotion by chance. And the drop must exceed
    the tolerance by its one-sided 95% margin of error (Student's t over the held-out
    requests, both drafts replayed on the same ones, see :func:`drop_margin`).
-   Segments of the older traffic too thin to protect alone are judged together,
-   their held-out requests pooled, once together they reach ``min_segment_tokens``:
-   older traffic the clusters split into small parts is still protected as a whole
-   (segments the window holds are left out: their gain would hide the loss).
+   Traffic to keep too thin to protect alone is judged together, its held-out
+   requests pooled, once together it reaches ``min_segment_tokens``: older
+   traffic the clusters split into small parts, and segments the champion already
+   serves better than the window as a whole (by more than the tolerance), are still
+   protected (the window's other segments are left out: they are what the
+   challenger learns, and their gain would hide the loss).
 3. The acceptance length weighted by each segment's share of the window's tokens
    must gain at least ``margin``: the challenger has to pay off on what the fleet
    serves now.
@@ -173,18 +175,24 @@ def _forgotten_together(
     *,
     config: GateConfig,
     shares: tuple[dict[str, float], dict[str, float]],
+    weighted_champion: float,
 ) -> _Together:
-    """Older traffic too thin to protect segment by segment, judged together once its
-    held-out output tokens reach ``min_segment_tokens``. Only segments protected
-    by their share of the older traffic are pooled: one the window holds is traffic the
-    challenger was trained for, and its gain would hide what the older ones lost."""
+    """Traffic to keep that is too thin to protect segment by segment, judged together
+    once its held-out output tokens reach ``min_segment_tokens``: segments protected by
+    their share of the older traffic alone, and those the champion already serves
+    better than the window as a whole (``weighted_champion``, by more than the
+    tolerance). A segment of the window the champion serves no better is what the
+    challenger was trained to learn: pooled, its gain would hide what the others lost."""
     window, older = shares
+    floor = config.min_segment_share - _EPSILON
     judged = tuple(
         segment
         for segment in thin
         if segment in champion
-        and older.get(segment, 0.0) >= config.min_segment_share - _EPSILON
-        and window.get(segment, 0.0) < config.min_segment_share - _EPSILON
+        and (
+            (older.get(segment, 0.0) >= floor and window.get(segment, 0.0) < floor)
+            or champion[segment] > weighted_champion + config.tolerance
+        )
     )
     if pooled is None or tokens is None or not judged:
         return _Together()
@@ -267,7 +275,13 @@ def decide(
         shares=(shares, older),
     )
     together = _forgotten_together(
-        thin, champion, tokens, pooled, config=config, shares=(shares, older)
+        thin,
+        champion,
+        tokens,
+        pooled,
+        config=config,
+        shares=(shares, older),
+        weighted_champion=weighted_champion,
     )
     if forgotten or together.forgotten:
         why = forgotten or together.forgotten or ""
