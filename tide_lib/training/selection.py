@@ -350,16 +350,19 @@ class Selection:
     def _forgotten_together(
         self, evaluation: Evaluation, thin: list[str], tokens: dict[str, int]
     ) -> dict[str, float]:
-        """``thin`` groups of older traffic (each on too few held-out tokens, held out
-        mostly from replay) pooled, when together they reach ``forgetting_min_tokens``:
-        {"a+b": drop} if they fell beyond the tolerance. A group of the window is left
-        out: its gain would hide what the older ones lost."""
+        """``thin`` groups of traffic to keep (each on too few held-out tokens) pooled,
+        when together they reach ``forgetting_min_tokens``: {"a+b": drop} if they fell
+        beyond the tolerance. Traffic to keep, as the gate has it: older traffic (held out
+        mostly from replay), and groups the parent serves better than the held-out
+        traffic as a whole by more than the tolerance. Any other group of the window is
+        what the draft learns: its gain would hide what the others lost."""
         older = self._older_groups()
         start = self.evaluations[0]
+        served_well = start.accept_length + self.forgetting_tolerance
         pooled = [
             group
             for group in thin
-            if group in older
+            if (group in older or start.groups.get(group, 0.0) > served_well)
             and group in start.requests
             and group in evaluation.requests
             and len(start.requests[group]) == len(evaluation.requests[group])
