@@ -380,7 +380,7 @@ class TrainConfig(StrictModel):
         ge=0,
         description=(
             "held-out output tokens a group needs for the forgetting check to judge it "
-            "alone; groups of older traffic with fewer are judged together once together "
+            "alone; groups of traffic to keep with fewer are judged together once together "
             "they have this many (as gate.min_segment_tokens)"
         ),
     )
@@ -622,8 +622,9 @@ class GateConfig(StrictModel):
         description=(
             "held-out output tokens a segment needs before the tolerance protects it alone: "
             "a figure from fewer is too noisy to block a promotion (it still counts in the "
-            "weighted gain); segments of older traffic with fewer are protected together "
-            "once together they have this many"
+            "weighted gain); traffic to keep with fewer (older traffic, and segments the "
+            "champion serves better than the window as a whole) is protected together "
+            "once together it has this many"
         ),
     )
     k: int = Field(4, ge=1, description="draft tokens per verify the gate judges at")
