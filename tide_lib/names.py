@@ -49,7 +49,7 @@ class Tags:
     WEIGHT: Final = "tide.gate.weight.{segment}"
     OLDER_SHARE: Final = "tide.gate.older_share.{segment}"
     PROTECTED: Final = "tide.gate.protected"
-    PROTECTED_TOGETHER: Final = "tide.gate.protected_together"  # thin older segments, pooled
+    PROTECTED_TOGETHER: Final = "tide.gate.protected_together"  # thin traffic to keep, pooled
     REASON: Final = "tide.gate.reason"
     WEIGHTED: Final = "tide.gate.weighted_accept_length"
     WEIGHTED_CHAMPION: Final = "tide.gate.weighted_champion_accept_length"

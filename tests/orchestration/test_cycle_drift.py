@@ -271,7 +271,7 @@ def test_a_champion_promoted_without_a_protected_segment_trains_only_for_traffic
     )
     new_traffic = drift_check._first_measurement(config, "2", window, "c1", promoted=True)
     assert new_traffic.drift and new_traffic.drifted == ["korean"]
-    assert "far below its best" in new_traffic.reason
+    assert "serves korean below its best segment" in new_traffic.reason
     # The same figures with a margin as wide as the fall: no evidence of new traffic.
     loose = dataclasses.replace(
         window,
@@ -285,6 +285,19 @@ def test_a_champion_promoted_without_a_protected_segment_trains_only_for_traffic
     )
     assert stored["accept_length"] == {"english": 3.0, "docs": 2.9}  # its standard from now on
     assert stored["version"] == "2" and stored["cycle_id"] == "c2"
+    # A small segment served perfectly is no standard for the traffic the champion serves.
+    lucky = dataclasses.replace(
+        loose,
+        measured={**loose.measured, "tiny": 4.8},
+        margins={**loose.margins, "tiny": 0.0},
+        all_margins={**loose.all_margins, "tiny": 0.0},
+        shares={**loose.shares, "tiny": 0.05},
+    )
+    assert not drift_check._first_measurement(config, "2", lucky, "c5", promoted=True).drift
+    stored = json.loads(
+        state.lake_store(config).get_bytes(state.state_key(config, "baseline.json"))
+    )
+    assert stored["accept_length"] == {"english": 3.0, "docs": 2.9}  # nor its standard later
     # Seeded, the same loose figures train: it was never judged on any traffic.
     seeded = drift_check._first_measurement(config, "1", loose, "c3")
     assert seeded.drift and seeded.drifted == ["korean"]
@@ -317,7 +330,7 @@ def test_the_check_after_a_thin_promotion_measures_instead_of_training(
     _capture(config, tiny_target, documents=6)
     first = cycle.snapshot_window(config, "c1")
     measured = cycle.check_drift(config, first)
-    assert not measured.drift and "promoted without a segment" in measured.reason
+    assert not measured.drift and "promoted without a baseline" in measured.reason
     assert measured.champion_version == champion and measured.measured
     assert measured.saved_train_seconds is None  # no cycle has trained in this registry
     cycle.advance_watermark(config, first)
@@ -336,4 +349,4 @@ def test_the_check_after_a_thin_promotion_measures_instead_of_training(
     state.lake_store(config).remove(state.state_key(config, "learning.json"))
     learning = cycle.check_drift(config, second)
     assert learning.drift and "still being learned" in learning.reason
-    assert "promoted without a segment" in learning.reason
+    assert "promoted without a baseline" in learning.reason

@@ -440,34 +440,37 @@ def test_groups_too_thin_alone_are_judged_together() -> None:
     after = {"en-a": [(20, 10), (19, 10)], "en-b": [(22, 10), (20, 10)]}  # about 2.0
 
     class Thin:
-        def __init__(self, tokens: int, older: frozenset[str], overall: float) -> None:
+        def __init__(self, tokens: int, older: frozenset[str], window: int) -> None:
             self.output_tokens = {"en-a": tokens, "en-b": tokens, "window": 500}
             self.older_groups = older  # held out mostly from replay
-            self.overall = overall  # the parent's figure on all held-out traffic
+            self.window = window  # tokens the parent emits per 10 verify steps on the window
 
         def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
             groups = before if step == 0 else after
-            window = [(10, 10)] * 8 if step == 0 else [(30, 10)] * 8  # a gain beyond noise
-            requests = {**groups, "window": window}
+            gained = self.window + (20 if step else 0)  # a gain beyond noise
+            requests = {**groups, "window": [(gained, 10)] * 8}
             lengths = {
                 group: sum(e for e, _ in pairs) / sum(v for _, v in pairs)
                 for group, pairs in requests.items()
             }
-            return Evaluation(step, self.overall + 2 * step / 10, lengths, requests)
+            pooled = [r for pairs in requests.values() for r in pairs]
+            overall = sum(e for e, _ in pooled) / sum(v for _, v in pooled)
+            return Evaluation(step, overall, lengths, requests)
 
     draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     older = frozenset({"en-a", "en-b"})
-    for tokens, groups, overall, kept in (
-        (40, older, 1.0, 0),  # 80 together: judged
-        (20, older, 1.0, 10),  # 40 together: too thin even so
-        # en-b is the window's traffic, which the parent serves no better than the whole:
-        # what the draft learns, not pooled
-        (40, frozenset({"en-a"}), 3.5, 10),
-        # the parent serves it (3.0) far better than the whole (1.0): traffic to keep
-        (40, frozenset({"en-a"}), 1.0, 0),
+    for tokens, groups, window, kept in (
+        (40, older, 10, 0),  # 80 together: judged
+        (20, older, 10, 10),  # 40 together: too thin even so
+        # en-b is the window's traffic, which the parent serves no better than the window
+        # as a whole (about 4.1): what the draft learns, not pooled
+        (40, frozenset({"en-a"}), 45, 10),
+        # the parent serves en-b (3.0) far better than the window as a whole (about 1.4):
+        # traffic to keep, pooled
+        (40, frozenset({"en-a"}), 10, 0),
     ):
         selection = Selection(  # type: ignore[arg-type]
-            Thin(tokens, groups, overall), forgetting_tolerance=0.1, forgetting_min_tokens=64
+            Thin(tokens, groups, window), forgetting_tolerance=0.1, forgetting_min_tokens=64
         )
         selection.begin(draft, parent, None)
         selection.evaluate(draft, 10)

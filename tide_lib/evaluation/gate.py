@@ -88,7 +88,7 @@ class GateDecision:
     weighted_champion: float | None
     older_shares: dict[str, float] = dataclasses.field(default_factory=dict)
     protected: tuple[str, ...] = ()
-    # Older segments too thin to protect alone, judged together (their requests pooled).
+    # Traffic to keep too thin to protect alone, judged together (its requests pooled).
     protected_together: tuple[str, ...] = ()
     # Figures at the other ks evaluated, for the record: {k: {segment: acceptance length}}.
     challenger_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
@@ -159,7 +159,7 @@ def _forgotten(
 
 @dataclasses.dataclass(frozen=True)
 class _Together:
-    """Thin older segments judged together: which, their figures, why they were
+    """Thin segments of traffic to keep judged together: which, their figures, why they were
     forgotten (None: they were not). Nothing judged: all empty."""
 
     judged: tuple[str, ...] = ()
@@ -206,7 +206,7 @@ def _forgotten_together(
     return _Together(
         judged,
         figures,
-        f"older traffic too thin to protect segment by segment: {figures} "
+        f"traffic to keep too thin to protect segment by segment: {figures} "
         f"(drop {drop:.3f} > tolerance {config.tolerance:.3f} + margin of error {margin:.3f})",
     )
 

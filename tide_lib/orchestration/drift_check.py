@@ -148,7 +148,8 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         return drift
     drift = drift.model_copy(update={"saved_train_seconds": registry.last_run_seconds()})
     # Traffic it was just promoted for, served as well as then, may still be learning.
-    learning = _still_learning(config, champion, drift.reason) if first_check else None
+    why = drift.reason.removeprefix(f"champion v{champion.version}: ")
+    learning = _still_learning(config, champion, why) if first_check else None
     return learning or drift
 
 
@@ -248,12 +249,45 @@ def _measure_window(
 
 
 def _promoted(config: TideConfig, champion: Any) -> bool:
-    """Was the champion promoted by a cycle's gate (on its window-weighted figure, as
-    one without a baseline was: no segment held out enough to count alone)?"""
+    """Did a cycle's gate promote the champion over a measured one? Without a baseline
+    its gate protected no segment alone (or grouped or measured them otherwise than
+    this check can compare), but it was judged on the traffic it was trained for."""
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
     judged = decision_from_tags(dict(champion.tags or {}), config.gate.k)
-    return judged is not None and judged.promote
+    return judged is not None and judged.promote and bool(judged.champion)
+
+
+def _best_segment(config: TideConfig, window: _Window, *, promoted: bool) -> str | None:
+    """The segment a first measurement holds the others to: the best of those measured
+    on two requests or more (one request is no standard); for a promoted champion, of
+    those holding ``min_segment_share`` of the window too (a small lucky segment is no
+    standard for the traffic it serves)."""
+    candidates = [
+        s
+        for s in window.margins
+        if not promoted or window.shares.get(s, 0.0) >= config.gate.min_segment_share
+    ]
+    return max(candidates, key=window.measured.__getitem__, default=None)
+
+
+def _far_below(config: TideConfig, window: _Window, top: str | None) -> set[str]:
+    """Segments holding ``min_segment_share`` of the window that a promoted champion
+    serves more than ``drift_tolerance`` below its best segment ``top``, beyond both
+    figures' margins of error (as :func:`judge_drift` combines them): new traffic. One
+    measured on a single request is no evidence."""
+    if top is None:
+        return set()
+    best, min_share = window.measured[top], config.gate.min_segment_share
+    return {
+        s
+        for s, value in window.measured.items()
+        if window.shares.get(s, 0.0) >= min_share
+        and window.held_to(s, best)
+        - value
+        - math.hypot(window.all_margins.get(s, math.inf), window.margins[top])
+        > config.cycle.drift_tolerance
+    }
 
 
 def _first_measurement(
@@ -265,22 +299,25 @@ def _first_measurement(
     windows are held to (it would read as "no drift" ever after).
 
     A seeded champion (never judged) trains. One a cycle ``promoted`` was judged, on
-    the window it was trained for: it trains only when a segment is far below its best
-    beyond the margin of error (new traffic), else this is "no drift". Training it again
-    on the traffic it was just fitted to buys a draft the gate then rejects."""
-    # the best of the segments measured on two requests or more: one request is no standard
-    best = max((window.measured[s] for s in window.margins), default=0.0)
+    the window it was trained for: it trains only for new traffic
+    (:func:`_far_below`), else this is "no drift". Training it again on the
+    traffic it was just fitted to buys a draft the gate then rejects."""
+    top = _best_segment(config, window, promoted=promoted)
+    best = window.measured[top] if top is not None else 0.0
     tolerance = config.cycle.drift_tolerance
-    drifted = {s for s, v in window.measured.items() if v < window.held_to(s, best) - tolerance}
-    if promoted:  # a fall counts beyond its margin of error, as in judge_drift
-        drifted = {
-            s
-            for s in drifted
-            if window.held_to(s, best) - window.measured[s] - window.all_margins.get(s, 0.0)
-            > tolerance
-        }
-    # a segment at its ceiling far below the best is no drift, and no standard either
-    kept = [s for s in window.margins if window.measured[s] >= best - tolerance]
+    drifted = (
+        _far_below(config, window, top)
+        if promoted
+        else {s for s, v in window.measured.items() if v < window.held_to(s, best) - tolerance}
+    )
+    # a segment at its ceiling far below the best is no drift, and no standard either;
+    # nor, for a promoted champion, one too small to set the best
+    min_share = config.gate.min_segment_share if promoted else 0.0
+    kept = [
+        s
+        for s in window.margins
+        if window.measured[s] >= best - tolerance and window.shares.get(s, 0.0) >= min_share
+    ]
     first = Baseline(
         version,
         {s: window.measured[s] for s in kept},
@@ -290,7 +327,7 @@ def _first_measurement(
     if first.accept_length:
         store_baseline(config, first, _FIRST, cycle_id=cycle_id)
     drift, why = _first_verdict(
-        version, promoted, sorted(drifted), measurable=bool(kept), best=best, tolerance=tolerance
+        version, promoted, sorted(drifted), measurable=bool(kept), tolerance=tolerance
     )
     return Drift(
         drift=drift,
@@ -312,7 +349,6 @@ def _first_verdict(
     drifted: list[str],
     *,
     measurable: bool,
-    best: float,
     tolerance: float,
 ) -> tuple[bool, str]:
     """Whether a first measurement trains, and why (see :func:`_first_measurement`)."""
@@ -325,14 +361,14 @@ def _first_verdict(
     if not promoted:
         why = "had no baseline (never judged on enough held-out traffic)"
         return True, f"training: champion v{version} {why}; {kept}"
-    promoted_thin = "was promoted without a segment held out enough to count alone"
+    promoted_thin = "was promoted without a baseline this window can be judged against"
+    margins = f"by more than {tolerance:.3f} beyond the margins of error"
     if drifted:
-        far = f"serves {', '.join(drifted)} far below its best segment ({best:.3f})"
-        why = f"{promoted_thin}, and {far} beyond the margin of error"
-        return True, f"training: champion v{version} {why}; {kept}"
+        far = f"serves {', '.join(drifted)} below its best segment {margins}"
+        return True, f"training: champion v{version} {promoted_thin}, and {far}; {kept}"
     if not measurable:
         return True, f"training: champion v{version} {promoted_thin}; {kept}"
-    fits = f"serves every segment within {tolerance:.3f} of its best ({best:.3f}) or its ceiling"
+    fits = f"serves no segment below its best segment {margins} (or below its ceiling)"
     return False, f"no drift: champion v{version} {promoted_thin}, and {fits}; {kept}"
 
 

@@ -318,7 +318,7 @@ class Selection:
         """Groups that fell below the start (step 0) by more than ``forgetting_tolerance``,
         beyond the noise of their held-out requests (:func:`significant_drop`), among
         those measured on ``forgetting_min_tokens`` held-out output tokens; groups of
-        older traffic too thin alone are judged together once they reach it (as the gate)."""
+        traffic to keep too thin alone are judged together once they reach it (as the gate)."""
         start = self.evaluations[0] if self.evaluations else None
         tokens = self.held_out.output_tokens if self.held_out is not None else {}
         forgot: dict[str, float] = {}
@@ -353,12 +353,12 @@ class Selection:
         """``thin`` groups of traffic to keep (each on too few held-out tokens) pooled,
         when together they reach ``forgetting_min_tokens``: {"a+b": drop} if they fell
         beyond the tolerance. Traffic to keep, as the gate has it: older traffic (held out
-        mostly from replay), and groups the parent serves better than the held-out
-        traffic as a whole by more than the tolerance. Any other group of the window is
-        what the draft learns: its gain would hide what the others lost."""
+        mostly from replay), and groups the parent serves better than the window's
+        held-out traffic as a whole by more than the tolerance. Any other group of the
+        window is what the draft learns: its gain would hide what the others lost."""
         older = self._older_groups()
         start = self.evaluations[0]
-        served_well = start.accept_length + self.forgetting_tolerance
+        served_well = _window_figure(start, older) + self.forgetting_tolerance
         pooled = [
             group
             for group in thin
@@ -402,3 +402,14 @@ class Selection:
         for name, evaluation in (("before", before), ("after", after)):
             metrics |= {f"{name}_{key}": value for key, value in evaluation.as_metrics().items()}
         return metrics
+
+
+def _window_figure(evaluation: Evaluation, older: frozenset[str]) -> float:
+    """The pooled acceptance length of the held-out requests of the window's groups (not
+    held out mostly from replay), as the gate's window-weighted figure; the whole
+    figure when the groups are not told apart or carry no requests."""
+    pairs = [
+        r for group, requests in evaluation.requests.items() if group not in older for r in requests
+    ]
+    verify = sum(v for _, v in pairs)
+    return sum(e for e, _ in pairs) / verify if verify else evaluation.accept_length
