@@ -411,7 +411,6 @@ def run_adaptation_bench(
     params = params or AdaptationBenchParams()
     cycle_tokens, max_new_tokens, ks = params.cycle_tokens, params.max_new_tokens, params.ks
     held_out_percent, labels = params.held_out_percent, params.labels
-    static_steps = params.static_steps or 4 * (train or config.training).steps
     from tide_lib.harness.serve_bench import bootstrap_draft, reference_engine  # noqa: PLC0415
     from tide_lib.registry import DraftRegistry  # noqa: PLC0415
     from tide_lib.target_model import build_target  # noqa: PLC0415
@@ -419,6 +418,7 @@ def run_adaptation_bench(
     requests = load_workload(workload)
     build_target(target_dir, preset_name=preset)
     train = train or config.training
+    static_steps = params.static_steps or 4 * train.steps
     segments = list(dict.fromkeys(item["segment"] for item in requests))
     new_segment = segments[-1]
     held = [i for i, item in enumerate(requests) if _held_out(i, item["prompt"], held_out_percent)]

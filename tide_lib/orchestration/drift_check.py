@@ -258,36 +258,32 @@ def _promoted(config: TideConfig, champion: Any) -> bool:
     return judged is not None and judged.promote and bool(judged.champion)
 
 
-def _best_segment(config: TideConfig, window: _Window, *, promoted: bool) -> str | None:
-    """The segment a first measurement holds the others to: the best of those measured
-    on two requests or more (one request is no standard); for a promoted champion, of
-    those holding ``min_segment_share`` of the window too (a small lucky segment is no
-    standard for the traffic it serves)."""
-    candidates = [
-        s
-        for s in window.margins
-        if not promoted or window.shares.get(s, 0.0) >= config.gate.min_segment_share
-    ]
-    return max(candidates, key=window.measured.__getitem__, default=None)
+def _standards(config: TideConfig, window: _Window, *, promoted: bool) -> list[str]:
+    """Segments a first measurement may hold the others to, and keep as baseline: those
+    measured on two requests or more (one request is no standard); for a promoted
+    champion, those holding ``min_segment_share`` of the window too (a small lucky
+    segment is no standard for the traffic it serves)."""
+    min_share = config.gate.min_segment_share if promoted else 0.0
+    return [s for s in window.margins if window.shares.get(s, 0.0) >= min_share]
 
 
 def _far_below(config: TideConfig, window: _Window, top: str | None) -> set[str]:
-    """Segments holding ``min_segment_share`` of the window that a promoted champion
-    serves more than ``drift_tolerance`` below its best segment ``top``, beyond both
-    figures' margins of error (as :func:`judge_drift` combines them): new traffic. One
-    measured on a single request is no evidence."""
+    """Segments a promoted champion serves more than ``drift_tolerance`` below its best
+    segment ``top``: :func:`judge_drift` with every segment's reference at the best
+    figure and its margin (new traffic; small segments and single requests count not)."""
     if top is None:
         return set()
-    best, min_share = window.measured[top], config.gate.min_segment_share
-    return {
-        s
-        for s, value in window.measured.items()
-        if window.shares.get(s, 0.0) >= min_share
-        and window.held_to(s, best)
-        - value
-        - math.hypot(window.all_margins.get(s, math.inf), window.margins[top])
-        > config.cycle.drift_tolerance
-    }
+    verdict = judge_drift(
+        window.measured,
+        window.shares,
+        dict.fromkeys(window.measured, window.measured[top]),
+        tolerance=config.cycle.drift_tolerance,
+        min_share=config.gate.min_segment_share,
+        margins=window.all_margins,
+        baseline_margins=dict.fromkeys(window.measured, window.margins[top]),
+        ceilings=window.ceilings,
+    )
+    return set(verdict.drifted)
 
 
 def _first_measurement(
@@ -302,7 +298,8 @@ def _first_measurement(
     the window it was trained for: it trains only for new traffic
     (:func:`_far_below`), else this is "no drift". Training it again on the
     traffic it was just fitted to buys a draft the gate then rejects."""
-    top = _best_segment(config, window, promoted=promoted)
+    standards = _standards(config, window, promoted=promoted)
+    top = max(standards, key=window.measured.__getitem__, default=None)
     best = window.measured[top] if top is not None else 0.0
     tolerance = config.cycle.drift_tolerance
     drifted = (
@@ -310,14 +307,8 @@ def _first_measurement(
         if promoted
         else {s for s, v in window.measured.items() if v < window.held_to(s, best) - tolerance}
     )
-    # a segment at its ceiling far below the best is no drift, and no standard either;
-    # nor, for a promoted champion, one too small to set the best
-    min_share = config.gate.min_segment_share if promoted else 0.0
-    kept = [
-        s
-        for s in window.margins
-        if window.measured[s] >= best - tolerance and window.shares.get(s, 0.0) >= min_share
-    ]
+    # a segment at its ceiling far below the best is no drift, and no standard either
+    kept = [s for s in standards if window.measured[s] >= best - tolerance]
     first = Baseline(
         version,
         {s: window.measured[s] for s in kept},

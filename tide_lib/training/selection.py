@@ -36,6 +36,7 @@ import torch
 
 from tide_lib.config import TrainConfig
 from tide_lib.evaluation.offline import (
+    AcceptanceCount,
     ReplaySample,
     acceptance_counts,
     content_digest,
@@ -408,8 +409,10 @@ def _window_figure(evaluation: Evaluation, older: frozenset[str]) -> float:
     """The pooled acceptance length of the held-out requests of the window's groups (not
     held out mostly from replay), as the gate's window-weighted figure; the whole
     figure when the groups are not told apart or carry no requests."""
-    pairs = [
+    count = AcceptanceCount(keep_requests=False)
+    window = [
         r for group, requests in evaluation.requests.items() if group not in older for r in requests
     ]
-    verify = sum(v for _, v in pairs)
-    return sum(e for e, _ in pairs) / verify if verify else evaluation.accept_length
+    for emitted, verify_steps in window:
+        count.add(emitted, verify_steps)
+    return count.accept_length if count.verify_steps else evaluation.accept_length
