@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -119,8 +120,15 @@ class _Oracle:
     """A draft runner (as :func:`replay_request` drives one) that always drafts the
     true next token, or, ``wrong``, never does."""
 
-    def __init__(self, tokens: list[int], vocab: int, wrong: bool = False) -> None:
+    def __init__(
+        self,
+        tokens: list[int],
+        vocab: int,
+        wrong: bool = False,
+        misses: frozenset[int] = frozenset(),
+    ) -> None:
         self.tokens, self.vocab, self.wrong, self.position = tokens, vocab, wrong, 0
+        self.misses = misses  # indices of ``tokens`` it drafts wrong (all of them if wrong)
 
     def reset(self) -> None:
         self.position = 0
@@ -139,36 +147,77 @@ class _Oracle:
         following = self.position + 1
         token = self.tokens[following] if following < len(self.tokens) else 0
         logits = torch.zeros(self.vocab)  # the last position's, as DraftRunner.step
-        logits[(token + 1) % self.vocab if self.wrong else token] = 1.0
+        logits[(token + 1) % self.vocab if self.wrong or following in self.misses else token] = 1.0
         return torch.zeros(len(tokens), 2), logits
 
 
-@pytest.mark.parametrize("output", [1, 2, 5, 9, 14])
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_the_ceiling_is_what_replay_measures_for_a_draft_that_is_never_wrong(
-    output: int, k: int
-) -> None:
-    vocab, prompt = 32, 4
-    truth = [(7 * i + 3) % vocab for i in range(prompt + output + 1)]  # + the last state's
-    answered = _Answered(prompt, output)
-    states = torch.nn.functional.one_hot(torch.tensor(truth[1:]), vocab).float()
+def _record(prompt: int, output: int, vocab: int) -> tuple[list[int], Any]:
+    """Tokens (with the one the last state predicts) and a record an identity head reads."""
+    truth = [(7 * i + 3) % vocab for i in range(prompt + output + 1)]
     record = type(
         "Record",
         (),
         {
             "input_ids": torch.tensor(truth[:-1]),
-            "loss_mask": answered.loss_mask,
-            "hidden_states": states,  # the identity head reads the next token off each
+            "loss_mask": _Answered(prompt, output).loss_mask,
+            "hidden_states": torch.nn.functional.one_hot(torch.tensor(truth[1:]), vocab).float(),
             "aux_hidden_states": torch.zeros(len(truth) - 1, 2),
         },
     )()
+    return truth, record
+
+
+@pytest.mark.parametrize("every_position", [False, True])
+@pytest.mark.parametrize("output", [1, 2, 5, 9, 14])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_the_ceiling_is_what_replay_measures_for_a_draft_that_is_never_wrong(
+    output: int, k: int, every_position: bool
+) -> None:
+    vocab, prompt = 32, 4
+    answered = _Answered(prompt, output)
+    truth, record = _record(prompt, output, vocab)
     head = torch.nn.Identity()
-    perfect = replay_request(_Oracle(truth, vocab), head, record, k)  # type: ignore[arg-type]
-    wrong = replay_request(_Oracle(truth, vocab, True), head, record, k)  # type: ignore[arg-type]
+
+    def replay(runner: _Oracle) -> tuple[int, int]:
+        return replay_request(runner, head, record, k, every_position=every_position)  # type: ignore[arg-type]
+
+    perfect, wrong = replay(_Oracle(truth, vocab)), replay(_Oracle(truth, vocab, True))
     count = AcceptanceCount()
     count.add(*perfect)
-    assert count.accept_length == acceptance_ceiling([answered], k)
-    assert wrong[0] <= wrong[1]  # never right: the bonus token of each verify, no more
+    ceiling = acceptance_ceiling([answered], k, every_position=every_position)
+    assert count.accept_length == ceiling
+    assert wrong[0] == wrong[1]  # never right: the bonus token of each verify, no more
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_a_round_from_every_position_counts_each_position_once(k: int) -> None:
+    """Replayed from every output position, each round drafts from that position: its
+    accepted tokens are the true ones drafted before the first miss, within the budget
+    the output leaves, whatever earlier rounds accepted."""
+    vocab, prompt, output = 32, 4, 12
+    misses = frozenset({prompt + 3, prompt + 4, prompt + 9})  # token indices drafted wrong
+    truth, record = _record(prompt, output, vocab)
+    runner = _Oracle(truth, vocab, misses=misses)
+    emitted, verify = replay_request(
+        runner,  # type: ignore[arg-type]
+        torch.nn.Identity(),
+        record,
+        k,
+        every_position=True,
+    )
+    verified = output + 1  # the masked tokens and the one the last state predicts
+    expected = 0
+    for produced in range(1, verified):  # output[0] came from the prefill
+        position = prompt + produced - 1  # the last verified token's index
+        budget = min(k, verified - produced)
+        accepted = 0
+        while accepted < budget and position + 1 + accepted not in misses:
+            accepted += 1
+        expected += accepted + 1
+    assert (emitted, verify) == (expected, verified - 1)
+    # from round starts only (the engine's rule), fewer rounds, on the positions they reach
+    rounds = replay_request(runner, torch.nn.Identity(), record, k)  # type: ignore[arg-type]
+    assert rounds[1] < verified - 1
 
 
 def test_a_segment_served_at_its_ceiling_is_no_drift() -> None:

@@ -709,7 +709,8 @@ def evaluate_and_gate(
 
     Held-out traffic comes from the lake and both drafts from the registry: this
     step needs nothing from the host that trained. The gate judges at ``gate.k``;
-    the figures at the other ``gate.ks`` are recorded with it.
+    the figures at the other ``gate.ks`` are recorded with it. Both drafts are
+    replayed with a round from every output position (:func:`version_acceptance`).
     """
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
     from tide_lib.evaluation.tracking import log_decision  # noqa: PLC0415

@@ -242,7 +242,7 @@ def _measure_window(
         shares=shares,
         segmenter_key=segmenter_key,
         ceilings={
-            segment: acceptance_ceiling(records, config.gate.k)
+            segment: acceptance_ceiling(records, config.gate.k, every_position=True)
             for segment, records in samples.items()
         },
     )
@@ -528,13 +528,18 @@ def version_acceptance(
     ks: list[int],
     work: Path,
 ) -> dict[int, dict[str, AcceptanceCount]]:
-    """Download ``version`` into ``work`` and replay it offline: k -> segment -> counts."""
+    """Download ``version`` into ``work`` and replay it offline: k -> segment -> counts.
+
+    Rounds start at every output position: the cycle compares drafts (the gate, the
+    drift check against a baseline), and this evidence pairs them position by position
+    (:func:`~tide_lib.evaluation.offline.acceptance_counts`).
+    """
     from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
     from tide_lib.training.draft import load_draft  # noqa: PLC0415
 
     target = config.cycle.target_path
     draft = load_draft(registry.download(version, work / f"v{version}"), target)
-    counts = offline_acceptance(draft, target, samples, ks)
+    counts = offline_acceptance(draft, target, samples, ks, every_position=True)
     return {k: {segment: by_k[k] for segment, by_k in counts.items()} for k in ks}
 
 

@@ -17,10 +17,12 @@ fit the traffic learned (a cycle whose drift check found it fell, ``warm_gain:
 any``), any higher figure replaces it: the few held-out requests of a window hid
 real gains there (a new segment rising 1.56 -> 1.76 over ten evaluations, never kept).
 
-Scores are pooled acceptance lengths (tokens per verify step) at ``TrainConfig.k``,
-overall and per group: a sample's segment label when its file carries one
-(``"segment"``), else its split, ``window`` or ``replay`` (the data directory's
-subdirectories; a directory without them is all window).
+Scores are pooled acceptance lengths (tokens per verify step) at ``TrainConfig.k``
+of a round drafted from every output position (the evidence for comparing drafts,
+see :func:`~tide_lib.evaluation.offline.acceptance_counts`), overall and per group:
+a sample's segment label when its file carries one (``"segment"``), else its split,
+``window`` or ``replay`` (the data directory's subdirectories; a directory without
+them is all window).
 """
 
 from __future__ import annotations
@@ -184,7 +186,9 @@ class HeldOut:
         weight = draft.get_parameter("fc.weight")
         on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
         replica = draft if on_cpu else copy.deepcopy(draft).to("cpu").float()
-        counts = acceptance_counts(replica, self.lm_head, self.groups, [self.k])
+        counts = acceptance_counts(
+            replica, self.lm_head, self.groups, [self.k], every_position=True
+        )
         draft.train(was_training)  # the replay's runner puts the draft in eval mode
         by_group = {group: by_k[self.k] for group, by_k in counts.items()}
         verify = sum(count.verify_steps for count in by_group.values())
