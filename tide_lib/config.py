@@ -698,6 +698,15 @@ class CycleConfig(StrictModel):
             "(drift_tolerance) below its baseline; else record 'no drift' and move on"
         ),
     )
+    continue_training: bool = Field(
+        True,
+        description=(
+            "a cycle whose training kept its champion (no step beat it beyond the noise of "
+            "the held-out requests) leaves its best step that rose above it, forgetting "
+            "nothing, in the lake; the next cycle on the same champion starts training there "
+            "(the champion stays the draft to beat); off: every cycle starts from the champion"
+        ),
+    )
     drift_tolerance: float = Field(
         0.15, ge=0, description="acceptance-length fall of a segment that counts as drift"
     )

@@ -570,3 +570,87 @@ def test_the_gain_over_the_parent_is_judged_on_the_traffic_the_run_learns() -> N
         selection.begin(draft, parent, None)
         selection.evaluate(draft, 10)
         assert selection.best is not None and selection.best.step == kept
+
+
+def test_a_run_that_keeps_its_parent_leaves_its_best_step_to_continue_from() -> None:
+    """Within the noise, the parent is exported, yet the best trained step that rose above
+    it forgetting nothing is what a next run on this parent continues from; a run that
+    exported a trained step, fell, or forgot leaves nothing."""
+    english = [(30, 10)] * 8  # older traffic to keep: 3.0
+    parent_requests = {"korean": [(20, 10), (24, 10), (22, 10), (26, 10)], "english": english}
+    noisy = [(30, 10), (14, 10), (31, 10), (18, 10)]  # 2.325: within the noise
+    noisier = [(31, 10), (15, 10), (31, 10), (18, 10)]  # 2.375: higher, still within it
+    uniform = [(24, 10), (28, 10), (26, 10), (30, 10)]  # 2.7: every request gained
+    lower = [(20, 10), (24, 10), (22, 10), (16, 10)]  # 2.05
+    Steps = dict[int, dict[str, list[tuple[int, int]]]]
+
+    class Held:
+        def __init__(self, steps: Steps) -> None:
+            self.steps = steps | {0: parent_requests}
+            self.output_tokens = {"korean": 500, "english": 500}
+            self.older_groups = frozenset({"english"})
+
+        def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
+            groups = self.steps[step]
+            requests = [r for group in groups.values() for r in group]
+            pooled = sum(e for e, _ in requests) / sum(v for _, v in requests)
+            figures = {g: sum(e for e, _ in r) / sum(v for _, v in r) for g, r in groups.items()}
+            return Evaluation(step, pooled, figures, groups)
+
+    def run(korean: dict[int, list[tuple[int, int]]], kept_english: bool = True) -> Selection:
+        lost = [(20, 10)] * 8  # English fell from 3.0 to 2.0 on every request
+        steps = {
+            s: {"korean": r, "english": english if kept_english else lost}
+            for s, r in korean.items()
+        }
+        draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        selection = Selection(Held(steps), forgetting_tolerance=0.1)  # type: ignore[arg-type]
+        selection.begin(draft, parent, None)
+        for step in sorted(steps):
+            with torch.no_grad():
+                draft.weight.fill_(step)  # each step's weights tell it apart
+            selection.evaluate(draft, step)
+        return selection
+
+    kept = run({10: noisy, 20: noisier, 30: noisy})
+    assert kept.best is not None and kept.best.step == 0  # the parent is exported
+    continuation = kept.continuation()
+    assert continuation is not None and continuation.step == 20
+    assert continuation.state is not None and float(continuation.state["weight"][0, 0]) == 20
+    restored = Selection(Held({}))  # type: ignore[arg-type]
+    restored.begin(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), kept.to_state())
+    assert restored.continuation() is not None  # a resumed run keeps it
+    assert run({10: uniform}).continuation() is None  # a trained step was exported
+    assert run({10: lower}).continuation() is None  # nothing rose above the parent
+    forgot = run({10: [(60, 10)] * 4}, kept_english=False)  # Korean soared, English lost
+    assert forgot.evaluations[-1].accept_length > forgot.evaluations[0].accept_length
+    assert forgot.continuation() is None
+
+
+@pytest.mark.slow
+def test_a_run_continues_from_the_start_it_is_given_and_still_judges_against_its_parent(
+    tiny_target: Path, mix: Path, parent: Path, tmp_path: Path
+) -> None:
+    config = BASE.model_copy(
+        update={"steps": 1, "learning_rate": 1e-9, "warm_epochs": 0, "export": "last"}
+    )
+    other = train_draft(
+        mix / "window",
+        tiny_target,
+        tmp_path / "other",
+        BASE.model_copy(update={"steps": 20, "validation_fraction": 0}),
+    ).draft_dir
+    plain = train_draft(mix, tiny_target, tmp_path / "plain", config, parent_dir=parent)
+    continued = train_draft(
+        mix, tiny_target, tmp_path / "continued", config, parent_dir=parent, start_dir=other
+    )
+    # step 0 is the parent either way: the draft the run must beat
+    assert continued.evaluations[0] == plain.evaluations[0]
+    fc = "fc.weight"
+    exported = load_file(continued.draft_dir / "model.safetensors")
+    start, champion = (
+        load_file(other / "model.safetensors"),
+        load_file(parent / "model.safetensors"),
+    )
+    assert torch.allclose(exported[fc], start[fc], atol=1e-6)
+    assert not torch.allclose(exported[fc], champion[fc], atol=1e-3)

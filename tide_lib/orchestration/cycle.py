@@ -41,6 +41,11 @@ from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
 from tide_lib.lake.reader import watermark
 from tide_lib.lake.schema import CapturedRecord
 from tide_lib.names import Tags
+from tide_lib.orchestration.continuation import (
+    drop_continuation,
+    fetch_continuation,
+    keep_continuation,
+)
 from tide_lib.orchestration.drift_check import (
     check_drift,
     keep_champion_baseline,
@@ -641,10 +646,12 @@ def _train_in_run(
             out_dir=work / "run",
             training=_training_settings(config, cycle_id),
             parent_dir=parent,
+            start_dir=fetch_continuation(config, parent_version, work / "start"),
             checkpoint_prefix=_checkpoint_prefix(config, cycle_id),
             mlflow_run_id=run_id,
         )
         result = run_training(job, config)
+        _hand_on(config, parent_version, job.start_dir, result.continuation_dir)
         improved = not (result.best_is_parent and parent_version)
         if improved:
             draft_uri = registry.log_draft(run_id, result.draft_dir)
@@ -671,6 +678,19 @@ def _train_in_run(
         tags={Tags.BEST_IS_PARENT: str(not improved).lower(), Tags.DRAFT_URI: draft_uri},
     )
     return draft_uri, improved
+
+
+def _hand_on(
+    config: TideConfig, parent_version: str | None, started: Path | None, left: Path | None
+) -> None:
+    """A run that started from a continuation consumed it; one that kept its parent and
+    rose above it leaves its own (:mod:`~tide_lib.orchestration.continuation`)."""
+    if parent_version is None:
+        return
+    if started is not None:
+        drop_continuation(config, parent_version)
+    if left is not None:
+        keep_continuation(config, parent_version, left)
 
 
 def register(config: TideConfig, snapshot: Snapshot, trained: Trained) -> str:

@@ -48,6 +48,7 @@ class TrainJob(BaseModel):
     out_dir: Path
     training: TrainConfig
     parent_dir: Path | None = None
+    start_dir: Path | None = None  # a continuation of an earlier run on this parent
     checkpoint_prefix: str | None = None  # key prefix in the lake bucket
     mlflow_run_id: str | None = None
 
@@ -112,6 +113,7 @@ def _train_here(job: TrainJob, config: TideConfig) -> TrainResult:
         job.out_dir,
         job.training,
         parent_dir=job.parent_dir,
+        start_dir=job.start_dir,
         metrics=sink,
         on_checkpoint=mirror.push if mirror is not None and rank == 0 else None,
         on_stale_checkpoint=mirror.clear if mirror is not None and rank == 0 else None,

@@ -256,6 +256,9 @@ class Selection:
         self.evaluations: list[Evaluation] = []
         self.best: BestDraft | None = None
         self.warm = False  # step 0 is a parent that serves: replacing it must be no noise
+        # a warm start's best trained step above the parent that forgot nothing, kept or
+        # not: where a next run on the same parent can go on (see ``continuation``)
+        self.candidate: BestDraft | None = None
 
     def begin(
         self, draft: torch.nn.Module, parent: torch.nn.Module | None, saved: dict[str, Any] | None
@@ -267,11 +270,14 @@ class Selection:
         if saved is not None:
             self.evaluations = [Evaluation(**entry) for entry in saved["evaluations"]]
             self.best = BestDraft.from_state(saved["best"])
+            if saved.get("candidate") is not None:
+                self.candidate = BestDraft.from_state(saved["candidate"])
             return
         first = self.held_out.score(parent if parent is not None else draft, 0)
         self._record(first)
         if parent is not None:  # the parent's weights stay on disk: nothing to copy
             self.best = BestDraft(0, first.accept_length)
+            self.candidate = BestDraft(0, first.accept_length)
         else:
             self.best = BestDraft(0, float("-inf"))
             self.best.offer(first, draft)
@@ -284,7 +290,10 @@ class Selection:
         forgot = self._forgotten(evaluation)
         if forgot:
             logger.info("step %d is not kept: it forgot %s", step, forgot)
-        elif self._within_noise_of_the_parent(evaluation):
+            return
+        if self.candidate is not None:
+            self.candidate.offer(evaluation, draft)
+        if self._within_noise_of_the_parent(evaluation):
             logger.info("step %d is not kept: above the parent within the noise", step)
         elif self.best.offer(evaluation, draft):
             logger.info("step %d is the best draft so far", step)
@@ -395,7 +404,19 @@ class Selection:
         return {
             "evaluations": [dataclasses.asdict(entry) for entry in self.evaluations],
             "best": self.best.to_state(),
+            "candidate": self.candidate.to_state() if self.candidate is not None else None,
         }
+
+    def continuation(self) -> BestDraft | None:
+        """What a warm start that keeps its parent learned: its best trained step, above
+        the parent on held-out traffic but within the noise, forgetting nothing. A next
+        run on the same parent starts from it (the parent stays its step 0 and its
+        teacher): gains too small for one window's held-out requests add up instead of
+        being thrown away (the oracle of a new segment needs more steps than one cycle
+        runs). None when the run exported a trained step, or none rose above the parent."""
+        if self.best is None or self.best.state is not None or self.candidate is None:
+            return None
+        return self.candidate if self.candidate.state is not None else None
 
     def summary_metrics(self) -> dict[str, float]:
         """Held-out acceptance before (step 0) and after (the exported step), per group."""

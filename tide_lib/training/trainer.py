@@ -88,6 +88,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 DRAFT_DIR = "draft"
+CONTINUATION_DIR = "continuation"
 
 
 class MetricSink(Protocol):
@@ -120,6 +121,9 @@ class TrainResult:
     validation_samples: int = 0
     learning_rate: float = 0.0  # the base learning rate used (scaled for warm starts)
     batch_size: int = 0  # samples per step and process used
+    # A run that kept its parent: its best trained step (above the parent within the
+    # noise, forgetting nothing), for a next run on the same parent to start from.
+    continuation_dir: Path | None = None
 
     @property
     def accept_length_before(self) -> float | None:
@@ -139,12 +143,22 @@ class TrainResult:
         return self.trained_tokens / self.seconds if self.seconds else 0.0
 
     def to_json(self) -> str:
-        return json.dumps({**dataclasses.asdict(self), "draft_dir": str(self.draft_dir)})
+        paths = {"draft_dir": str(self.draft_dir), "continuation_dir": None}
+        if self.continuation_dir is not None:
+            paths["continuation_dir"] = str(self.continuation_dir)
+        return json.dumps({**dataclasses.asdict(self), **paths})
 
     @classmethod
     def from_json(cls, raw: str) -> TrainResult:
         payload = json.loads(raw)
-        return cls(**{**payload, "draft_dir": Path(payload["draft_dir"])})
+        continuation = payload.get("continuation_dir")
+        return cls(
+            **{
+                **payload,
+                "draft_dir": Path(payload["draft_dir"]),
+                "continuation_dir": Path(continuation) if continuation else None,
+            }
+        )
 
 
 def list_samples(data_dir: Path) -> list[Path]:
@@ -371,8 +385,11 @@ def _run_fingerprint(
     config: TrainConfig,
     parent_dir: Path | None,
     batch_size: int,
+    *,
+    start_dir: Path | None = None,
 ) -> str:
-    """What a checkpoint must match to be resumed: names, settings, parent weights; no paths.
+    """What a checkpoint must match to be resumed: names, settings, parent (and start)
+    weights; no paths.
 
     A retry on another host has other directories but the same samples (names,
     sizes, leading bytes) and parent, so it resumes; a different window or parent
@@ -396,6 +413,7 @@ def _run_fingerprint(
         # Processes x batch is what a step trains on; how it is split does not matter.
         "step_batch": batch_size * int(os.environ.get("WORLD_SIZE", "1")),
         "parent": _file_digest(parent_dir / WEIGHTS_FILE) if parent_dir else None,
+        "start": _file_digest(start_dir / WEIGHTS_FILE) if start_dir else None,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -569,6 +587,7 @@ def train_draft(
     config: TrainConfig,
     *,
     parent_dir: Path | None = None,
+    start_dir: Path | None = None,
     metrics: MetricSink | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     on_checkpoint: Callable[[Path], None] | None = None,
@@ -577,7 +596,12 @@ def train_draft(
     """Train (or resume training) a draft; exports the best one to ``out_dir/draft``.
 
     The best is the draft with the highest held-out acceptance among step 0 (the
-    parent of a warm start) and every evaluation; the result says which.
+    parent of a warm start) and every evaluation; the result says which. A warm start
+    that keeps its parent also exports its best trained step to
+    ``out_dir/continuation`` when one rose above the parent forgetting nothing
+    (:meth:`Selection.continuation`); ``start_dir``, such a continuation of an earlier
+    run on this parent, is where training starts (the parent stays step 0, the
+    distillation teacher and the draft to beat).
     """
     backend = prepare_specforge(config.device, config.loss_backend)
     _maybe_init_distributed(config.device)
@@ -585,12 +609,18 @@ def train_draft(
     samples = list_samples(data_dir)
     train_samples, held_paths = split_held_out(data_dir, samples, config)
     plan = step_plan(config, len(train_samples), warm=parent_dir is not None, world=world)
-    fingerprint = _run_fingerprint(data_dir, samples, config, parent_dir, plan.batch_size)
+    start_dir = start_dir if parent_dir is not None else None  # continues a warm start only
+    fingerprint = _run_fingerprint(
+        data_dir, samples, config, parent_dir, plan.batch_size, start_dir=start_dir
+    )
     torch.manual_seed(config.seed)
 
     parent = load_draft(parent_dir, target_dir) if parent_dir is not None else None
+    start = load_draft(start_dir, target_dir) if start_dir is not None else parent
+    if start_dir is not None:
+        logger.info("continuing from %s, the last run's best step on this parent", start_dir)
     draws = draw_counts(plan.steps * plan.batch_size * world, len(train_samples), config.seed)
-    draft = initial_draft(train_samples, draws, target_dir, config, parent)
+    draft = initial_draft(train_samples, draws, target_dir, config, start)
     splits = [sample_split(data_dir, path) for path in train_samples]
     distill = parent is not None and config.distill_weight > 0 and REPLAY in splits
     objective = Eagle3Objective(draft, target_dir, config, teacher=parent if distill else None)
@@ -640,8 +670,11 @@ def train_draft(
         metrics.log_metrics(selection.summary_metrics(), step=plan.steps)
     best = selection.best if config.export == "best" else None
     draft_dir = out_dir / DRAFT_DIR
+    continuation = selection.continuation() if best is not None else None
     if rank == 0:
         _export_best(draft, parent, best, plan.steps, draft_dir)
+        if continuation is not None:
+            _export_continuation(draft, continuation, out_dir / CONTINUATION_DIR)
     if world > 1:
         torch.distributed.barrier()
     return TrainResult(
@@ -657,6 +690,7 @@ def train_draft(
         validation_samples=len(held_paths),
         learning_rate=plan.learning_rate,
         batch_size=plan.batch_size,
+        continuation_dir=out_dir / CONTINUATION_DIR if continuation is not None else None,
         **_selected(selection, best, plan.steps, warm=parent is not None),
     )
 
@@ -727,6 +761,16 @@ def _export_best(
         logger.info("exporting step %d, the best on held-out traffic", best.step)
         draft.load_state_dict(best.state, strict=False)
         export_draft(draft, draft_dir)
+
+
+def _export_continuation(draft: Any, continuation: BestDraft, directory: Path) -> None:
+    logger.info(
+        "no step beat the parent beyond the noise; step %d (%.3f) is kept to continue from",
+        continuation.step,
+        continuation.accept_length,
+    )
+    draft.load_state_dict(continuation.state, strict=False)
+    export_draft(draft, directory)
 
 
 @dataclasses.dataclass
