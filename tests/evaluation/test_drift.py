@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tide_lib.evaluation.drift import judge_drift, pooled_gain, still_learning
+from tide_lib.evaluation.drift import carried_gain, judge_drift, pooled_gain, still_learning
 from tide_lib.evaluation.gate import GateDecision
 from tide_lib.evaluation.offline import acceptance_ceiling, length_margin, replay_request
 from tide_lib.serving.acceptance import AcceptanceCount
@@ -258,6 +258,26 @@ def test_a_promotion_for_a_large_gain_on_real_traffic_keeps_learning() -> None:
     assert still_learning(rejected, min_gain=0.25, min_share=0.1) == {}
     thin = dataclasses.replace(_promotion(promoted, replaced), protected=("en",))
     assert still_learning(thin, min_gain=0.25, min_share=0.1) == {}  # ko: too few held out
+
+
+def test_a_window_weighted_gain_names_the_segments_that_carried_it() -> None:
+    """Korean too thin to protect alone carried the promotion's window-weighted gain: the
+    next cycle learns Korean (its earlier requests too), not the English tail, which
+    gained nothing, nor a sliver of law, however much it gained."""
+    promoted = {"en": 2.9, "ko": 2.4, "ko2": 2.0, "law": 2.5}
+    replaced = {"en": 3.0, "ko": 1.2, "ko2": 1.1, "law": 1.0}
+    weights = {"en": 0.2, "ko": 0.5, "ko2": 0.25, "law": 0.05}
+    thin = GateDecision(True, "", promoted, replaced, weights, 2.4, 1.5, protected=())
+    assert still_learning(thin, min_gain=0.25, min_share=0.1) == {}  # none protected alone
+    carried = carried_gain(thin, min_gain=0.25, min_share=0.1)
+    assert carried == {"ko": pytest.approx(1.2), "ko2": pytest.approx(0.9)}
+    assert carried_gain(thin, min_gain=0.0, min_share=0.1) == {}  # the rule is off
+    assert (
+        carried_gain(dataclasses.replace(thin, promote=False), min_gain=0.25, min_share=0.1) == {}
+    )
+    assert (
+        carried_gain(dataclasses.replace(thin, champion=None), min_gain=0.25, min_share=0.1) == {}
+    )
 
 
 def test_the_pooled_gain_counts_every_held_out_request_together() -> None:

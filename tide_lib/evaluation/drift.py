@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DriftVerdict",
     "capped_reference",
+    "carried_gain",
     "judge_drift",
     "pooled_gain",
     "still_learning",
@@ -163,3 +164,22 @@ def pooled_gain(promotion: GateDecision) -> float:
     if not promotion.promote or promotion.weighted_champion is None:
         return 0.0
     return promotion.weighted_challenger - promotion.weighted_champion
+
+
+def carried_gain(promotion: GateDecision, *, min_gain: float, min_share: float) -> dict[str, float]:
+    """The segments that carried a window-weighted gain (segment -> gain): those holding
+    ``min_share`` of the window's tokens that the promoted draft serves at least
+    ``min_gain`` better than the one it replaced, on however few held-out requests. Too
+    thin alone to count for :func:`still_learning`, together they are what the promotion
+    learned; the next cycle learns them from every window (their earlier requests too,
+    not kept by distillation toward the draft that did not serve them), the rest of the
+    window kept."""
+    before = promotion.champion
+    if min_gain <= 0 or not promotion.promote or before is None:
+        return {}
+    gains = {
+        segment: value - before[segment]
+        for segment, value in promotion.challenger.items()
+        if segment in before and promotion.weights.get(segment, 0.0) >= min_share
+    }
+    return {segment: gain for segment, gain in sorted(gains.items()) if gain >= min_gain}

@@ -438,13 +438,18 @@ def _comparable(config: TideConfig, known: Baseline) -> tuple[Baseline, Segmente
 def _still_learning(config: TideConfig, champion: Any, no_drift: str) -> Drift | None:
     """A champion without drift that was promoted for a large gain trains once more (see
     :func:`tide_lib.evaluation.drift.still_learning`): the segments it gained on (as its
-    gate grouped them) are learned, the rest of the window kept; the whole window is
-    learned when that segmenter is gone, or when the gain was the window-weighted
-    figure's (:func:`~tide_lib.evaluation.drift.pooled_gain`, every held-out request
-    together). None when the rule does not apply. Checked only
+    gate grouped them) are learned, the rest of the window kept. When the gain was the
+    window-weighted figure's (:func:`~tide_lib.evaluation.drift.pooled_gain`, every
+    held-out request together), the segments that carried it are learned
+    (:func:`~tide_lib.evaluation.drift.carried_gain`); the whole window when none did
+    or that segmenter is gone. None when the rule does not apply. Checked only
     on the first check after the promotion, and after the drift rule: new traffic is
     drift, and is learned as such, not as the segments of an older promotion."""
-    from tide_lib.evaluation.drift import pooled_gain, still_learning  # noqa: PLC0415
+    from tide_lib.evaluation.drift import (  # noqa: PLC0415
+        carried_gain,
+        pooled_gain,
+        still_learning,
+    )
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
     tags = dict(champion.tags or {})
@@ -456,13 +461,16 @@ def _still_learning(config: TideConfig, champion: Any, no_drift: str) -> Drift |
     pooled = pooled_gain(judged)
     if not gains and (min_gain <= 0 or pooled < min_gain):
         return None
+    share = config.gate.min_segment_share
+    named = gains or carried_gain(judged, min_gain=min_gain, min_share=share)
     key = tags.get(Tags.SEGMENTER)
-    readable = bool(gains) and state.stored_segmenter(config, key) is not None
-    listed = (
-        ", ".join(f"{segment} +{gain:.3f}" for segment, gain in gains.items())
-        if gains
-        else f"+{pooled:.3f} window-weighted (no segment alone held out enough to count)"
-    )
+    readable = bool(named) and state.stored_segmenter(config, key) is not None
+    listed = ", ".join(f"{segment} +{gain:.3f}" for segment, gain in named.items())
+    if not gains:
+        carried = f"; carried by {listed}" if named else ""
+        listed = (
+            f"+{pooled:.3f} window-weighted (no segment alone held out enough to count{carried})"
+        )
     return Drift(
         drift=True,
         reason=f"training: champion v{champion.version} was promoted for {listed} "
@@ -471,7 +479,7 @@ def _still_learning(config: TideConfig, champion: Any, no_drift: str) -> Drift |
         champion_version=champion.version,
         measured={},
         baseline=evidenced_figures(judged.challenger, judged.protected),
-        drifted=sorted(gains) if readable else [],
+        drifted=sorted(named) if readable else [],
         segmenter_key=key if readable else None,
     )
 
