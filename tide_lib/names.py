@@ -43,6 +43,9 @@ class Tags:
     REPLAY_TOKENS: Final = "tide.replay.tokens"
     PROMOTED: Final = "tide.promoted"
     SEGMENTER: Final = "tide.segmenter"  # lake key of the segmenter the figures grouped by
+    # how the gate replayed the drafts ("every_position"); figures without it are an older
+    # release's engine rounds, never a baseline for today's measurements
+    GATE_REPLAY: Final = "tide.gate.replay"
     # the gate's decision (tide_lib.evaluation.gate writes and reads them)
     ACCEPT_LENGTH: Final = "tide.al.{segment}.k{k}"
     CHAMPION_ACCEPT_LENGTH: Final = "tide.gate.champion_al.{segment}.k{k}"

@@ -109,7 +109,12 @@ def test_a_promotion_for_a_large_gain_trains_once_more_then_the_drift_rule_decid
     first = cycle.snapshot_window(config, "c1")
     gate_segmenter = state.cycle_segmenter(config, first)[1]  # what its gate grouped by
     registry.set_tags(
-        champion, {**decision_tags(promoted, config.gate.k), Tags.SEGMENTER: gate_segmenter}
+        champion,
+        {
+            **decision_tags(promoted, config.gate.k),
+            Tags.SEGMENTER: gate_segmenter,
+            Tags.GATE_REPLAY: drift_check.REPLAY_RULE,  # as evaluate_and_gate tags it
+        },
     )
     learning = cycle.check_drift(config, first)
     assert learning.drift and "still being learned" in learning.reason
@@ -129,6 +134,11 @@ def test_a_promotion_for_a_large_gain_trains_once_more_then_the_drift_rule_decid
     assert judged.champion_version == champion
     assert promoted.challenger.items() <= judged.baseline.items()
     assert judged.segmenter_key == gate_segmenter  # grouped as its baseline was
+    # Figures an older release's gate tagged (engine rounds, another replay) are no baseline.
+    state.lake_store(config).remove(state.state_key(config, "baseline.json"))
+    registry.set_tags(champion, {Tags.GATE_REPLAY: "engine_rounds"})
+    older = drift_check.champion_baseline(config, registry, registry.get(champion))
+    assert older.accept_length == {}
 
 
 def test_without_a_champion_or_with_the_check_off_the_cycle_trains(

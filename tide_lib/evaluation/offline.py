@@ -171,7 +171,7 @@ def _output_length(sample: ReplaySample) -> int:
 
 
 def _perfect_replay(
-    output_length: int, num_steps: int, every_position: bool = False
+    output_length: int, num_steps: int, *, every_position: bool = False
 ) -> tuple[int, int]:
     """``(emitted, verify steps)`` of a draft that is never wrong, counted as
     :func:`replay_request` counts: the first output token comes from the prefill."""
@@ -194,7 +194,9 @@ def acceptance_ceiling(
     output position."""
     count = AcceptanceCount(keep_requests=False)
     for sample in samples:
-        count.add(*_perfect_replay(_output_length(sample), num_steps, every_position))
+        count.add(
+            *_perfect_replay(_output_length(sample), num_steps, every_position=every_position)
+        )
     return count.accept_length
 
 

@@ -10,8 +10,9 @@ trained step (above the parent, forgetting nothing: see
 by the champion it started from, and the next cycle training on that same
 champion starts there. The champion stays that run's step 0, its distillation
 teacher and the draft to beat; a continuation of a champion that was replaced is
-never read again. A run that started from a continuation consumes it: it leaves
-its own, or none. The trainer hosts share it through the object store, never a
+read again only if a rollback makes that champion serve again (the gate judges what
+comes of it). A run that started from a continuation consumes it: it leaves its
+own, or none. The trainer hosts share it through the object store, never a
 disk. Off with ``cycle.continue_training: false``.
 """
 

@@ -47,6 +47,7 @@ from tide_lib.orchestration.continuation import (
     keep_continuation,
 )
 from tide_lib.orchestration.drift_check import (
+    REPLAY_RULE,
     check_drift,
     keep_champion_baseline,
     saved_drift,
@@ -651,46 +652,52 @@ def _train_in_run(
             mlflow_run_id=run_id,
         )
         result = run_training(job, config)
-        _hand_on(config, parent_version, job.start_dir, result.continuation_dir)
         improved = not (result.best_is_parent and parent_version)
         if improved:
             draft_uri = registry.log_draft(run_id, result.draft_dir)
         else:
             draft_uri = registry.model_uri(str(parent_version))
             _clear_checkpoints(config, cycle_id)  # register, which clears them, will not run
-            logger.info(
-                "cycle %s: no checkpoint beat the parent v%s on held-out traffic (%s): "
-                "nothing to register",
-                cycle_id,
-                parent_version,
-                ", ".join(
-                    f"step {e['step']}: {e['accept_length']:.3f}" for e in result.evaluations
-                ),
-            )
-    registry.record_run(
-        run_id,
-        params={
-            "window_tokens": snapshot.window_tokens,
-            "replay_tokens": snapshot.replay_tokens,
-            **exported.as_params(),
-        },
-        # in order, the draft's URI last: it marks the outcome complete
-        tags={Tags.BEST_IS_PARENT: str(not improved).lower(), Tags.DRAFT_URI: draft_uri},
-    )
+            _log_kept_parent(cycle_id, parent_version, result.evaluations)
+        registry.record_run(
+            run_id,
+            params={
+                "window_tokens": snapshot.window_tokens,
+                "replay_tokens": snapshot.replay_tokens,
+                **exported.as_params(),
+            },
+            # in order, the draft's URI last: it marks the outcome complete
+            tags={Tags.BEST_IS_PARENT: str(not improved).lower(), Tags.DRAFT_URI: draft_uri},
+        )
+        # once the outcome is recorded: a retry before it trains from the same start
+        _hand_on(config, parent_version, job.start_dir, result.continuation_dir)
     return draft_uri, improved
+
+
+def _log_kept_parent(
+    cycle_id: str, parent_version: str | None, evaluations: list[dict[str, Any]]
+) -> None:
+    logger.info(
+        "cycle %s: no checkpoint beat the parent v%s on held-out traffic (%s): nothing to register",
+        cycle_id,
+        parent_version,
+        ", ".join(f"step {e['step']}: {e['accept_length']:.3f}" for e in evaluations),
+    )
 
 
 def _hand_on(
     config: TideConfig, parent_version: str | None, started: Path | None, left: Path | None
 ) -> None:
-    """A run that started from a continuation consumed it; one that kept its parent and
-    rose above it leaves its own (:mod:`~tide_lib.orchestration.continuation`)."""
+    """A run that kept its parent and rose above it leaves its own continuation (in place
+    of the one it started from: the same keys, so no moment holds neither); one that
+    started from a continuation and leaves none consumed it
+    (:mod:`~tide_lib.orchestration.continuation`)."""
     if parent_version is None:
         return
-    if started is not None:
-        drop_continuation(config, parent_version)
     if left is not None:
         keep_continuation(config, parent_version, left)
+    elif started is not None:
+        drop_continuation(config, parent_version)
 
 
 def register(config: TideConfig, snapshot: Snapshot, trained: Trained) -> str:
@@ -745,7 +752,9 @@ def evaluate_and_gate(
         logger.info("v%s was judged before: %s", version, decision.reason)
     else:
         traffic = held_out_traffic(config, snapshot)
-        registry.set_tags(version, {Tags.SEGMENTER: traffic.segmenter_key})
+        registry.set_tags(
+            version, {Tags.SEGMENTER: traffic.segmenter_key, Tags.GATE_REPLAY: REPLAY_RULE}
+        )
         decision = _judge(config, registry, snapshot, version, traffic)
         log_decision(registry, version, decision, k)
         keep_champion_baseline(config, registry, version, decision, traffic.segmenter_key)

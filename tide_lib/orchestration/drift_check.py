@@ -19,7 +19,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from tide_lib.config import TideConfig
 from tide_lib.evaluation.drift import capped_reference, judge_drift
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from tide_lib.registry import DraftRegistry
 
 __all__ = [
+    "REPLAY_RULE",
     "Baseline",
     "champion_baseline",
     "check_drift",
@@ -547,10 +548,13 @@ def version_acceptance(
 
     target = config.cycle.target_path
     draft = load_draft(registry.download(version, work / f"v{version}"), target)
-    counts = offline_acceptance(draft, target, samples, ks, every_position=True)
+    counts = offline_acceptance(draft, target, samples, ks, every_position=True)  # REPLAY_RULE
     return {k: {segment: by_k[k] for segment, by_k in counts.items()} for k in ks}
 
 
+# How the cycle replays drafts it compares (version_acceptance); recorded with every
+# figure a later cycle compares against, so figures of another rule are never mixed in.
+REPLAY_RULE: Final = "every_position"
 _FIRST = "first measurement"  # baseline.json's source when the drift check set it
 _BASELINE = "baseline.json"
 
@@ -581,7 +585,8 @@ def champion_baseline(
     if saved is not None:
         stored = json.loads(saved)
         own = stored.get("source") == _FIRST and stored.get("cycle_id") == cycle_id
-        if stored.get("version") == champion.version and stored.get("k") == config.gate.k:
+        same_rule = stored.get("k") == config.gate.k and stored.get("replay") == REPLAY_RULE
+        if stored.get("version") == champion.version and same_rule:
             if own:
                 return none
             return Baseline(
@@ -592,6 +597,8 @@ def champion_baseline(
             )
     tags = dict(champion.tags or {})
     judged = decision_from_tags(tags, config.gate.k)
+    if tags.get(Tags.GATE_REPLAY) != REPLAY_RULE:
+        judged = None  # an older release's engine-round figures: measured afresh instead
     figures = evidenced_figures(judged.challenger, judged.protected) if judged is not None else {}
     if not figures:
         return none
@@ -612,6 +619,7 @@ def store_baseline(
     payload = {
         "version": baseline.version,
         "k": config.gate.k,
+        "replay": REPLAY_RULE,
         "accept_length": baseline.accept_length,
         "margins": baseline.margins,
         "segmenter": baseline.segmenter_key,
