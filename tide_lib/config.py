@@ -349,6 +349,15 @@ class TrainConfig(StrictModel):
         ),
     )
     validation_max_samples: int = Field(32, ge=1, description="cap on held-out samples")
+    min_gain_requests: int = Field(
+        6,
+        ge=0,
+        description=(
+            "held-out requests a warm start's gain beyond the noise must rest on to replace "
+            "its parent (warm_gain: beyond_noise); with fewer the spread that sets the noise "
+            "is itself noise, and the parent is kept (its best step left to continue from)"
+        ),
+    )
     export: Literal["best", "last"] = Field(
         "best",
         description=(

@@ -542,6 +542,12 @@ def test_a_gain_over_the_parent_within_its_noise_keeps_the_parent() -> None:
     worse.begin(draft, parent, None)
     worse.evaluate(draft, 10)
     assert worse.best is not None and worse.best.step == 0  # a lower figure never replaces it
+    # every request gained, but four requests cannot say how much a gain varies
+    few = Selection(Held(uniform), forgetting_tolerance=0.1, min_gain_requests=6)  # type: ignore[arg-type]
+    few.begin(draft, parent, None)
+    few.evaluate(draft, 10)
+    assert few.best is not None and few.best.step == 0
+    assert few.continuation() is not None  # what it learned is kept to continue from
 
 
 def test_the_gain_over_the_parent_is_judged_on_the_traffic_the_run_learns() -> None:

@@ -718,6 +718,7 @@ def _selection(
         forgetting_tolerance=config.forgetting_tolerance,
         forgetting_min_tokens=config.forgetting_min_tokens,
         gain_beyond_noise=config.warm_gain == "beyond_noise",
+        min_gain_requests=config.min_gain_requests,
     )
 
 
