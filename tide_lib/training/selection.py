@@ -313,8 +313,7 @@ class Selection:
         their noise. Without such groups, on every held-out request.
 
         On fewer than ``min_gain_requests`` held-out requests no gain counts: the spread
-        the noise is estimated from is itself noise (on the demo, a step kept on five
-        English requests was measured by the gate at 1.654 against its parent's 1.934).
+        the noise is estimated from is itself noise.
         Off (``training.warm_gain: any``) when the parent is known not to fit the traffic
         learned: any higher figure replaces it, and the gate judges the draft."""
         if not self.gain_beyond_noise:
