@@ -144,21 +144,8 @@ def still_learning(
     protected (measured on enough held-out traffic) that held ``min_share`` of the
     window's tokens. Empty when ``min_gain`` is 0 (the rule is off) or the decision was
     not a promotion over a measured champion."""
-    gains = _gains(promotion, min_gain=min_gain, min_share=min_share)
+    gains = carried_gain(promotion, min_gain=min_gain, min_share=min_share)
     return {segment: gain for segment, gain in gains.items() if segment in promotion.protected}
-
-
-def _gains(promotion: GateDecision, *, min_gain: float, min_share: float) -> dict[str, float]:
-    """Window segments (``min_share`` of its tokens) a promotion gained ``min_gain`` on."""
-    before = promotion.champion
-    if min_gain <= 0 or not promotion.promote or before is None:
-        return {}
-    gains = {
-        segment: value - before[segment]
-        for segment, value in promotion.challenger.items()
-        if segment in before and promotion.weights.get(segment, 0.0) >= min_share
-    }
-    return {segment: gain for segment, gain in sorted(gains.items()) if gain >= min_gain}
 
 
 def pooled_gain(promotion: GateDecision) -> float:
@@ -178,4 +165,12 @@ def carried_gain(promotion: GateDecision, *, min_gain: float, min_share: float) 
     learned; the next cycle learns them from every window (their earlier requests too,
     not kept by distillation toward the draft that did not serve them), the rest of the
     window kept."""
-    return _gains(promotion, min_gain=min_gain, min_share=min_share)
+    before = promotion.champion
+    if min_gain <= 0 or not promotion.promote or before is None:
+        return {}
+    gains = {
+        segment: value - before[segment]
+        for segment, value in promotion.challenger.items()
+        if segment in before and promotion.weights.get(segment, 0.0) >= min_share
+    }
+    return {segment: gain for segment, gain in sorted(gains.items()) if gain >= min_gain}

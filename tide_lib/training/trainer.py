@@ -143,9 +143,8 @@ class TrainResult:
         return self.trained_tokens / self.seconds if self.seconds else 0.0
 
     def to_json(self) -> str:
-        paths = {"draft_dir": str(self.draft_dir), "continuation_dir": None}
-        if self.continuation_dir is not None:
-            paths["continuation_dir"] = str(self.continuation_dir)
+        continuation = str(self.continuation_dir) if self.continuation_dir else None
+        paths = {"draft_dir": str(self.draft_dir), "continuation_dir": continuation}
         return json.dumps({**dataclasses.asdict(self), **paths})
 
     @classmethod
