@@ -54,6 +54,14 @@ def fetch_continuation(
     directory.mkdir(parents=True, exist_ok=True)
     for info in store.list(prefix):
         store.get_file(info.key, directory / info.key.removeprefix(prefix))
+    from tide_lib.training.draft import InvalidCheckpointError, validate_draft_dir  # noqa: PLC0415
+
+    try:
+        validate_draft_dir(directory)
+    except InvalidCheckpointError as error:  # a bad object must not fail every later cycle
+        logger.warning("dropping the continuation of champion v%s: %s", champion_version, error)
+        drop_continuation(config, champion_version)
+        return None
     logger.info("continuing the training an earlier cycle did on champion v%s", champion_version)
     return directory
 
