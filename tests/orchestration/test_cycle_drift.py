@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -360,3 +361,65 @@ def test_the_check_after_a_thin_promotion_measures_instead_of_training(
     learning = cycle.check_drift(config, second)
     assert learning.drift and "still being learned" in learning.reason
     assert "promoted without a baseline" in learning.reason
+
+
+def test_a_segment_learned_in_vain_is_held_to_what_the_champion_serves_there(
+    stack: TideConfig, tmp_path: Path, tiny_drafts: dict[str, Path]
+) -> None:
+    """Seen in the no-shift benchmark at abbe80c: a cluster the fitted draft serves at 2.6,
+    left out of its first measurement (far below its best), was held to the baseline's
+    4.3 ever after: three cycles trained, none promoted. A cycle that learns such a
+    segment and keeps its champion settles it; one that gained on it, or a known segment
+    that fell, is learned again."""
+    config = _config(stack, tmp_path, segment_clusters=1)
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    champion = registry.seed_champion(tiny_drafts["ko"]).version
+    window = drift_check._Window(
+        measured={"chat": 4.3, "code": 2.6, "single": 2.0},
+        margins={"chat": 0.1, "code": 0.15},
+        all_margins={"chat": 0.1, "code": 0.15, "single": float("inf")},
+        shares={"chat": 0.6, "code": 0.3, "single": 0.1},
+        segmenter_key="key-1",
+    )
+    first = drift_check._first_measurement(config, champion, window, "c1")
+    assert first.drifted == ["code", "single"] and not first.champion_judged
+    # Never judged, the seeded champion's segments are learned, but a gain over it must
+    # be beyond the noise: a segment far below its best may be traffic no draft serves
+    # better (the first-cycle challengers registered below their parent).
+    state.write_state(config, "cycles/c1/drift.json", first.model_dump_json().encode())
+    assert cycle._training_settings(config, "c1").warm_gain == config.training.warm_gain
+    judged = first.model_copy(update={"champion_judged": True})
+    state.write_state(config, "cycles/c2/drift.json", judged.model_dump_json().encode())
+    assert cycle._training_settings(config, "c2").warm_gain == "any"
+
+    def settle(cycle_id: str, **gains: Any) -> list[str]:
+        return drift_check.settle_tried_segments(config, registry, cycle_id, champion, **gains)
+
+    def baseline() -> dict[str, Any]:
+        key = state.state_key(config, "baseline.json")
+        return dict(json.loads(state.lake_store(config).get_bytes(key)))
+
+    # The gate measured a gain of learning_gain on it (grouped alike): learned, not settled.
+    learned = {"code": 0.3, "chat": -0.2}
+    assert settle("c1", gain=-0.1, segment_gains=learned, gains_key="key-1") == []
+    # Grouped otherwise, the window-weighted gain speaks for every segment.
+    assert settle("c1", gain=0.3, segment_gains={"cluster-0": 0.0}, gains_key="key-2") == []
+    assert baseline()["accept_length"] == {"chat": 4.3}
+    assert settle("c9", gain=0.0) == []  # no check saved for that cycle
+    # No checkpoint beat the parent (or the gate found no gain there): held to its figure.
+    assert settle("c1", gain=0.05) == ["code"]  # one request gives no figure to hold
+    stored = baseline()
+    assert stored["accept_length"] == {"chat": 4.3, "code": 2.6}
+    assert stored["margins"] == {"chat": 0.1, "code": 0.15}
+    assert stored["segmenter"] == "key-1" and stored["version"] == champion
+    known = drift_check.champion_baseline(config, registry, registry.get(champion))
+    later = dataclasses.replace(window, measured={"chat": 4.25, "code": 2.5, "single": 2.0})
+    assert not drift_check._judged_against(config, champion, later, known).drift
+    # A known segment that fell is traffic that changed: its baseline stays.
+    fell = drift_check._judged_against(
+        config, champion, dataclasses.replace(later, measured={"chat": 3.5, "code": 2.5}), known
+    )
+    assert fell.drift and fell.drifted == ["chat"]
+    state.write_state(config, "cycles/c3/drift.json", fell.model_dump_json().encode())
+    assert settle("c3", gain=0.0) == []
+    assert baseline()["accept_length"] == stored["accept_length"]

@@ -51,6 +51,7 @@ from tide_lib.orchestration.drift_check import (
     check_drift,
     keep_champion_baseline,
     saved_drift,
+    settle_tried_segments,
     version_acceptance,
 )
 from tide_lib.orchestration.handoff import Decision, Drift, Promotion, Snapshot, Trained
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
     from tide_lib.evaluation.gate import GateDecision, PooledFigures
     from tide_lib.registry import DraftRegistry
     from tide_lib.serving.fleet import FleetManager
+    from tide_lib.training.trainer import TrainResult
 
 __all__ = [
     "HeldOutTraffic",
@@ -408,11 +410,14 @@ def _champion_drifted(drift: Drift | None) -> bool:
     """Did a champion's drift check name segments of the window it no longer fits (fell
     on, far below its best segment, or still learning after a promotion for them)? Not
     when training without such a finding: no champion yet, the check off, failed or
-    unable to judge, a champion without a baseline that fits every segment."""
+    unable to judge, a champion without a baseline that fits every segment; nor for a
+    champion never judged (a seeded one): a segment far below its best may be traffic
+    no draft serves better, so a gain over it must be beyond the noise."""
     return (
         drift is not None
         and drift.drift
         and drift.champion_version is not None
+        and drift.champion_judged
         and bool(drift.drifted)
     )
 
@@ -671,7 +676,19 @@ def _train_in_run(
         )
         # once the outcome is recorded: a retry before it trains from the same start
         _hand_on(config, parent_version, job.start_dir, result.continuation_dir)
+    if not improved and parent_version is not None:
+        settle_tried_segments(
+            config, registry, cycle_id, parent_version, gain=_best_trained_gain(result)
+        )
     return draft_uri, improved
+
+
+def _best_trained_gain(result: TrainResult) -> float:
+    """How far the best trained step rose above the parent on held-out traffic (0 when
+    nothing was held out or no step was trained)."""
+    before = result.accept_length_before
+    trained = [e["accept_length"] for e in result.evaluations if e["step"] > 0]
+    return max(trained) - before if trained and before is not None else 0.0
 
 
 def _log_kept_parent(
@@ -757,7 +774,14 @@ def evaluate_and_gate(
         )
         decision = _judge(config, registry, snapshot, version, traffic)
         log_decision(registry, version, decision, k)
-        keep_champion_baseline(config, registry, version, decision, traffic.segmenter_key)
+        keep_champion_baseline(
+            config,
+            registry,
+            version,
+            decision,
+            segmenter_key=traffic.segmenter_key,
+            cycle_id=snapshot.cycle_id,
+        )
     return Decision(
         promote=decision.promote or config.cycle.force_promote,
         reason=decision.reason,

@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -50,6 +50,7 @@ __all__ = [
     "evidenced_figures",
     "keep_champion_baseline",
     "saved_drift",
+    "settle_tried_segments",
     "store_baseline",
     "version_acceptance",
 ]
@@ -332,6 +333,7 @@ def _first_measurement(
         drifted=sorted(drifted),
         fitting=_fitting(window, lambda _: best, drifted, tolerance),
         segmenter_key=window.segmenter_key,
+        champion_judged=promoted,
     )
 
 
@@ -556,6 +558,7 @@ def version_acceptance(
 # figure a later cycle compares against, so figures of another rule are never mixed in.
 REPLAY_RULE: Final = "every_position"
 _FIRST = "first measurement"  # baseline.json's source when the drift check set it
+_TRIED = "a cycle learned it and kept the champion"
 _BASELINE = "baseline.json"
 
 
@@ -633,10 +636,14 @@ def keep_champion_baseline(
     registry: DraftRegistry,
     version: str,
     decision: GateDecision,
+    *,
     segmenter_key: str,
+    cycle_id: str,
 ) -> None:
-    """A champion never judged before (a seeded one) that held its place: the gate's
-    figures on it are its baseline, so later cycles train only if its traffic drifts."""
+    """A champion that held its place against the challenger of ``cycle_id``: never judged
+    before (a seeded one), the gate's figures on it are its baseline, so later cycles
+    train only if its traffic drifts; segments the cycle learned in vain join that
+    baseline (:func:`settle_tried_segments`)."""
     from tide_lib.registry import CHAMPION  # noqa: PLC0415
 
     champion = registry.alias(CHAMPION)
@@ -649,3 +656,79 @@ def keep_champion_baseline(
         if figures:
             held = Baseline(champion.version, figures, {}, segmenter_key)
             store_baseline(config, held, "gate: held its place")
+    before = decision.champion
+    settle_tried_segments(
+        config,
+        registry,
+        cycle_id,
+        champion.version,
+        gain=decision.weighted_challenger - (decision.weighted_champion or 0.0),
+        segment_gains={s: v - before[s] for s, v in decision.challenger.items() if s in before},
+        gains_key=segmenter_key,
+    )
+
+
+def settle_tried_segments(
+    config: TideConfig,
+    registry: DraftRegistry,
+    cycle_id: str,
+    champion_version: str,
+    *,
+    gain: float,
+    segment_gains: Mapping[str, float] | None = None,
+    gains_key: str | None = None,
+) -> list[str]:
+    """Segments a cycle learned in vain join the champion's baseline at its figures there.
+
+    A segment the baseline holds no figure for (new to it, or left out of a first
+    measurement as far below the champion's best) is held to a guess: the baseline's
+    average, or the best segment. A cycle that learned it and kept its champion (no
+    checkpoint beat the parent, or the gate rejected the challenger) refutes the guess
+    unless it gained ``cycle.learning_gain`` there; held to it, every later window trains
+    again for nothing (seen in the no-shift benchmark: a cluster of coding questions the
+    fitted draft serves at 2.6, held to 4.3: three cycles trained, none promoted). From
+    now on it is held to what the champion serves, so it trains again when it falls
+    below that. A known segment that fell keeps its baseline: its traffic changed, and
+    the next cycle learns it again. ``gain``: what the cycle's draft gained on all the
+    held-out traffic; ``segment_gains``: per segment, as the segmenter ``gains_key``
+    grouped them (the gate's), which speak for a segment when the check grouped alike.
+    """
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
+
+    drift = saved_drift(config, cycle_id)
+    champion = registry.alias(CHAMPION)
+    if drift is None or champion is None or not drift.drift:
+        return []
+    if drift.champion_version != champion_version or champion.version != champion_version:
+        return []
+    known = champion_baseline(config, registry, champion)
+    if known.accept_length and known.segmenter_key != drift.segmenter_key:
+        return []  # grouped otherwise since: its figures do not name the same traffic
+    min_gain = config.cycle.learning_gain
+    gains = segment_gains if gains_key == drift.segmenter_key and segment_gains else {}
+    tried = {
+        segment: drift.measured[segment]
+        for segment in drift.drifted
+        if segment in drift.margins
+        and segment not in known.accept_length
+        and gains.get(segment, gain) < min_gain
+    }
+    if not tried:
+        return []
+    grown = Baseline(
+        champion_version,
+        {**known.accept_length, **tried},
+        {**known.margins, **{segment: drift.margins[segment] for segment in tried}},
+        drift.segmenter_key,
+    )
+    store_baseline(config, grown, _TRIED)
+    logger.info(
+        "cycle %s learned %s and kept champion v%s: it is held to what v%s serves there "
+        "from now on (%s)",
+        cycle_id,
+        ", ".join(sorted(tried)),
+        champion_version,
+        champion_version,
+        ", ".join(f"{segment} {value:.3f}" for segment, value in sorted(tried.items())),
+    )
+    return sorted(tried)

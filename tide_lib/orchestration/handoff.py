@@ -133,6 +133,12 @@ class Drift(HandOff):
         "(learn the whole window), still learning, or a record of an older release "
         "(both: learn `drifted`)",
     )
+    champion_judged: bool = Field(
+        True,
+        description="false: the champion was never judged on traffic (a seeded one's first "
+        "check); the segments far below its best are learned, but a gain over it must be "
+        "beyond the noise (training.warm_gain is left as set)",
+    )
     saved_train_seconds: float | None = Field(
         None, description="no drift: the last trained cycle's training time, not spent"
     )
