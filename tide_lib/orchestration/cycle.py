@@ -79,7 +79,6 @@ if TYPE_CHECKING:
     from tide_lib.evaluation.gate import GateDecision, PooledFigures
     from tide_lib.registry import DraftRegistry
     from tide_lib.serving.fleet import FleetManager
-    from tide_lib.training.trainer import TrainResult
 
 __all__ = [
     "HeldOutTraffic",
@@ -676,19 +675,9 @@ def _train_in_run(
         )
         # once the outcome is recorded: a retry before it trains from the same start
         _hand_on(config, parent_version, job.start_dir, result.continuation_dir)
-    if not improved and parent_version is not None:
-        settle_tried_segments(
-            config, registry, cycle_id, parent_version, gain=_best_trained_gain(result)
-        )
+    if not improved and parent_version is not None:  # no step beat it beyond the noise
+        settle_tried_segments(config, registry, cycle_id, parent_version, gain=0.0)
     return draft_uri, improved
-
-
-def _best_trained_gain(result: TrainResult) -> float:
-    """How far the best trained step rose above the parent on held-out traffic (0 when
-    nothing was held out or no step was trained)."""
-    before = result.accept_length_before
-    trained = [e["accept_length"] for e in result.evaluations if e["step"] > 0]
-    return max(trained) - before if trained and before is not None else 0.0
 
 
 def _log_kept_parent(

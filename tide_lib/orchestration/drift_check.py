@@ -682,16 +682,19 @@ def settle_tried_segments(
 
     A segment the baseline holds no figure for (new to it, or left out of a first
     measurement as far below the champion's best) is held to a guess: the baseline's
-    average, or the best segment. A cycle that learned it and kept its champion (no
-    checkpoint beat the parent, or the gate rejected the challenger) refutes the guess
-    unless it gained ``cycle.learning_gain`` there; held to it, every later window trains
-    again for nothing (seen in the no-shift benchmark: a cluster of coding questions the
-    fitted draft serves at 2.6, held to 4.3: three cycles trained, none promoted). From
-    now on it is held to what the champion serves, so it trains again when it falls
-    below that. A known segment that fell keeps its baseline: its traffic changed, and
-    the next cycle learns it again. ``gain``: what the cycle's draft gained on all the
-    held-out traffic; ``segment_gains``: per segment, as the segmenter ``gains_key``
-    grouped them (the gate's), which speak for a segment when the check grouped alike.
+    average, or the best segment. Held to it, every later window trains again for
+    nothing (the no-shift benchmark at abbe80c: a cluster of coding questions the fitted
+    draft serves at 2.6, held to 4.3; three cycles trained, none promoted). A cycle
+    that learned it and kept its champion refutes the guess, and from then on the
+    segment is held to what the champion serves: it trains again when it falls below.
+
+    ``gain``: what the cycle's draft gained on all its held-out traffic (0 when no
+    checkpoint beat the parent beyond the noise; a step within it is left to continue
+    from); ``segment_gains``: the gate's gains per segment, grouped by the segmenter
+    ``gains_key``, which speak for a segment when the check grouped alike. A gain of
+    ``cycle.learning_gain`` or more means it learned, and was rejected for something
+    else: not settled. A known segment that fell keeps its baseline (its traffic
+    changed: the next cycle learns it again).
     """
     from tide_lib.registry import CHAMPION  # noqa: PLC0415
 
