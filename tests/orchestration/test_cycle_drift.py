@@ -21,6 +21,7 @@ from tide_lib.config import TideConfig
 from tide_lib.evaluation.gate import GateDecision, decision_tags
 from tide_lib.names import Tags
 from tide_lib.orchestration import cycle, drift_check, state
+from tide_lib.orchestration.handoff import Drift
 from tide_lib.registry import DraftRegistry
 
 pytestmark = pytest.mark.slow
@@ -183,9 +184,25 @@ def test_a_cycle_whose_best_checkpoint_is_its_parent_registers_nothing(
     parent = registry.seed_champion(tiny_drafts["ko"]).version
     _capture(config, tiny_target, documents=12)
     snapshot = cycle.snapshot_window(config, "c1")
+    # The check sent it to learn a segment its baseline held no figure for.
+    check = Drift(
+        drift=True,
+        reason="far below its best",
+        champion_version=parent,
+        measured={"cluster-0": 1.0},
+        margins={"cluster-0": 0.1},
+        baseline={},
+        drifted=["cluster-0"],
+        champion_judged=False,
+    )
+    state.write_state(config, "cycles/c1/drift.json", check.model_dump_json().encode())
 
     trained = cycle.train(config, snapshot)
     assert trained.improved is False and trained.parent_version == parent
+    # Learned in vain: the segment is held to what the parent serves there from now on.
+    key = state.state_key(config, "baseline.json")
+    settled = json.loads(state.lake_store(config).get_bytes(key))
+    assert settled["accept_length"] == {"cluster-0": 1.0} and settled["version"] == parent
     assert trained.draft_uri == registry.model_uri(parent)
     assert cycle.train(config, snapshot) == trained  # a retry reads the outcome back
     run = registry.client.get_run(trained.run_id)

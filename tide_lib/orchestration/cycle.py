@@ -409,14 +409,11 @@ def _champion_drifted(drift: Drift | None) -> bool:
     """Did a champion's drift check name segments of the window it no longer fits (fell
     on, far below its best segment, or still learning after a promotion for them)? Not
     when training without such a finding: no champion yet, the check off, failed or
-    unable to judge, a champion without a baseline that fits every segment; nor for a
-    champion never judged (a seeded one): a segment far below its best may be traffic
-    no draft serves better, so a gain over it must be beyond the noise."""
+    unable to judge, a champion without a baseline that fits every segment."""
     return (
         drift is not None
         and drift.drift
         and drift.champion_version is not None
-        and drift.champion_judged
         and bool(drift.drifted)
     )
 
@@ -425,10 +422,14 @@ def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
     """The trainer's settings for this cycle: the last step when promotion is forced; any
     gain over a champion its drift check found no longer fitting (``warm_gain: any``: a
     window's few held-out requests hid real gains on the traffic it fell on; the gate
-    still judges the draft), else a gain beyond the noise."""
+    still judges the draft), else a gain beyond the noise. A champion never judged (a
+    seeded one) is not known not to fit: the segments its first check found far below
+    its best may be traffic no draft serves better (first cycles registered challengers
+    below their parent), so a gain over it must be beyond the noise."""
     if config.cycle.force_promote:  # promote what was trained, whatever it scores
         return config.training.model_copy(update={"export": "last"})
-    if _champion_drifted(saved_drift(config, cycle_id)):
+    drift = saved_drift(config, cycle_id)
+    if _champion_drifted(drift) and drift is not None and drift.champion_judged:
         return config.training.model_copy(update={"warm_gain": "any"})
     return config.training
 
