@@ -159,7 +159,6 @@ class Engine:
             explore_every=serve.speculative_adaptive_explore_every,
             min_gain=serve.speculative_adaptive_min_gain,
         )
-        self._calibrate_speculation()
         self.writer = self._capture_writer(config) if serve.capture else None
         self.counters = EngineCounters()
         self.metrics = EngineMetrics(self)
@@ -169,7 +168,10 @@ class Engine:
         self._waiting = 0  # requests queued, not yet taken by the worker nor cancelled
         self._rng = random.Random(0)
         self._worker = threading.Thread(target=self._work, name="tide-engine", daemon=True)
+        ready = threading.Event()
+        self._worker_ready = ready.set
         self._worker.start()
+        ready.wait()  # calibrated, in the thread that decodes: its costs are that thread's
 
     # -- requests ------------------------------------------------------------------------
 
@@ -225,6 +227,12 @@ class Engine:
         return self._running
 
     def _work(self) -> None:
+        try:
+            if self.serve.decode_threads:
+                torch.set_num_threads(self.serve.decode_threads)  # this thread's team only
+            self._calibrate_speculation()
+        finally:
+            self._worker_ready()
         while True:
             item = self._queue.get()
             if item is None:
