@@ -372,7 +372,8 @@ class TrainConfig(StrictModel):
             "what a warm start's checkpoint must gain over its parent on held-out traffic to "
             "replace it: beyond_noise, a paired gain beyond the noise of its held-out requests; "
             "any, a higher figure (a cycle uses it when its champion's drift check named "
-            "segments it no longer fits, or still learns; the gate still judges the draft)"
+            "segments it no longer fits, or still learns, unless the champion was never "
+            "judged, a seeded one's first check; the gate still judges the draft)"
         ),
     )
     k: int = Field(4, ge=1, description="draft tokens per verify of the held-out replay")
@@ -516,7 +517,8 @@ class ServeConfig(StrictModel):
         le=256,
         description=(
             "intra-op CPU threads of the decoding worker (torch.set_num_threads in its "
-            "thread; calibration runs there too); 0: torch's default. Batch-one decoding is "
+            "thread; calibration runs there too); 0: left as the process has it. Batch-one "
+            "decoding is "
             "many small operations, and a team of OpenMP threads in a thread other than "
             "the main one cost more than it gave: on 2 cores, k=4 served 77-86 tokens/s "
             "with 2 threads against 150-171 with 1. Threads the process starts later "

@@ -419,8 +419,10 @@ def test_a_segment_learned_in_vain_is_held_to_what_the_champion_serves_there(
     # The gate measured a gain of learning_gain on it (grouped alike): learned, not settled.
     learned = {"code": 0.3, "chat": -0.2}
     assert settle("c1", gain=-0.1, segment_gains=learned, gains_key="key-1") == []
-    # Grouped otherwise, the window-weighted gain speaks for every segment.
+    # Grouped otherwise, another fit's clusters say nothing of these segments: the
+    # window-weighted gain speaks for them; a client label names the same traffic.
     assert settle("c1", gain=0.3, segment_gains={"cluster-0": 0.0}, gains_key="key-2") == []
+    assert settle("c1", gain=0.0, segment_gains={"code": 0.3}, gains_key="key-2") == []
     assert baseline()["accept_length"] == {"chat": 4.3}
     assert settle("c9", gain=0.0) == []  # no check saved for that cycle
     # No checkpoint beat the parent (or the gate found no gain there): held to its figure.

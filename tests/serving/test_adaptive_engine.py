@@ -7,6 +7,7 @@ for it (its acceptance is poor, which is what an unfitted draft looks like).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -284,3 +285,26 @@ def test_the_segment_label_reaches_the_captured_record(
         samples = {s.request_id: s.segment for s in reader.iter_records(shards)}
         time.sleep(0.5)
     assert {rid: samples.get(rid) for rid in wanted} == wanted
+
+
+def test_the_decoding_thread_calibrates_and_a_failed_start_fails_the_engine(
+    tiny_target: Path, random_draft: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Costs are measured in the thread that decodes, with its ``serve.decode_threads``
+    (a worker thread with torch's two threads decoded at half the speed the main thread
+    did); an error there fails ``Engine()`` instead of leaving one whose requests never
+    complete."""
+    threads: list[int] = []
+    calibrated_in: list[str] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+
+    def broken_probe(engine: Engine) -> None:
+        calibrated_in.append(threading.current_thread().name)
+        raise RuntimeError("the probe broke")
+
+    monkeypatch.setattr(Engine, "_calibrate_speculation", broken_probe)
+    config = _config(tmp_path, tiny_target, random_draft, speculative_adaptive=True)
+    with pytest.raises(RuntimeError, match="the probe broke"):
+        Engine(config)
+    assert threads == [config.serve.decode_threads] == [1]
+    assert calibrated_in == ["tide-engine"]

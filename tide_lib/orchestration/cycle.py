@@ -571,7 +571,9 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
     Warm-starts from the champion. Checkpoints are mirrored to the lake bucket, so
     a retry on any trainer host resumes; the draft goes to the run's artifacts. The
     cycle has one MLflow run: a failed attempt marks it FAILED, a retry resumes it,
-    and a retry after the draft was logged reuses that draft.
+    and a retry after the draft was logged reuses that draft. A run whose best
+    checkpoint was the parent settles the segments it was sent to learn
+    (:func:`~tide_lib.orchestration.drift_check.settle_tried_segments`).
     """
     registry = draft_registry(config)
     cycle_id = snapshot.cycle_id
@@ -595,6 +597,9 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
         registry.end_run(run_id, "FAILED")  # never left RUNNING; a retry resumes it
         raise
     registry.end_run(run_id)
+    if not improved and parent_version is not None:  # no step beat it beyond the noise
+        # on a retry too (idempotent): the outcome may have been recorded before a crash
+        settle_tried_segments(config, registry, cycle_id, parent_version, gain=0.0)
     return Trained(
         run_id=run_id, draft_uri=draft_uri, parent_version=parent_version, improved=improved
     )
@@ -676,8 +681,6 @@ def _train_in_run(
         )
         # once the outcome is recorded: a retry before it trains from the same start
         _hand_on(config, parent_version, job.start_dir, result.continuation_dir)
-    if not improved and parent_version is not None:  # no step beat it beyond the noise
-        settle_tried_segments(config, registry, cycle_id, parent_version, gain=0.0)
     return draft_uri, improved
 
 
@@ -754,9 +757,19 @@ def evaluate_and_gate(
     prepare_specforge("cpu")
     k = config.gate.k
     registry = draft_registry(config)
-    decision = decision_from_tags(registry.get(version).tags, k)
+    tags = registry.get(version).tags
+    decision = decision_from_tags(tags, k)
     if decision is not None:
         logger.info("v%s was judged before: %s", version, decision.reason)
+        if tags.get(Tags.SEGMENTER):  # a retry after a crash before its baseline was kept
+            keep_champion_baseline(
+                config,
+                registry,
+                version,
+                decision,
+                segmenter_key=tags[Tags.SEGMENTER],
+                cycle_id=snapshot.cycle_id,
+            )
     else:
         traffic = held_out_traffic(config, snapshot)
         registry.set_tags(

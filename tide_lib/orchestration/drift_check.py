@@ -663,7 +663,11 @@ def keep_champion_baseline(
         cycle_id,
         champion.version,
         gain=decision.weighted_challenger - (decision.weighted_champion or 0.0),
-        segment_gains={s: v - before[s] for s, v in decision.challenger.items() if s in before},
+        segment_gains={  # a segment's own gain only on enough held-out traffic to count
+            s: v - before[s]
+            for s, v in decision.challenger.items()
+            if s in before and s in decision.protected
+        },
         gains_key=segmenter_key,
     )
 
@@ -691,7 +695,8 @@ def settle_tried_segments(
     ``gain``: what the cycle's draft gained on all its held-out traffic (0 when no
     checkpoint beat the parent beyond the noise; a step within it is left to continue
     from); ``segment_gains``: the gate's gains per segment, grouped by the segmenter
-    ``gains_key``, which speak for a segment when the check grouped alike. A gain of
+    ``gains_key``, which speak for a segment when the check grouped alike (a client
+    label, under any segmenter). A gain of
     ``cycle.learning_gain`` or more means it learned, and was rejected for something
     else: not settled. A known segment that fell keeps its baseline (its traffic
     changed: the next cycle learns it again).
@@ -708,7 +713,11 @@ def settle_tried_segments(
     if known.accept_length and known.segmenter_key != drift.segmenter_key:
         return []  # grouped otherwise since: its figures do not name the same traffic
     min_gain = config.cycle.learning_gain
-    gains = segment_gains if gains_key == drift.segmenter_key and segment_gains else {}
+    gains = {  # clusters of another fit name other traffic; client labels name the same
+        segment: value
+        for segment, value in (segment_gains or {}).items()
+        if gains_key == drift.segmenter_key or not reserved_segment(segment)
+    }
     tried = {
         segment: drift.measured[segment]
         for segment in drift.drifted

@@ -170,8 +170,13 @@ class Engine:
         self._worker = threading.Thread(target=self._work, name="tide-engine", daemon=True)
         ready = threading.Event()
         self._worker_ready = ready.set
+        self._start_error: BaseException | None = None
         self._worker.start()
         ready.wait()  # calibrated, in the thread that decodes: its costs are that thread's
+        if self._start_error is not None:  # the worker is gone: no engine to hand out
+            if self.writer is not None:
+                self.writer.close()
+            raise self._start_error
 
     # -- requests ------------------------------------------------------------------------
 
@@ -229,8 +234,12 @@ class Engine:
     def _work(self) -> None:
         try:
             if self.serve.decode_threads:
-                torch.set_num_threads(self.serve.decode_threads)  # this thread's team only
+                # this thread's team; torch also makes it the default of threads started later
+                torch.set_num_threads(self.serve.decode_threads)
             self._calibrate_speculation()
+        except BaseException as error:  # raised by __init__, which waits for this
+            self._start_error = error
+            return
         finally:
             self._worker_ready()
         while True:
