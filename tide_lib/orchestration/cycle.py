@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.evaluation.offline import (
@@ -405,7 +405,7 @@ def _window_to_learn(
     return learns, drift_segmenter, relearns
 
 
-def _champion_drifted(drift: Drift | None) -> bool:
+def _champion_drifted(drift: Drift | None) -> TypeGuard[Drift]:
     """Did a champion's drift check name segments of the window it no longer fits (fell
     on, far below its best segment, or still learning after a promotion for them)? Not
     when training without such a finding: no champion yet, the check off, failed or
@@ -429,7 +429,7 @@ def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
     if config.cycle.force_promote:  # promote what was trained, whatever it scores
         return config.training.model_copy(update={"export": "last"})
     drift = saved_drift(config, cycle_id)
-    if _champion_drifted(drift) and drift is not None and drift.champion_judged:
+    if _champion_drifted(drift) and drift.champion_judged:
         return config.training.model_copy(update={"warm_gain": "any"})
     return config.training
 

@@ -167,10 +167,11 @@ class Engine:
         self._running = 0
         self._waiting = 0  # requests queued, not yet taken by the worker nor cancelled
         self._rng = random.Random(0)
-        self._worker = threading.Thread(target=self._work, name="tide-engine", daemon=True)
         ready = threading.Event()
-        self._worker_ready = ready.set
         self._start_error: BaseException | None = None
+        self._worker = threading.Thread(
+            target=self._work, args=(ready,), name="tide-engine", daemon=True
+        )
         self._worker.start()
         ready.wait()  # calibrated, in the thread that decodes: its costs are that thread's
         if self._start_error is not None:  # the worker is gone: no engine to hand out
@@ -231,7 +232,7 @@ class Engine:
     def running(self) -> int:
         return self._running
 
-    def _work(self) -> None:
+    def _work(self, ready: threading.Event) -> None:
         try:
             if self.serve.decode_threads:
                 # this thread's team; torch also makes it the default of threads started later
@@ -241,7 +242,7 @@ class Engine:
             self._start_error = error
             return
         finally:
-            self._worker_ready()
+            ready.set()
         while True:
             item = self._queue.get()
             if item is None:
