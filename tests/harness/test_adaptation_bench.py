@@ -60,7 +60,7 @@ def test_adaptation_bench_on_a_generated_workload(
         forced,
         workload,
         out,
-        AdaptationBenchParams(cycle_tokens=120, max_new_tokens=12, labels=True),
+        AdaptationBenchParams(cycle_tokens=120, max_new_tokens=12, labels=True, timing_passes=2),
         target_dir=tiny_target,
         preset="tiny",
         train=TrainConfig(
@@ -77,8 +77,11 @@ def test_adaptation_bench_on_a_generated_workload(
     assert written["new_segment"] == "new" and written == json.loads(json.dumps(result))
     assert {"static", "oracle"} <= set(written["accept_length"])
     assert any(name.startswith("adapted-") for name in written["accept_length"])
-    timed = written["adaptive_k"]["timed_requests_by_k"]  # every held-out prompt, once
-    assert sum(timed.values()) == written["requests"]["held_out_new_segment"]
+    timed = written["adaptive_k"]["timed_requests_by_k"]  # every held-out prompt, twice
+    assert sum(timed.values()) == 2 * written["requests"]["held_out_new_segment"]
+    assert {len(rates) for rates in written["tokens_per_s_by_pass"].values()} == {2}
+    by_pass = written["adapted_adaptive_k_vs_plain_by_pass"]
+    assert len(by_pass) == 2 and all(ratio > 0 for ratio in by_pass)
     for figures in written["accept_length"].values():
         assert set(figures) == {"old", "new"} and set(figures["new"]) == {"k3", "k5"}
     assert set(written["al_ratio_adapted_static"]) == {"k3", "k5"}

@@ -41,7 +41,9 @@ def test_serve_bench_writes_the_json_keys(
     assert result["failed_requests"] == 0 and result["swap_load_requests"] > 0
     assert result["adaptive_k"] in range(4)
     timed = result["adaptive"]["timed_requests_by_k"]
-    assert sum(timed.values()) == 3 and set(timed) == {"0", "1", "2", "3"}
+    assert sum(timed.values()) == 3 * 2 and set(timed) == {"0", "1", "2", "3"}  # two passes
+    by_pass = result["adaptive_vs_plain_by_pass"]
+    assert len(by_pass) == 2 and all(ratio > 0 for ratio in by_pass)
     assert result["adaptive_vs_plain"] == pytest.approx(
         result["adaptive_tokens_per_s"] / result["plain_tokens_per_s"]
     )

@@ -43,6 +43,7 @@ from tide_lib.harness.params import AdaptationBenchParams
 from tide_lib.lake import CapturedRecord, target_slug
 
 if TYPE_CHECKING:
+    from tide_lib.harness.serve_bench import EngineRun
     from tide_lib.registry import DraftRegistry
     from tide_lib.serving.engine import Engine
 
@@ -351,10 +352,10 @@ def _retention(
 
 
 def _timing(
-    loop: _Loop, target_dir: Path, prompts: list[str], max_new_tokens: int
-) -> tuple[dict[str, float], dict[str, Any]]:
+    loop: _Loop, target_dir: Path, prompts: list[str], max_new_tokens: int, passes: int
+) -> tuple[dict[str, EngineRun], dict[str, Any]]:
     """Output tokens/s of static, final adapted (fixed and adaptive k) and plain decoding,
-    side by side on the same prompts; and what adaptive k did while timed."""
+    side by side on the same prompts, ``passes`` times; and what adaptive k did while timed."""
     from tide_lib.harness.serve_bench import (  # noqa: PLC0415
         adaptive_report,
         reference_engine,
@@ -384,12 +385,12 @@ def _timing(
         warm_up(engines, ids[:4], max_new_tokens)  # adaptive k learns acceptance first
         controller = engines["adapted_adaptive_k"].k_controller
         warm_by_k = controller.snapshot()["requests_by_k"]
-        totals = side_by_side(engines, ids, max_new_tokens)
+        totals = side_by_side(engines, ids, max_new_tokens, passes=passes)
         adaptive = adaptive_report(warm_by_k, controller.snapshot())
     finally:
         for engine in engines.values():
             engine.close()
-    return {name: run.tokens_per_s for name, run in totals.items()}, adaptive
+    return totals, adaptive
 
 
 def run_adaptation_bench(
@@ -467,8 +468,10 @@ def run_adaptation_bench(
         }
         accept = _acceptance(loop.versions, target_dir, by_segment, ks)
         new_prompts = [item["prompt"] for item in held_items if item["segment"] == new_segment]
-        tokens_per_s, adaptive = _timing(loop, target_dir, new_prompts, max_new_tokens)
-    result = _result(loop, accept, tokens_per_s, segments, ks)
+        timed, adaptive = _timing(
+            loop, target_dir, new_prompts, max_new_tokens, params.timing_passes
+        )
+    result = _result(loop, accept, timed, segments, ks)
     result["adaptive_k"] = adaptive
     result["requests"] = {
         "served": len(served),
@@ -480,6 +483,7 @@ def run_adaptation_bench(
         "max_new_tokens": max_new_tokens,
         "ks": list(ks),
         "held_out_percent": held_out_percent,
+        "timing_passes": params.timing_passes,
         "train_steps_per_cycle": train.steps,
         "static_steps": static_steps,
         "labels": labels,
@@ -495,11 +499,14 @@ def run_adaptation_bench(
 def _result(
     loop: _Loop,
     accept: dict[str, dict[str, dict[str, float]]],
-    tokens_per_s: dict[str, float],
+    timed: dict[str, EngineRun],
     segments: list[str],
     ks: tuple[int, ...],
 ) -> dict[str, Any]:
+    from tide_lib.harness.serve_bench import pass_ratios  # noqa: PLC0415
+
     new_segment, final = segments[-1], loop.champion
+    tokens_per_s = {name: run.tokens_per_s for name, run in timed.items()}
 
     def ratio(a: str, b: str, k: int) -> float:
         denominator = accept[b][new_segment][f"k{k}"]
@@ -515,6 +522,9 @@ def _result(
         "tokens_per_s_adapted": tokens_per_s["adapted"],
         "tokens_per_s_plain": tokens_per_s["plain"],
         "tokens_per_s_adapted_adaptive_k": tokens_per_s["adapted_adaptive_k"],
+        "tokens_per_s_by_pass": {name: run.pass_tokens_per_s for name, run in timed.items()},
+        "adapted_vs_plain_by_pass": pass_ratios(timed, "adapted", "plain"),
+        "adapted_adaptive_k_vs_plain_by_pass": pass_ratios(timed, "adapted_adaptive_k", "plain"),
         "threshold_to_serving_s": loop.threshold_to_serving,
         "final_adapted": final,
         "cycles": len(loop.cycles),

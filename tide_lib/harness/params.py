@@ -67,6 +67,9 @@ class ServeBenchParams(StrictModel):
     max_new_tokens: int = Field(48, ge=1, description="tokens generated per request")
     speculative_num_steps: int = Field(4, ge=1, description="k, and adaptive k's largest")
     warmup: int = Field(4, ge=0, description="untimed requests per engine before measuring")
+    passes: int = Field(
+        2, ge=1, description="timed passes over the prompts (each pass's ratio is reported)"
+    )
 
 
 class AdaptationBenchParams(StrictModel):
@@ -76,6 +79,12 @@ class AdaptationBenchParams(StrictModel):
     max_new_tokens: int = Field(48, ge=1, description="tokens per request without its own")
     ks: tuple[int, ...] = Field((3, 5), description="draft tokens per verify to measure at")
     held_out_percent: int = Field(20, ge=1, le=99, description="requests held out to measure on")
+    timing_passes: int = Field(
+        3,
+        ge=1,
+        description="timed passes over the new segment's held-out prompts "
+        "(each pass's ratio to plain decoding is reported)",
+    )
     labels: bool = Field(
         False,
         description="send each request's segment as a client label (custom_labels); "

@@ -44,6 +44,7 @@ __all__ = [
     "adaptive_report",
     "bootstrap_draft",
     "greedy_records",
+    "pass_ratios",
     "run_serve_bench",
 ]
 
@@ -118,15 +119,27 @@ def warm_up(engines: dict[str, Engine], prompts: list[list[int]], max_new_tokens
 
 @dataclasses.dataclass
 class EngineRun:
-    """What one engine did in :func:`side_by_side`: output tokens, seconds, acceptance."""
+    """What one engine did in :func:`side_by_side`: output tokens, seconds, acceptance,
+    and the output tokens/s of each pass over the prompts (their spread is the noise)."""
 
     tokens: int = 0
     seconds: float = 0.0
     acceptance: AcceptanceCount = dataclasses.field(default_factory=AcceptanceCount)
+    pass_tokens_per_s: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def pass_ratios(runs: Mapping[str, EngineRun], name: str, baseline: str) -> list[float]:
+    """``name``'s tokens/s over ``baseline``'s, pass by pass (the same prompts each pass)."""
+    return [
+        mine / theirs if theirs else 0.0
+        for mine, theirs in zip(
+            runs[name].pass_tokens_per_s, runs[baseline].pass_tokens_per_s, strict=True
+        )
+    ]
 
 
 def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,20 +157,27 @@ def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> 
 
 
 def side_by_side(
-    engines: dict[str, Engine], prompts: list[list[int]], max_new_tokens: int
+    engines: dict[str, Engine], prompts: list[list[int]], max_new_tokens: int, passes: int = 1
 ) -> dict[str, EngineRun]:
-    """Each prompt on every engine, in alternating order (neither warms the other's cache)."""
+    """Each prompt on every engine, in alternating order (neither warms the other's cache),
+    ``passes`` times over the prompts; each pass's tokens/s is kept apart."""
     totals = {name: EngineRun() for name in engines}
     names = list(engines)
-    for index, ids in enumerate(tqdm(prompts, desc=" vs ".join(names), unit="req")):
+    for index, ids in enumerate(tqdm(prompts * passes, desc=" vs ".join(names), unit="req")):
+        if index % len(prompts) == 0:
+            this_pass = {name: EngineRun() for name in names}
         for name in names if index % 2 == 0 else reversed(names):
             request = EngineRequest(ids, max_new_tokens, 0.0, None, f"bench-{name}-{index}")
             started = time.perf_counter()
             result = engines[name].submit(request).result()
-            run = totals[name]
-            run.seconds += time.perf_counter() - started
-            run.tokens += result.completion_tokens
-            run.acceptance.add_pooled(result.spec_accept_length, result.spec_verify_ct)
+            seconds = time.perf_counter() - started
+            for run in (totals[name], this_pass[name]):
+                run.seconds += seconds
+                run.tokens += result.completion_tokens
+            totals[name].acceptance.add_pooled(result.spec_accept_length, result.spec_verify_ct)
+        if (index + 1) % len(prompts) == 0:
+            for name in names:
+                totals[name].pass_tokens_per_s.append(this_pass[name].tokens_per_s)
     return totals
 
 
@@ -255,7 +275,10 @@ def run_serve_bench(
             capture = side_by_side({"on": capture_on, "off": capture_off}, ids, max_new_tokens)
             warm_by_k = adaptive.k_controller.snapshot()["requests_by_k"]
             speculation = side_by_side(
-                {"spec": capture_off, "adaptive": adaptive, "plain": plain}, ids, max_new_tokens
+                {"spec": capture_off, "adaptive": adaptive, "plain": plain},
+                ids,
+                max_new_tokens,
+                passes=params.passes,
             )
             chosen = adaptive.k_controller.snapshot()
             swap_seconds, failed, swap_requests = _swap_under_load(capture_off, draft_dir, ids)
@@ -274,6 +297,8 @@ def run_serve_bench(
         "plain_tokens_per_s": rate["plain"],
         "adaptive_vs_plain": rate["adaptive"] / rate["plain"],
         "spec_vs_plain": rate["spec"] / rate["plain"],
+        "adaptive_vs_plain_by_pass": pass_ratios(speculation, "adaptive", "plain"),
+        "spec_vs_plain_by_pass": pass_ratios(speculation, "spec", "plain"),
         "adaptive_k": chosen["chosen_k"],
         "adaptive": adaptive_report(warm_by_k, chosen),
         "accept_length": spec.acceptance.accept_length,
@@ -286,6 +311,7 @@ def run_serve_bench(
             "max_new_tokens": max_new_tokens,
             "speculative_num_steps": num_steps,
             "warmup_requests": max(warmup, 1),
+            "passes": params.passes,
             "temperature": 0.0,
             "target": str(target_dir),
             "draft": "bootstrapped from the target's greedy English answers"
