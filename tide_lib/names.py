@@ -16,6 +16,7 @@ __all__ = [
     "CHALLENGER",
     "CHAMPION",
     "PREVIOUS_CHAMPION",
+    "DataDirs",
     "Tags",
     "registered_model_name",
     "target_slug",
@@ -24,6 +25,17 @@ __all__ = [
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 PREVIOUS_CHAMPION = "previous-champion"
+
+
+class DataDirs:
+    """Sub-directories of an exported training set: the cycle's export writes them on the
+    training host, the trainer reads them. Traffic to learn, traffic to keep (replayed,
+    distilled), and the window's held-out requests, scored while training, never trained on
+    (``held_out/window/`` and ``held_out/replay/``, by the part they would train in)."""
+
+    WINDOW: Final = "window"
+    REPLAY: Final = "replay"
+    HELD_OUT: Final = "held_out"
 
 
 class Tags:

@@ -19,7 +19,7 @@ import torch
 
 from tests.conftest import make_record
 from tide_lib.config import LakeConfig, TideConfig
-from tide_lib.evaluation.offline import content_fraction
+from tide_lib.evaluation.offline import content_digest, content_fraction
 from tide_lib.evaluation.segments import Segmenter
 from tide_lib.lake import LakeWriter, ObjectStore, target_slug
 from tide_lib.lake.schema import CapturedRecord
@@ -157,7 +157,21 @@ def test_export_separates_window_and_replay(
     assert exported.requests == {"window": len(window), "replay": len(replay)}
     replayed = sum(torch.load(path, weights_only=True)["input_ids"].numel() for path in replay)
     assert exported.as_params()["trained_replay_tokens"] == replayed
-    assert not list((tmp_path / "data").glob("*.ckpt"))  # nothing outside the two
+    assert not list((tmp_path / "data").glob("*.ckpt"))  # nothing outside the parts
+    # The window's held-out requests go along apart, to be scored, never trained on:
+    # the very requests the gate judges the challenger on.
+    judged = sorted((tmp_path / "data" / "held_out").rglob("*.ckpt"))
+    assert judged and {path.parent.name for path in judged} <= {"window", "replay"}
+
+    def digests(paths: list[Path]) -> set[bytes]:
+        return {content_digest(torch.load(p, weights_only=True)["input_ids"]) for p in paths}
+
+    gate = {
+        content_digest(sample.input_ids)
+        for samples in cycle.held_out_samples(config, snapshot).values()
+        for sample in samples
+    }
+    assert digests(judged) <= gate and digests(judged).isdisjoint(digests(window + replay))
 
 
 def test_the_replay_favours_the_segment_the_window_lost(

@@ -23,7 +23,13 @@ from tide_lib.config import TrainConfig
 from tide_lib.training.distill import distill_kl, teacher_columns
 from tide_lib.training.draft import build_vocab_mapping, count_output_tokens, load_draft
 from tide_lib.training.schedule import step_plan
-from tide_lib.training.selection import Evaluation, HeldOut, Selection, split_held_out
+from tide_lib.training.selection import (
+    Evaluation,
+    HeldOut,
+    Selection,
+    sample_split,
+    split_held_out,
+)
 from tide_lib.training.trainer import (
     Eagle3Objective,
     draw_counts,
@@ -113,6 +119,19 @@ def test_the_held_out_split_hashes_names_and_covers_every_segment(tmp_path: Path
     assert 2 <= len(distinct) <= 3  # the cap counts distinct requests (a copy is shared)
     off = config.model_copy(update={"validation_fraction": 0})
     assert split_held_out(tmp_path, samples, off) == (samples, [])
+    # The window's held-out requests (the gate's) are always scored, never trained on.
+    (tmp_path / "held_out" / "window").mkdir(parents=True)
+    for index in range(3):
+        torch.save(
+            {"input_ids": torch.tensor([900 + index, 7]), "segment": "law"},
+            tmp_path / "held_out" / "window" / f"data_{index:06d}.ckpt",
+        )
+    with_judged = list_samples(tmp_path)
+    judged = [path for path in with_judged if "held_out" in path.parts]
+    train_now, held_now = split_held_out(tmp_path, with_judged, config)
+    assert (train_now, held_now) == (train, held + judged) and len(judged) == 3
+    assert {sample_split(tmp_path, path) for path in judged} == {"window"}
+    assert split_held_out(tmp_path, with_judged, off) == (samples, [])  # off: none scored
 
 
 def test_the_distillation_gradient_is_student_minus_parent() -> None:

@@ -40,7 +40,7 @@ from tide_lib.lake import LakeReader, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
 from tide_lib.lake.reader import watermark
 from tide_lib.lake.schema import CapturedRecord
-from tide_lib.names import Tags
+from tide_lib.names import DataDirs, Tags
 from tide_lib.orchestration.continuation import (
     drop_continuation,
     fetch_continuation,
@@ -255,8 +255,9 @@ def _window_split(
         yield position == 0 or _held_out(sample, percent), sample
 
 
-WINDOW_DIR = "window"  # export_training_data's layout: the trainer tells new traffic
-REPLAY_DIR = "replay"  # from replayed older traffic by these sub-directories
+WINDOW_DIR = DataDirs.WINDOW  # export_training_data's layout: the trainer tells new traffic
+REPLAY_DIR = DataDirs.REPLAY  # from replayed older traffic by these sub-directories
+JUDGED_DIR = DataDirs.HELD_OUT  # and the window's held-out requests, never trained on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +287,9 @@ class TrainingSet:
 
 def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> TrainingSet:
     """Write the training set in SpecForge's layout: ``out/window/`` (the new traffic to
-    learn) and ``out/replay/`` (traffic to keep), one ``.ckpt`` each, with its segment.
+    learn) and ``out/replay/`` (traffic to keep), one ``.ckpt`` each, with its segment;
+    and under ``out/held_out/`` the window's held-out requests, which the trainer scores
+    its steps on and never trains on (the gate judges on them too).
 
     Traffic to keep is older requests, chosen by segment toward those the window lacks
     (:mod:`.replay`), and the window's requests of segments the drift check found the
@@ -315,6 +318,14 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         counts[part] += 1
         tokens[part] += int(sample.input_ids.numel())
 
+    judged_count = 0
+
+    def save_judged(sample: CapturedRecord, segment: str) -> None:
+        nonlocal judged_count
+        part = WINDOW_DIR if learned(sample) else REPLAY_DIR
+        sample.save_specforge(out / JUDGED_DIR / part, judged_count, segment=segment)
+        judged_count += 1
+
     window_tokens: dict[str, int] = {}  # what the window carries, by segment
     judged: set[bytes] = set()  # copies of the window's first request (held out by position)
     carried: set[bytes] = set()  # the window's requests: an older copy is not learned again
@@ -323,6 +334,8 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         window_tokens[segment] = window_tokens.get(segment, 0) + int(sample.input_ids.numel())
         carried.add(digest)
         if held:
+            if digest not in judged:
+                save_judged(sample, segment)
             judged.add(digest)
         elif digest not in judged:
             save(sample, segment, window=True)
@@ -352,11 +365,13 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
             save(sample, candidate.segment, window=learn)
     logger.info(
         "cycle %s: %d window training samples (%d of them earlier requests of the segments "
-        "it learns) and %d replay samples",
+        "it learns), %d replay samples, and the %d held-out requests of the window the gate "
+        "judges on (scored while training, never trained on)",
         snapshot.cycle_id,
         counts[WINDOW_DIR],
         counts[WINDOW_DIR] - window_requests,
         counts[REPLAY_DIR],
+        judged_count,
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} export")
     return TrainingSet(requests=counts, tokens=tokens)

@@ -46,19 +46,25 @@ from tide_lib.evaluation.offline import (
     replay_sample,
     significant_drop,
 )
+from tide_lib.names import DataDirs
 
 __all__ = [
+    "JUDGED",
     "BestDraft",
     "Evaluation",
     "HeldOut",
     "Selection",
+    "judged_by_the_gate",
     "sample_split",
     "split_held_out",
 ]
 
 logger = logging.getLogger(__name__)
 
-WINDOW, REPLAY = "window", "replay"
+WINDOW, REPLAY = DataDirs.WINDOW, DataDirs.REPLAY
+# The window's held-out requests: what the gate will judge the draft on, so the run scores
+# them too and never trains on them.
+JUDGED = DataDirs.HELD_OUT
 
 
 _VALIDATION_SALT = b"tide-validation"  # independent of the cycle's held-out split
@@ -66,8 +72,17 @@ MIN_HELD_OUT_PER_GROUP = 2  # a group with fewer held-out samples could forget u
 
 
 def sample_split(data_dir: Path, path: Path) -> str:
-    """``replay`` for a sample under ``data_dir/replay/``, else ``window``."""
-    return REPLAY if path.relative_to(data_dir).parts[0] == REPLAY else WINDOW
+    """``replay`` for a sample under ``data_dir/replay/`` (or ``held_out/replay/``), else
+    ``window``."""
+    parts = path.relative_to(data_dir).parts
+    if parts[0] == JUDGED:
+        parts = parts[1:]
+    return REPLAY if parts and parts[0] == REPLAY else WINDOW
+
+
+def judged_by_the_gate(data_dir: Path, path: Path) -> bool:
+    """Is the sample one of the cycle's held-out requests (under ``data_dir/held_out/``)?"""
+    return path.relative_to(data_dir).parts[0] == JUDGED
 
 
 def sample_group(data_dir: Path, path: Path, raw: dict[str, Any] | None = None) -> str:
@@ -83,16 +98,25 @@ def split_held_out(
 ) -> tuple[list[Path], list[Path]]:
     """``(train, held_out)``, by request content and stratified by group (segment, else split).
 
-    Samples are ranked by a hash of their tokens (:func:`content_fraction`), so copies
-    of one request fall together: held out, or trained on, never both. Each group holds
-    out its distinct requests that hash below ``validation_fraction``, and at least
-    :data:`MIN_HELD_OUT_PER_GROUP` of them (never its last): the forgetting check can
-    only protect a segment it scores. The total is capped at ``validation_max_samples``
-    distinct requests, taken from the largest quotas first. None are held out when
-    ``validation_fraction`` is 0 or there is a single sample.
+    The cycle's held-out requests (:data:`JUDGED`) are never trained on and, with
+    validation on, always scored: a draft the run keeps has beaten its parent on the
+    requests the gate judges it on, not only on others.
+
+    The rest is split. Samples are ranked by a hash of their tokens
+    (:func:`content_fraction`), so copies of one request fall together: held out, or
+    trained on, never both. Each group holds out its distinct requests that hash below
+    ``validation_fraction``, and at least :data:`MIN_HELD_OUT_PER_GROUP` of them (never
+    its last): the forgetting check can only protect a segment it scores. The total is
+    capped at ``validation_max_samples`` distinct requests, taken from the largest quotas
+    first. None are split off when ``validation_fraction`` is 0 (then nothing is scored)
+    or there is a single sample.
     """
-    if config.validation_fraction == 0 or len(samples) < 2:
+    judged = [path for path in samples if judged_by_the_gate(data_dir, path)]
+    samples = [path for path in samples if not judged_by_the_gate(data_dir, path)]
+    if config.validation_fraction == 0:
         return samples, []
+    if len(samples) < 2:
+        return samples, judged
     keys: dict[Path, tuple[float, str]] = {}
     for path in samples:  # memory-mapped: the tokens and the label, not the states
         raw = torch.load(path, weights_only=True, mmap=True)
@@ -113,7 +137,7 @@ def split_held_out(
     }
     if not any(quota.values()):  # every group a single request: hold out one of them
         if len({fraction for fraction, _group in keys.values()}) < 2:
-            return samples, []  # copies of one request: nothing to train on if held out
+            return samples, judged  # copies of one request: nothing to train on if held out
         quota[next(iter(groups))] = 1
     while sum(quota.values()) > config.validation_max_samples:
         largest = max(quota, key=lambda name: (quota[name], name))
@@ -121,7 +145,7 @@ def split_held_out(
     # by content alone: a copy labelled otherwise goes with the request it copies
     chosen = {f for name, requests in groups.items() for f in requests[: quota[name]]}
     held = {path for path, (fraction, _group) in keys.items() if fraction in chosen}
-    return [p for p in samples if p not in held], [p for p in samples if p in held]
+    return [p for p in samples if p not in held], [p for p in samples if p in held] + judged
 
 
 @dataclasses.dataclass(frozen=True)

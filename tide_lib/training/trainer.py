@@ -607,6 +607,11 @@ def train_draft(
     rank, world = _rank_world()
     samples = list_samples(data_dir)
     train_samples, held_paths = split_held_out(data_dir, samples, config)
+    if not train_samples:
+        raise FileNotFoundError(
+            f"no training samples under {data_dir}: all {len(samples)} are held-out requests "
+            "(held_out/); the window is too small to train on, so wait for more traffic"
+        )
     plan = step_plan(config, len(train_samples), warm=parent_dir is not None, world=world)
     start_dir = start_dir if parent_dir is not None else None  # continues a warm start only
     fingerprint = _run_fingerprint(
