@@ -597,6 +597,47 @@ def test_the_gain_over_the_parent_is_judged_on_the_traffic_the_run_learns() -> N
         assert selection.best is not None and selection.best.step == kept
 
 
+def test_the_step_kept_is_the_best_on_the_window_not_pooled_with_older_traffic() -> None:
+    """Law, held out from the window, rose at step 10 while older English (many held-out
+    requests, from replay) slipped within the tolerance: pooled, step 10 is below the parent
+    and step 20 (English up, law less) above both. The gate judges the window's gain, so
+    the run keeps step 10."""
+    steps = {
+        0: {"law": [(12, 10)] * 4, "english": [(35, 10)] * 12},  # window 1.2, pooled 2.925
+        10: {"law": [(16, 10)] * 4, "english": [(33, 10)] * 12},  # window 1.6, pooled 2.875
+        20: {"law": [(14, 10)] * 4, "english": [(36, 10)] * 12},  # window 1.4, pooled 3.05
+    }
+
+    class Held:
+        def __init__(self) -> None:
+            self.output_tokens = {"law": 500, "english": 500}
+            self.older_groups = frozenset({"english"})
+
+        def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
+            requests = steps[step]
+            pairs = [r for group in requests.values() for r in group]
+            pooled = sum(e for e, _ in pairs) / sum(v for _, v in pairs)
+            lengths = {g: sum(e for e, _ in r) / sum(v for _, v in r) for g, r in requests.items()}
+            return Evaluation(step, pooled, lengths, requests)
+
+    draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    selection = Selection(  # type: ignore[arg-type]
+        Held(), forgetting_tolerance=0.3, gain_beyond_noise=False
+    )
+    selection.begin(draft, parent, None)
+    selection.evaluate(draft, 10)
+    selection.evaluate(draft, 20)
+    assert selection.best is not None and selection.best.step == 10
+    assert selection.best.accept_length == pytest.approx(1.6)
+    tight = Selection(  # type: ignore[arg-type]
+        Held(), forgetting_tolerance=0.1, gain_beyond_noise=False
+    )
+    tight.begin(draft, parent, None)
+    tight.evaluate(draft, 10)  # English fell 0.2: forgotten, never kept
+    tight.evaluate(draft, 20)
+    assert tight.best is not None and tight.best.step == 20
+
+
 def test_a_run_that_keeps_its_parent_leaves_its_best_step_to_continue_from() -> None:
     """Within the noise, the parent is exported, yet the best trained step that rose above
     it forgetting nothing is what a next run on this parent continues from; a run that
