@@ -395,13 +395,11 @@ class TrainConfig(StrictModel):
         ),
     )
     distill_weight: float = Field(
-        2.0,
+        1.0,
         ge=0,
         description=(
             "warm starts: weight of the KL(parent || student) term on replay samples, which "
-            "keeps the draft's distribution on older traffic close to the champion's "
-            "(with cycle.replay_share 1.0, English kept 0.95 of its acceptance length "
-            "through a Korean adaptation where 1.0 and 0.5 kept 0.85)"
+            "keeps the draft's distribution on older traffic close to the champion's"
         ),
     )
     checkpoint_every: int = Field(50, gt=0)
@@ -681,7 +679,7 @@ class CycleConfig(StrictModel):
     target_path: Path = Field(DEFAULT_HOME / "targets" / "demo", description="HF target directory")
     min_new_tokens: int = Field(2000, ge=1, description="new captured tokens that start a cycle")
     replay_share: float = Field(
-        1.0, ge=0, le=4, description="older-traffic tokens mixed in, as a share of the window"
+        0.5, ge=0, le=4, description="older-traffic tokens mixed in, as a share of the window"
     )
     held_out_percent: int = Field(
         20, ge=1, le=50, description="window requests kept for evaluation"
