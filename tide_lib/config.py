@@ -343,12 +343,15 @@ class TrainConfig(StrictModel):
         ge=0,
         lt=1,
         description=(
-            "share of samples (by file-name hash, window and replay alike) held out, never "
-            "trained on, to score offline acceptance during training; the best checkpoint, "
+            "share of samples (by a hash of their tokens, window and replay alike) held out, "
+            "never trained on, to score offline acceptance during training, besides the "
+            "window's held-out requests the cycle exports (held_out/); the best checkpoint, "
             "the parent included, is exported. 0: no validation, the last step is exported"
         ),
     )
-    validation_max_samples: int = Field(32, ge=1, description="cap on held-out samples")
+    validation_max_samples: int = Field(
+        32, ge=1, description="cap on held-out distinct requests scored, held_out/ ones included"
+    )
     min_gain_requests: int = Field(
         6,
         ge=0,

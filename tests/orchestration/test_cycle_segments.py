@@ -166,12 +166,19 @@ def test_export_separates_window_and_replay(
     def digests(paths: list[Path]) -> set[bytes]:
         return {content_digest(torch.load(p, weights_only=True)["input_ids"]) for p in paths}
 
+    reader = cycle.sample_reader(config)
+    window_held = {
+        content_digest(sample.input_ids)
+        for held, sample in cycle._window_split(config, snapshot, reader)
+        if held
+    }
     gate = {
         content_digest(sample.input_ids)
         for samples in cycle.held_out_samples(config, snapshot).values()
         for sample in samples
     }
-    assert digests(judged) <= gate and digests(judged).isdisjoint(digests(window + replay))
+    assert digests(judged) == window_held and window_held <= gate
+    assert digests(judged).isdisjoint(digests(window + replay))
 
 
 def test_the_replay_favours_the_segment_the_window_lost(

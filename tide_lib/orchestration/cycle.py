@@ -327,7 +327,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         judged_count += 1
 
     window_tokens: dict[str, int] = {}  # what the window carries, by segment
-    judged: set[bytes] = set()  # copies of the window's first request (held out by position)
+    judged: set[bytes] = set()  # the window's held-out requests: a copy is never trained on
     carried: set[bytes] = set()  # the window's requests: an older copy is not learned again
     for held, sample in _window_split(config, snapshot, reader):
         segment, digest = segment_of(sample, segmenter), content_digest(sample.input_ids)

@@ -8,8 +8,8 @@ window's own held-out requests, the ones the gate judges on (``held_out/``), and
 share of the training samples (chosen by a hash of each request's tokens, so window
 and replay alike, copies of a request together, and the same split on every retry).
 
-The draft exported is the one with the best figure on the window's traffic (the
-groups not held out mostly from replay, as the gate's window-weighted gain) among
+The draft exported is the one with the best figure on the traffic it learns (the
+groups not held out mostly from replay, near the gate's window-weighted gain) among
 those that forget nothing: a step whose score on any group (the replayed older
 traffic, a segment) fell more than ``forgetting_tolerance`` below the parent's is
 never kept, whatever it gains on the window, since the gate would reject it. Step 0
@@ -103,8 +103,9 @@ def split_held_out(
     """``(train, held_out)``, by request content and stratified by group (segment, else split).
 
     The cycle's held-out requests (:data:`JUDGED`) are never trained on and, with
-    validation on, always scored: a draft the run keeps has beaten its parent on the
-    requests the gate judges it on, not only on others.
+    validation on, scored first (up to ``validation_max_samples`` distinct ones): a
+    draft the run keeps has beaten its parent on the requests the gate judges it on, not
+    only on others. They count towards each group's share, minimum and the cap.
 
     The rest is split. Samples are ranked by a hash of their tokens
     (:func:`content_fraction`), so copies of one request fall together: held out, or
@@ -115,10 +116,14 @@ def split_held_out(
     first. None are split off when ``validation_fraction`` is 0 (then nothing is scored)
     or there is a single sample.
     """
-    judged = [path for path in samples if judged_by_the_gate(data_dir, path)]
-    samples = [path for path in samples if not judged_by_the_gate(data_dir, path)]
     if config.validation_fraction == 0:
-        return samples, []
+        return [path for path in samples if not judged_by_the_gate(data_dir, path)], []
+    judged, scored = _judged(
+        data_dir,
+        [path for path in samples if judged_by_the_gate(data_dir, path)],
+        config.validation_max_samples,
+    )
+    samples = [path for path in samples if not judged_by_the_gate(data_dir, path)]
     if len(samples) < 2:
         return samples, judged
     keys: dict[Path, tuple[float, str]] = {}
@@ -129,27 +134,46 @@ def split_held_out(
     groups: dict[str, list[float]] = {}  # each group's distinct requests, by hash
     for fraction, group in sorted(set(keys.values())):
         groups.setdefault(group, []).append(fraction)
-    quota = {
-        name: min(
-            len(requests) - 1,
-            max(
-                MIN_HELD_OUT_PER_GROUP,
-                sum(fraction < config.validation_fraction for fraction in requests),
+    quota = {  # a group's judged requests count towards its share and its minimum
+        name: max(
+            0,
+            min(
+                len(requests) - 1,
+                max(
+                    MIN_HELD_OUT_PER_GROUP,
+                    sum(fraction < config.validation_fraction for fraction in requests),
+                )
+                - scored.get(name, 0),
             ),
         )
         for name, requests in groups.items()
     }
-    if not any(quota.values()):  # every group a single request: hold out one of them
+    if not any(quota.values()) and not judged:  # every group a single request: hold one
         if len({fraction for fraction, _group in keys.values()}) < 2:
             return samples, judged  # copies of one request: nothing to train on if held out
         quota[next(iter(groups))] = 1
-    while sum(quota.values()) > config.validation_max_samples:
+    while sum(quota.values()) > max(0, config.validation_max_samples - sum(scored.values())):
         largest = max(quota, key=lambda name: (quota[name], name))
         quota[largest] -= 1
     # by content alone: a copy labelled otherwise goes with the request it copies
     chosen = {f for name, requests in groups.items() for f in requests[: quota[name]]}
     held = {path for path, (fraction, _group) in keys.items() if fraction in chosen}
     return [p for p in samples if p not in held], [p for p in samples if p in held] + judged
+
+
+def _judged(data_dir: Path, paths: list[Path], cap: int) -> tuple[list[Path], dict[str, int]]:
+    """The window's held-out requests to score: at most ``cap`` distinct ones, lowest by
+    hash (the same on every retry; copies go together), and each group's count of them."""
+    keys: dict[Path, tuple[float, str]] = {}
+    for path in paths:  # memory-mapped: the tokens and the label, not the states
+        raw = torch.load(path, weights_only=True, mmap=True)
+        fraction = content_fraction(raw["input_ids"], salt=_VALIDATION_SALT)
+        keys[path] = (fraction, sample_group(data_dir, path, raw))
+    kept = set(sorted({fraction for fraction, _group in keys.values()})[:cap])
+    counts: dict[str, int] = {}
+    for _fraction, group in {key for key in keys.values() if key[0] in kept}:
+        counts[group] = counts.get(group, 0) + 1
+    return [path for path in paths if keys[path][0] in kept], counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +331,10 @@ class Selection:
             self.best = BestDraft.from_state(saved["best"])
             if saved.get("candidate") is not None:
                 self.candidate = BestDraft.from_state(saved["candidate"])
+            for kept in (self.best, self.candidate):  # scored as this code scores
+                scored = next((e for e in self.evaluations if kept and e.step == kept.step), None)
+                if kept is not None and scored is not None:
+                    kept.accept_length = self._score(scored)
             return
         first = self.held_out.score(parent if parent is not None else draft, 0)
         self._record(first)
@@ -335,9 +363,10 @@ class Selection:
             logger.info("step %d is the best draft so far (%.4f on the window)", step, score)
 
     def _score(self, evaluation: Evaluation) -> float:
-        """What the run keeps the best of: the figure on the window's traffic
-        (:func:`_window_figure`), as the gate judges a gain; older traffic is what
-        :meth:`_forgotten` keeps. Pooled with it, the window's few held-out requests
+        """What the run keeps the best of: the figure on the traffic it learns
+        (:func:`_window_figure`: the held-out requests of the groups not held out mostly
+        from replay, pooled), near what the gate's window-weighted gain judges; older
+        traffic is what :meth:`_forgotten` keeps. Pooled with it, the window's few held-out requests
         drown: a Korean-law cycle scored 3.6 overall at its parent, carried by older
         Korean chat, and no step's gain on law could show."""
         return _window_figure(evaluation, self._older_groups())
