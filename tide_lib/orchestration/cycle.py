@@ -318,14 +318,6 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         counts[part] += 1
         tokens[part] += int(sample.input_ids.numel())
 
-    judged_count = 0
-
-    def save_judged(sample: CapturedRecord, segment: str) -> None:
-        nonlocal judged_count
-        part = WINDOW_DIR if learned(sample) else REPLAY_DIR
-        sample.save_specforge(out / JUDGED_DIR / part, judged_count, segment=segment)
-        judged_count += 1
-
     window_tokens: dict[str, int] = {}  # what the window carries, by segment
     judged: set[bytes] = set()  # the window's held-out requests: a copy is never trained on
     carried: set[bytes] = set()  # the window's requests: an older copy is not learned again
@@ -334,8 +326,9 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         window_tokens[segment] = window_tokens.get(segment, 0) + int(sample.input_ids.numel())
         carried.add(digest)
         if held:
-            if digest not in judged:
-                save_judged(sample, segment)
+            if digest not in judged:  # scored while training, never trained on
+                part = WINDOW_DIR if learned(sample) else REPLAY_DIR
+                sample.save_specforge(out / JUDGED_DIR / part, len(judged), segment=segment)
             judged.add(digest)
         elif digest not in judged:
             save(sample, segment, window=True)
@@ -371,7 +364,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         counts[WINDOW_DIR],
         counts[WINDOW_DIR] - window_requests,
         counts[REPLAY_DIR],
-        judged_count,
+        len(judged),
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} export")
     return TrainingSet(requests=counts, tokens=tokens)

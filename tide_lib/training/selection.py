@@ -116,21 +116,14 @@ def split_held_out(
     first. None are split off when ``validation_fraction`` is 0 (then nothing is scored)
     or there is a single sample.
     """
-    if config.validation_fraction == 0:
-        return [path for path in samples if not judged_by_the_gate(data_dir, path)], []
-    judged, scored = _judged(
-        data_dir,
-        [path for path in samples if judged_by_the_gate(data_dir, path)],
-        config.validation_max_samples,
-    )
+    gate_held = [path for path in samples if judged_by_the_gate(data_dir, path)]
     samples = [path for path in samples if not judged_by_the_gate(data_dir, path)]
+    if config.validation_fraction == 0:
+        return samples, []
+    judged, scored = _judged(data_dir, gate_held, config.validation_max_samples)
     if len(samples) < 2:
         return samples, judged
-    keys: dict[Path, tuple[float, str]] = {}
-    for path in samples:  # memory-mapped: the tokens and the label, not the states
-        raw = torch.load(path, weights_only=True, mmap=True)
-        fraction = content_fraction(raw["input_ids"], salt=_VALIDATION_SALT)
-        keys[path] = (fraction, sample_group(data_dir, path, raw))
+    keys = _content_keys(data_dir, samples)
     groups: dict[str, list[float]] = {}  # each group's distinct requests, by hash
     for fraction, group in sorted(set(keys.values())):
         groups.setdefault(group, []).append(fraction)
@@ -164,16 +157,22 @@ def split_held_out(
 def _judged(data_dir: Path, paths: list[Path], cap: int) -> tuple[list[Path], dict[str, int]]:
     """The window's held-out requests to score: at most ``cap`` distinct ones, lowest by
     hash (the same on every retry; copies go together), and each group's count of them."""
-    keys: dict[Path, tuple[float, str]] = {}
-    for path in paths:  # memory-mapped: the tokens and the label, not the states
-        raw = torch.load(path, weights_only=True, mmap=True)
-        fraction = content_fraction(raw["input_ids"], salt=_VALIDATION_SALT)
-        keys[path] = (fraction, sample_group(data_dir, path, raw))
+    keys = _content_keys(data_dir, paths)
     kept = set(sorted({fraction for fraction, _group in keys.values()})[:cap])
     counts: dict[str, int] = {}
     for _fraction, group in {key for key in keys.values() if key[0] in kept}:
         counts[group] = counts.get(group, 0) + 1
     return [path for path in paths if keys[path][0] in kept], counts
+
+
+def _content_keys(data_dir: Path, paths: list[Path]) -> dict[Path, tuple[float, str]]:
+    """Each sample's validation hash of its tokens and its group."""
+    keys: dict[Path, tuple[float, str]] = {}
+    for path in paths:  # memory-mapped: the tokens and the label, not the states
+        raw = torch.load(path, weights_only=True, mmap=True)
+        fraction = content_fraction(raw["input_ids"], salt=_VALIDATION_SALT)
+        keys[path] = (fraction, sample_group(data_dir, path, raw))
+    return keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,12 +268,9 @@ class BestDraft:
     accept_length: float
     state: dict[str, torch.Tensor] | None = None
 
-    def offer(
-        self, evaluation: Evaluation, draft: torch.nn.Module, score: float | None = None
-    ) -> bool:
-        """Keep ``draft`` if it scores strictly better (ties keep the earlier, the parent);
-        ``score`` is what is compared (default: the evaluation's pooled figure)."""
-        score = evaluation.accept_length if score is None else score
+    def offer(self, evaluation: Evaluation, draft: torch.nn.Module, score: float) -> bool:
+        """Keep ``draft`` if its ``score`` (:meth:`Selection._score` of ``evaluation``) is
+        strictly better (ties keep the earlier, the parent)."""
         if score <= self.accept_length:
             return False
         self.step, self.accept_length = evaluation.step, score
@@ -366,9 +362,9 @@ class Selection:
         """What the run keeps the best of: the figure on the traffic it learns
         (:func:`_window_figure`: the held-out requests of the groups not held out mostly
         from replay, pooled), near what the gate's window-weighted gain judges; older
-        traffic is what :meth:`_forgotten` keeps. Pooled with it, the window's few held-out requests
-        drown: a Korean-law cycle scored 3.6 overall at its parent, carried by older
-        Korean chat, and no step's gain on law could show."""
+        traffic is what :meth:`_forgotten` keeps. Pooled with it, the window's few held-out
+        requests drown: a Korean-law cycle scored 3.6 overall at its parent, carried by
+        older Korean chat, and no step's gain on law could show."""
         return _window_figure(evaluation, self._older_groups())
 
     def _within_noise_of_the_parent(self, evaluation: Evaluation) -> bool:
