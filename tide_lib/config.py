@@ -654,6 +654,15 @@ class GateConfig(StrictModel):
             "once together it has this many"
         ),
     )
+    floor: bool = Field(
+        True,
+        description=(
+            "also judge the challenger against the registry's 'baseline' draft (the first "
+            "champion; move the alias in the MLflow UI to re-anchor): a protected segment "
+            "may not end more than the tolerance below it while falling below the champion, "
+            "so losses each within the tolerance cannot add up over promotions"
+        ),
+    )
     k: int = Field(4, ge=1, description="draft tokens per verify the gate judges at")
     ks: list[int] = Field(default_factory=lambda: [3, 5], description="k values evaluated")
 

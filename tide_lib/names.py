@@ -13,6 +13,7 @@ import re
 from typing import Final
 
 __all__ = [
+    "BASELINE",
     "CHALLENGER",
     "CHAMPION",
     "PREVIOUS_CHAMPION",
@@ -25,6 +26,8 @@ __all__ = [
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 PREVIOUS_CHAMPION = "previous-champion"
+# The draft that sets the gate's floor (gate.floor): the first champion unless moved.
+BASELINE = "baseline"
 
 
 class DataDirs:
@@ -61,6 +64,8 @@ class Tags:
     # the gate's decision (tide_lib.evaluation.gate writes and reads them)
     ACCEPT_LENGTH: Final = "tide.al.{segment}.k{k}"
     CHAMPION_ACCEPT_LENGTH: Final = "tide.gate.champion_al.{segment}.k{k}"
+    FLOOR_ACCEPT_LENGTH: Final = "tide.gate.floor_al.{segment}.k{k}"  # the baseline's
+    FLOOR_VERSION: Final = "tide.gate.floor_version"
     WEIGHT: Final = "tide.gate.weight.{segment}"
     OLDER_SHARE: Final = "tide.gate.older_share.{segment}"
     PROTECTED: Final = "tide.gate.protected"

@@ -230,16 +230,19 @@ def test_tags_and_report_carry_the_figures() -> None:
         ({"law.ko": 2.25, "cluster-3": 1.5}, {"law.ko": 2.0, "cluster-3": 1.5}, None, None),
     ],
 )
+@pytest.mark.parametrize("floor", [None, {"korean": 1.75, "english": 3.25}])
 def test_recorded_decision_reads_back_equal(
     challenger: dict[str, float],
     champion: dict[str, float] | None,
     weights: dict[str, float] | None,
     older: dict[str, float] | None,
+    floor: dict[str, float] | None,
 ) -> None:
     decision = dataclasses.replace(
-        decide(challenger, champion, CONFIG, weights, older),
+        decide(challenger, champion, CONFIG, weights, older, floor=floor),
         challenger_by_k={3: {s: v - 0.25 for s, v in challenger.items()}},
         champion_by_k={3: dict(champion)} if champion else {},
+        floor_version="1" if floor else None,
     )
     tags = {"mlflow.user": "someone", "tide.segmenter": "x", **decision_tags(decision, k=4)}
     assert decision_from_tags(tags, k=4) == decision
@@ -312,3 +315,28 @@ def test_a_baseline_holds_only_figures_the_gate_had_evidence_for() -> None:
     judged = decision_from_tags(decision_tags(decision, k=4), k=4)
     assert judged is not None
     assert evidenced_figures(judged.challenger, judged.protected) == {"korean": 3.5, "english": 3.0}
+
+
+def test_losses_within_the_tolerance_cannot_add_up_below_the_floor() -> None:
+    """Each promotion may lose up to the tolerance on a protected segment; the floor
+    (the baseline draft on the same requests) does not move with the champion."""
+    shares = {"korean": 0.8, "english": 0.2}
+    eroded = {"korean": 2.5, "english": 3.0}  # the champion: english already 0.4 under
+    floor = {"korean": 1.0, "english": 3.4}
+    challenger = {"korean": 3.0, "english": 2.9}  # -0.1 on english: within the tolerance
+    assert decide(challenger, eroded, CONFIG, weights=shares).promote
+    below = decide(challenger, eroded, CONFIG, weights=shares, floor=floor)
+    assert not below.promote
+    assert "segment 'english': 2.900 vs floor 3.400" in below.reason, below.reason
+    assert "small losses would add up" in below.reason
+    # within the noise of the drop below the floor: no rejection
+    noisy = decide(
+        challenger, eroded, CONFIG, weights=shares, floor=floor, floor_margins={"english": 0.4}
+    )
+    assert noisy.promote, noisy.reason
+    # a segment already below the floor only needs not to fall further
+    kept = decide({"korean": 3.0, "english": 3.0}, eroded, CONFIG, weights=shares, floor=floor)
+    assert kept.promote, kept.reason
+    assert kept.floor == floor
+    report = decision_report(below, k=4)
+    assert "| english | 0.20 | - | yes | 2.900 | 3.000 | 3.400 |" in report

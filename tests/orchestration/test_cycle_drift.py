@@ -442,3 +442,39 @@ def test_a_segment_learned_in_vain_is_held_to_what_the_champion_serves_there(
     state.write_state(config, "cycles/c3/drift.json", fell.model_dump_json().encode())
     assert settle("c3", gain=0.0) == []
     assert baseline()["accept_length"] == stored["accept_length"]
+
+
+def test_the_gate_judges_against_the_baseline_draft_on_the_same_requests(
+    stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
+) -> None:
+    """``baseline`` stays on the first champion; a later challenger is replayed against it
+    too (``gate.floor``), on the very requests it and the champion are judged on."""
+    from tide_lib.orchestration.handoff import Trained
+    from tide_lib.registry import BASELINE
+
+    config = _drift_config(stack, tmp_path, tiny_target)
+    registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
+    first = registry.seed_champion(tiny_drafts["en"], cycle_id="first").version
+    registry.seed_champion(tiny_drafts["ko"], cycle_id="second")  # champion; first: baseline
+    _capture(config, tiny_target, documents=12)
+    snapshot = cycle.snapshot_window(config, "c1")
+    trained = Trained(run_id="r", draft_uri="runs:/r/draft", parent_version=None)
+
+    def judged(cycle_id: str, gate: dict[str, Any]) -> dict[str, str]:
+        run = registry.client.create_run(registry.experiment_id()).info.run_id
+        challenger = registry.register(tiny_drafts["en"], run, cycle_id=cycle_id).version
+        judged_config = config.model_copy(update={"gate": config.gate.model_copy(update=gate)})
+        cycle.evaluate_and_gate(judged_config, snapshot, trained, challenger)
+        return registry.get(challenger).tags
+
+    tags = judged("c1", {})
+    assert registry.alias(BASELINE).version == first
+    assert tags[Tags.FLOOR_VERSION] == first
+    floor = {key: value for key, value in tags.items() if key.startswith("tide.gate.floor_al.")}
+    # the challenger is the baseline's own draft: equal figures, request for request
+    assert floor and all(
+        tags[key.replace("tide.gate.floor_al.", "tide.al.")] == value
+        for key, value in floor.items()
+    )
+    off = judged("c1-off", {"floor": False})
+    assert Tags.FLOOR_VERSION not in off and not any("floor_al" in key for key in off)

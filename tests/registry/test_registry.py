@@ -15,6 +15,7 @@ from tide_lib.evaluation.gate import decide
 from tide_lib.evaluation.tracking import log_decision
 from tide_lib.lake import target_slug
 from tide_lib.registry import (
+    BASELINE,
     CHALLENGER,
     CHAMPION,
     DRAFT_MODEL_TYPE,
@@ -54,6 +55,8 @@ def test_register_promote_and_download(
     assert registry.alias(CHAMPION).version == second.version
     assert registry.alias(PREVIOUS_CHAMPION).version == first.version
     assert registry.alias(CHAMPION).tags["tide.promoted"] == "true"
+    # the gate's floor stays on the first champion however many follow
+    assert registry.alias(BASELINE).version == first.version
 
     # Issue 15: each draft is an MLflow 3 logged model of its run, registered from it,
     # and the gate's figures are metrics of that model.

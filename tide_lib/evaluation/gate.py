@@ -20,7 +20,13 @@ requests of the window and of the older traffic in the lookback. Rules, in order
    serves better than the window as a whole (by more than the tolerance), are still
    protected (the window's other segments are left out: they are what the
    challenger learns, and their gain would hide the loss).
-3. The acceptance length weighted by each segment's share of the window's tokens
+3. No protected segment may end more than ``tolerance`` (beyond its margin of error)
+   below the floor draft (the registry's ``baseline`` alias, see ``gate.floor``)
+   while also falling below the champion. Rule 2 compares with the champion alone, so
+   a run of promotions that each lose a little within the tolerance would add up to
+   a loss no single gate saw; the floor does not move with them. A segment already
+   below the floor under the champion only needs not to fall further.
+4. The acceptance length weighted by each segment's share of the window's tokens
    must gain at least ``margin``: the challenger has to pay off on what the fleet
    serves now.
 
@@ -93,6 +99,9 @@ class GateDecision:
     # Figures at the other ks evaluated, for the record: {k: {segment: acceptance length}}.
     challenger_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     champion_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    # The floor draft's figures at the gate's k (rule 3); None: judged without a floor.
+    floor: dict[str, float] | None = None
+    floor_version: str | None = None
 
 
 PooledFigures = Callable[[tuple[str, ...]], tuple[float, float, float]]
@@ -153,6 +162,31 @@ def _forgotten(
                 f"segment {segment!r} ({_share_text(segment, *shares)}): "
                 f"{challenger[segment]:.3f} vs champion {champion[segment]:.3f} "
                 f"(drop {drop:.3f} > tolerance {tolerance:.3f}{noise})"
+            )
+    return None
+
+
+def _below_floor(
+    protected: tuple[str, ...],
+    challenger: dict[str, float],
+    champion: dict[str, float],
+    floor: dict[str, float],
+    *,
+    margins: dict[str, float],
+    tolerance: float,
+) -> str | None:
+    """Why the challenger ends a protected segment below the floor draft (more than the
+    tolerance beyond its margin of error, and below the champion too), or None."""
+    for segment in protected:
+        if segment not in floor or segment not in champion:
+            continue
+        drop, margin = floor[segment] - challenger[segment], margins.get(segment, 0.0)
+        if drop - margin > tolerance + _EPSILON and challenger[segment] < champion[segment]:
+            noise = f" + margin of error {margin:.3f}" if margin else ""
+            return (
+                f"segment {segment!r}: {challenger[segment]:.3f} vs floor {floor[segment]:.3f} "
+                f"(drop {drop:.3f} > tolerance {tolerance:.3f}{noise}; champion "
+                f"{champion[segment]:.3f}): small losses would add up"
             )
     return None
 
@@ -221,6 +255,8 @@ def decide(
     held_out_tokens: dict[str, int] | None = None,
     drop_margins: dict[str, float] | None = None,
     pooled: PooledFigures | None = None,
+    floor: dict[str, float] | None = None,
+    floor_margins: dict[str, float] | None = None,
 ) -> GateDecision:
     """Promote or not; ``challenger``/``champion`` map segment -> acceptance length at k.
 
@@ -231,7 +267,9 @@ def decide(
     ``drop_margins`` the one-sided 95% margin of error of each segment's drop, champion
     and challenger replayed on the same requests
     (:func:`~tide_lib.evaluation.offline.drop_margin`): a drop rejects only beyond it;
-    ``pooled`` measures segments too thin to protect alone together (none: they are not).
+    ``pooled`` measures segments too thin to protect alone together (none: they are not);
+    ``floor`` the floor draft's figures on the same requests (rule 3; none: no floor) and
+    ``floor_margins`` the margins of error of the challenger's drops below it.
     """
     if not challenger:
         raise ValueError("the challenger has no figures: no held-out traffic was evaluated")
@@ -259,6 +297,7 @@ def decide(
             older,
             protected,
             together,
+            floor=dict(floor) if floor else None,
         )
 
     if not champion:
@@ -283,8 +322,16 @@ def decide(
         shares=(shares, older),
         weighted_champion=weighted_champion,
     )
-    if forgotten or together.forgotten:
-        why = forgotten or together.forgotten or ""
+    below = _below_floor(
+        protected,
+        challenger,
+        champion,
+        floor or {},
+        margins=floor_margins or {},
+        tolerance=config.tolerance,
+    )
+    if forgotten or together.forgotten or below:
+        why = forgotten or together.forgotten or below or ""
         return verdict(False, why, weighted_champion, together.judged)
     gain = weighted_common - weighted_champion
     if gain < config.margin - _EPSILON:
@@ -340,6 +387,10 @@ def decision_tags(decision: GateDecision, k: int) -> dict[str, str]:
     }
     if decision.weighted_champion is not None:
         tags[Tags.WEIGHTED_CHAMPION] = f"{decision.weighted_champion:.4f}"
+    if decision.floor_version is not None:
+        tags[Tags.FLOOR_VERSION] = decision.floor_version
+    for segment, value in (decision.floor or {}).items():
+        tags[Tags.FLOOR_ACCEPT_LENGTH.format(segment=segment, k=k)] = f"{value:.4f}"
     for at_k, figures in {**decision.challenger_by_k, k: decision.challenger}.items():
         for segment, value in figures.items():
             tags[Tags.ACCEPT_LENGTH.format(segment=segment, k=at_k)] = f"{value:.4f}"
@@ -441,6 +492,8 @@ def decision_from_tags(tags: dict[str, str], k: int) -> GateDecision | None:
         protected_together=tuple(json.loads(tags.get(Tags.PROTECTED_TOGETHER, "[]"))),
         challenger_by_k=challenger_by_k,
         champion_by_k=champion_by_k,
+        floor=_by_k(tags, Tags.FLOOR_ACCEPT_LENGTH).get(k),
+        floor_version=tags.get(Tags.FLOOR_VERSION),
     )
 
 
@@ -453,12 +506,15 @@ def decision_report(decision: GateDecision, k: int, names: dict[str, Any] | None
         "",
         decision.reason,
         "",
-        f"| segment | window share | older share | protected | challenger (k={k}) | champion |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"| segment | window share | older share | protected | challenger (k={k}) | champion "
+        "| floor |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for segment, value in sorted(decision.challenger.items()):
         champion = decision.champion.get(segment) if decision.champion else None
         champion_text = f"{champion:.3f}" if champion is not None else "-"
+        floor = (decision.floor or {}).get(segment)
+        floor_text = f"{floor:.3f}" if floor is not None else "-"
         share = decision.weights.get(segment, 0.0)
         older = decision.older_shares.get(segment)
         older_text = f"{older:.2f}" if older is not None else "-"
@@ -471,6 +527,6 @@ def decision_report(decision: GateDecision, k: int, names: dict[str, Any] | None
         )
         lines.append(
             f"| {segment} | {share:.2f} | {older_text} | {guarded} | {value:.3f} "
-            f"| {champion_text} |"
+            f"| {champion_text} | {floor_text} |"
         )
     return "\n".join(lines) + "\n"

@@ -808,30 +808,24 @@ def _judge(
     version: str,
     traffic: HeldOutTraffic,
 ) -> GateDecision:
-    """Measure challenger and champion on the held-out traffic at every k; decide at gate.k."""
+    """Measure challenger, champion (and the floor draft) on the held-out traffic at every
+    k; decide at gate.k."""
     from tide_lib.evaluation.gate import decide  # noqa: PLC0415
-    from tide_lib.registry import CHAMPION  # noqa: PLC0415
 
     k = config.gate.k
     ks = sorted({k, *config.gate.ks})
+    champion_version, floor_version = _references(config, registry, version)
     with task_scratch(config, f"evaluate-{snapshot.cycle_id}") as work:
 
         def counts(number: str) -> dict[int, dict[str, AcceptanceCount]]:
             return version_acceptance(config, registry, number, traffic.samples, ks=ks, work=work)
 
         challenger_counts = counts(version)
-        champion_version = registry.alias(CHAMPION)
-        champion_counts = None
-        if champion_version is not None and champion_version.version != version:
-            champion_counts = counts(champion_version.version)
+        champion_counts = counts(champion_version) if champion_version else None
+        floor_counts = counts(floor_version) if floor_version else None
     challenger = _lengths(challenger_counts)
     champion = _lengths(champion_counts) if champion_counts else None
-    margins = {  # the noise of each segment's drop: the same requests, paired
-        segment: drop_margin(champion_counts[k][segment].per_request, count.per_request)[1]
-        for segment, count in challenger_counts[k].items()
-        if champion_counts and segment in champion_counts[k]
-    }
-    pooled = _pooled(champion_counts[k], challenger_counts[k]) if champion_counts else None
+    floor = _lengths(floor_counts)[k] if floor_counts else None
     decision = decide(
         challenger[k],
         champion[k] if champion else None,
@@ -839,14 +833,50 @@ def _judge(
         weights=traffic.window_shares,
         older_shares=traffic.older_shares,
         held_out_tokens=traffic.output_tokens,
-        drop_margins=margins,
-        pooled=pooled,
+        drop_margins=_drop_margins(champion_counts, challenger_counts, k),
+        pooled=_pooled(champion_counts[k], challenger_counts[k]) if champion_counts else None,
+        floor=floor,
+        floor_margins=_drop_margins(floor_counts, challenger_counts, k),
     )
     return dataclasses.replace(
         decision,
         challenger_by_k={at_k: f for at_k, f in challenger.items() if at_k != k},
         champion_by_k={at_k: f for at_k, f in (champion or {}).items() if at_k != k},
+        floor_version=floor_version if floor is not None else None,
     )
+
+
+def _references(
+    config: TideConfig, registry: DraftRegistry, version: str
+) -> tuple[str | None, str | None]:
+    """The champion and the floor draft (``baseline``, when ``gate.floor`` and it is
+    neither the challenger nor the champion) the challenger is judged against."""
+    from tide_lib.registry import BASELINE, CHAMPION  # noqa: PLC0415
+
+    champion = registry.alias(CHAMPION)
+    champion_version = champion.version if champion and champion.version != version else None
+    if not config.gate.floor or champion_version is None:
+        return champion_version, None
+    floor = registry.alias(BASELINE)
+    if floor is None or floor.version in (version, champion_version):
+        return champion_version, None
+    return champion_version, floor.version
+
+
+def _drop_margins(
+    before: dict[int, dict[str, AcceptanceCount]] | None,
+    after: dict[int, dict[str, AcceptanceCount]],
+    k: int,
+) -> dict[str, float]:
+    """The noise of each segment's drop from ``before`` to ``after`` at ``k``: the same
+    requests, paired."""
+    if not before:
+        return {}
+    return {
+        segment: drop_margin(before[k][segment].per_request, count.per_request)[1]
+        for segment, count in after[k].items()
+        if segment in before[k]
+    }
 
 
 def _pooled(

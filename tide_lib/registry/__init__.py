@@ -19,11 +19,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tide_lib.names import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, Tags, registered_model_name
+from tide_lib.names import (
+    BASELINE,
+    CHALLENGER,
+    CHAMPION,
+    PREVIOUS_CHAMPION,
+    Tags,
+    registered_model_name,
+)
 from tide_lib.registry.uris import is_portable, logged_model_id, logged_model_uri
 from tide_lib.training.draft import validate_draft_dir
 
 __all__ = [
+    "BASELINE",
     "CHALLENGER",
     "CHAMPION",
     "DRAFT_MODEL_TYPE",
@@ -328,6 +336,9 @@ class DraftRegistry:
     def promote(self, version: str) -> None:
         """``champion`` -> ``version``; the champion it replaces becomes ``previous-champion``.
 
+        ``baseline`` (the gate's floor, see ``gate.floor``) is set once, on the first
+        champion this registry knows; an operator moves it to re-anchor the floor.
+
         Idempotent: promoting the champion again only finishes what an interrupted
         promotion left undone (its ``tide.promoted`` tag).
         """
@@ -336,6 +347,9 @@ class DraftRegistry:
             if current.tags.get(Tags.PROMOTED) != "true":
                 self.client.set_model_version_tag(self.name, version, Tags.PROMOTED, "true")
             return
+        if self.alias(BASELINE) is None:  # the gate's floor: the first champion known
+            floor = current.version if current is not None else version
+            self.client.set_registered_model_alias(self.name, BASELINE, floor)
         if current is not None:
             self.client.set_registered_model_alias(self.name, PREVIOUS_CHAMPION, current.version)
         self.client.set_registered_model_alias(self.name, CHAMPION, version)
