@@ -138,7 +138,7 @@ def test_older_traffic_split_into_thin_clusters_is_protected_together() -> None:
     assert alone.promote and "too little held-out traffic to protect: en-a, en-b" in alone.reason
     together = decide(challenger, champion, CONFIG, **kwargs, pooled=pooled(0.3))
     assert not together.promote and asked == [("en-a", "en-b")]
-    assert "too thin to protect segment by segment: en-a, en-b together 2.200 vs champion" in (
+    assert "traffic to keep, judged together: en-a, en-b together 2.200 vs champion" in (
         together.reason
     )
     # A thin segment the window holds (new traffic, trained for) is not pooled: its gain
@@ -159,6 +159,46 @@ def test_older_traffic_split_into_thin_clusters_is_protected_together() -> None:
     kwargs["held_out_tokens"] = fewer
     assert decide(challenger, champion, CONFIG, **kwargs, pooled=pooled(0.0)).promote
     assert len(asked) == 2
+
+
+def test_a_loss_spread_over_older_clusters_is_judged_on_all_their_requests() -> None:
+    """Seen in the demo benchmark with the floor: English, older traffic, fell into a
+    cluster protected alone (-0.34 within its margin of error) and a thin one (-0.49,
+    too few tokens to judge), and the promotion lost English 3.40 -> 2.70 at k=5.
+    Pooled, the drop is measured on the requests of both, within a smaller margin."""
+    tokens = {"korean": 400, "en-a": 200, "en-b": CONFIG.min_segment_tokens // 2}
+    champion = {"korean": 3.0, "en-a": 3.1, "en-b": 2.6}
+    challenger = {"korean": 3.2, "en-a": 2.75, "en-b": 2.1}
+    shares, older = {"korean": 0.95, "en-b": 0.05}, {"en-a": 0.5, "en-b": 0.3, "korean": 0.2}
+    asked: list[tuple[str, ...]] = []
+
+    def pooled(segments: tuple[str, ...]) -> tuple[float, float, float]:
+        asked.append(segments)
+        return 3.0, 2.5, 0.2  # drop 0.5 > tolerance 0.2 + margin 0.2
+
+    kwargs = {"weights": shares, "older_shares": older, "held_out_tokens": tokens}
+    alone = decide(challenger, champion, CONFIG, **kwargs, drop_margins={"en-a": 0.3})
+    assert alone.promote, alone.reason
+    together = decide(
+        challenger, champion, CONFIG, **kwargs, drop_margins={"en-a": 0.3}, pooled=pooled
+    )
+    assert asked == [("en-a", "en-b")]  # korean is the window's: what is learned
+    assert not together.promote and "en-a, en-b together 2.500 vs champion 3.000" in (
+        together.reason
+    )
+    # one older segment protected alone is not judged twice
+    asked.clear()
+    single = {"korean": 400, "en-a": 200}
+    decide(
+        {"korean": 3.2, "en-a": 2.75},
+        {"korean": 3.0, "en-a": 3.1},
+        CONFIG,
+        weights={"korean": 1.0},
+        older_shares={"en-a": 0.7, "korean": 0.3},
+        held_out_tokens=single,
+        pooled=pooled,
+    )
+    assert asked == []
 
 
 def test_thin_window_traffic_the_champion_already_serves_well_is_protected_together() -> None:

@@ -14,12 +14,13 @@ requests of the window and of the older traffic in the lookback. Rules, in order
    is noise, and would block every promotion by chance. And the drop must exceed
    the tolerance by its one-sided 95% margin of error (Student's t over the held-out
    requests, both drafts replayed on the same ones, see :func:`drop_margin`).
-   Traffic to keep too thin to protect alone is judged together, its held-out
-   requests pooled, once together it reaches ``min_segment_tokens``: older
-   traffic the clusters split into small parts, and segments the champion already
-   serves better than the window as a whole (by more than the tolerance), are still
-   protected (the window's other segments are left out: they are what the
-   challenger learns, and their gain would hide the loss).
+   Traffic to keep is also judged together, its held-out requests pooled, once
+   together it reaches ``min_segment_tokens``: older traffic (the clusters split it
+   into parts, some too thin to protect alone), and segments the champion already
+   serves better than the window as a whole (by more than the tolerance). Pooled,
+   a loss spread over the parts is measured on all their requests, with a smaller
+   margin of error than any part's (the window's other segments are left out: they
+   are what the challenger learns, and their gain would hide the loss).
 3. No protected segment may end more than ``tolerance`` (beyond its margin of error)
    below the floor draft (the registry's ``baseline`` alias, see ``gate.floor``)
    while also falling below the champion. Rule 2 compares with the champion alone, so
@@ -193,7 +194,7 @@ def _below_floor(
 
 @dataclasses.dataclass(frozen=True)
 class _Together:
-    """Thin segments of traffic to keep judged together: which, their figures, why they were
+    """Segments of traffic to keep judged together: which, their figures, why they were
     forgotten (None: they were not). Nothing judged: all empty."""
 
     judged: tuple[str, ...] = ()
@@ -202,6 +203,7 @@ class _Together:
 
 
 def _forgotten_together(
+    shared: tuple[str, ...],
     thin: list[str],
     champion: dict[str, float],
     tokens: dict[str, int] | None,
@@ -211,24 +213,27 @@ def _forgotten_together(
     shares: tuple[dict[str, float], dict[str, float]],
     weighted_champion: float,
 ) -> _Together:
-    """Traffic to keep that is too thin to protect segment by segment, judged together
-    once its held-out output tokens reach ``min_segment_tokens``: segments protected by
-    their share of the older traffic alone, and those the champion already serves
+    """Traffic to keep among the ``shared`` segments (protected by their share), judged
+    together once its held-out output tokens reach ``min_segment_tokens``, whether or not
+    each part is protected alone too (``thin``: those that are not): segments protected
+    by their share of the older traffic alone, and those the champion already serves
     better than the window as a whole (``weighted_champion``, by more than the
     tolerance). A segment of the window the champion serves no better is what the
-    challenger was trained to learn: pooled, its gain would hide what the others lost."""
+    challenger was trained to learn: pooled, its gain would hide what the others lost.
+    A pool of one segment protected alone is judged alone only."""
     window, older = shares
     floor = config.min_segment_share - _EPSILON
     judged = tuple(
         segment
-        for segment in thin
+        for segment in shared
         if segment in champion
         and (
             (older.get(segment, 0.0) >= floor and window.get(segment, 0.0) < floor)
             or champion[segment] > weighted_champion + config.tolerance
         )
     )
-    if pooled is None or tokens is None or not judged:
+    judged_alone = len(judged) == 1 and judged[0] not in thin
+    if pooled is None or tokens is None or not judged or judged_alone:
         return _Together()
     if sum(tokens.get(segment, 0) for segment in judged) < config.min_segment_tokens:
         return _Together()
@@ -240,7 +245,7 @@ def _forgotten_together(
     return _Together(
         judged,
         figures,
-        f"traffic to keep too thin to protect segment by segment: {figures} "
+        f"traffic to keep, judged together: {figures} "
         f"(drop {drop:.3f} > tolerance {config.tolerance:.3f} + margin of error {margin:.3f})",
     )
 
@@ -314,6 +319,7 @@ def decide(
         shares=(shares, older),
     )
     together = _forgotten_together(
+        shared,
         thin,
         champion,
         tokens,
