@@ -502,6 +502,31 @@ def test_groups_too_thin_alone_are_judged_together() -> None:
         assert selection.best is not None and selection.best.step == kept
 
 
+def test_a_loss_spread_over_older_groups_is_judged_on_all_their_requests() -> None:
+    """One older group judged alone (its drop within the noise of two requests), another too
+    thin to judge: pooled, their four requests show the loss (as the gate)."""
+    before = {"en-a": [(30, 10), (30, 10)], "en-b": [(30, 10), (30, 10)]}
+    after = {"en-a": [(20, 10), (29, 10)], "en-b": [(21, 10), (24, 10)]}
+
+    class Spread:
+        def __init__(self) -> None:
+            self.output_tokens = {"en-a": 100, "en-b": 20, "window": 500}
+            self.older_groups = frozenset({"en-a", "en-b"})
+
+        def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
+            requests = {**(after if step else before), "window": [(30 if step else 10, 10)] * 8}
+            lengths = {g: sum(e for e, _ in r) / sum(v for _, v in r) for g, r in requests.items()}
+            return Evaluation(step, lengths["window"], lengths, requests)
+
+    draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    selection = Selection(  # type: ignore[arg-type]
+        Spread(), forgetting_tolerance=0.1, forgetting_min_tokens=64
+    )
+    selection.begin(draft, parent, None)
+    selection.evaluate(draft, 10)
+    assert selection.best is not None and selection.best.step == 0
+
+
 def test_held_out_groups_of_replayed_traffic_are_the_older_ones(tmp_path: Path) -> None:
     """What the trainer pools when thin: groups held out mostly from replay (older
     traffic), never one held out mostly from the window."""

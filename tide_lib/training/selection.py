@@ -405,7 +405,7 @@ class Selection:
         """Groups that fell below the start (step 0) by more than ``forgetting_tolerance``,
         beyond the noise of their held-out requests (:func:`significant_drop`), among
         those measured on ``forgetting_min_tokens`` held-out output tokens; groups of
-        traffic to keep too thin alone are judged together once they reach it (as the gate)."""
+        traffic to keep are judged together too, pooled, once they reach it (as the gate)."""
         start = self.evaluations[0] if self.evaluations else None
         tokens = self.held_out.output_tokens if self.held_out is not None else {}
         forgot: dict[str, float] = {}
@@ -437,24 +437,29 @@ class Selection:
     def _forgotten_together(
         self, evaluation: Evaluation, thin: list[str], tokens: dict[str, int]
     ) -> dict[str, float]:
-        """``thin`` groups of traffic to keep (each on too few held-out tokens) pooled,
-        when together they reach ``forgetting_min_tokens``: {"a+b": drop} if they fell
-        beyond the tolerance. Traffic to keep, as the gate has it: older traffic (held out
-        mostly from replay), and groups the parent serves better than the window's
-        held-out traffic as a whole by more than the tolerance. Any other group of the
-        window is what the draft learns: its gain would hide what the others lost."""
+        """Groups of traffic to keep pooled, whether or not each is judged alone too
+        (``thin``: those on too few held-out tokens to be), when together they reach
+        ``forgetting_min_tokens``: {"a+b": drop} if they fell beyond the tolerance.
+        Traffic to keep, as the gate has it: older traffic (held out mostly from
+        replay), and groups the parent serves better than the window's held-out traffic
+        as a whole by more than the tolerance. Any other group of the window is what the
+        draft learns: its gain would hide what the others lost. One group judged alone
+        is not judged again."""
         older = self._older_groups()
         start = self.evaluations[0]
         served_well = _window_figure(start, older) + self.forgetting_tolerance
         pooled = [
             group
-            for group in thin
-            if (group in older or start.groups.get(group, 0.0) > served_well)
+            for group in evaluation.groups
+            if group in start.groups
+            and (group in older or start.groups.get(group, 0.0) > served_well)
             and group in start.requests
             and group in evaluation.requests
             and len(start.requests[group]) == len(evaluation.requests[group])
         ]
-        if not pooled or sum(tokens.get(g, 0) for g in pooled) < self.forgetting_min_tokens:
+        if not pooled or (len(pooled) == 1 and pooled[0] not in thin):
+            return {}
+        if sum(tokens.get(g, 0) for g in pooled) < self.forgetting_min_tokens:
             return {}
         before = [r for group in pooled for r in start.requests[group]]
         after = [r for group in pooled for r in evaluation.requests[group]]
