@@ -380,3 +380,21 @@ def test_losses_within_the_tolerance_cannot_add_up_below_the_floor() -> None:
     assert kept.floor == floor
     report = decision_report(below, k=4)
     assert "| english | 0.20 | - | yes | 2.900 | 3.000 | 3.400 |" in report
+
+
+def test_the_gain_is_measured_on_the_window_requests_of_a_segment() -> None:
+    """Korean law joined the cluster of Korean chat: its held-out requests mix the older
+    chat (served well by both) with the window's law (what the challenger learned)."""
+    champion, challenger = {"korean": 3.0, "english": 3.0}, {"korean": 3.05, "english": 3.0}
+    shares = {"korean": 1.0}
+    diluted = decide(challenger, champion, CONFIG, weights=shares)
+    assert not diluted.promote and "gain +0.050 < margin" in diluted.reason
+    law = decide(
+        challenger,
+        champion,
+        CONFIG,
+        weights=shares,
+        window_figures=({"korean": 2.0}, {"korean": 1.0}),
+    )
+    assert law.promote and "2.000 vs champion 1.000 (gain +1.000" in law.reason
+    assert law.challenger == challenger  # the segment's figures, as recorded, are all of it

@@ -98,25 +98,32 @@ def test_held_out_traffic_is_grouped_by_segment_with_window_and_older_shares(
     _write(lake_store, config, [_record(i, CENTERS[0], "english") for i in range(20)])
     first = cycle.snapshot_window(config, "c1")
     cycle.advance_watermark(config, first)
-    # The window: Korean law (labelled) and unlabelled requests of another kind.
+    # The window: Korean law (labelled), unlabelled requests of another kind, and the
+    # last of the English.
     _write(
         lake_store,
         config,
         [_record(100 + i, CENTERS[0], "korean law") for i in range(10)]
-        + [_record(200 + i, CENTERS[1], None) for i in range(30)],
+        + [_record(200 + i, CENTERS[1], None) for i in range(30)]
+        + [_record(300 + i, CENTERS[0], "english") for i in range(10)],
     )
     snapshot = cycle.snapshot_window(config, "c2")
     traffic = cycle.held_out_traffic(config, snapshot)
 
     (cluster,) = [name for name in traffic.window_tokens if name.startswith("cluster-")]
-    assert traffic.window_tokens == {"korean law": 10 * 12, cluster: 30 * 12}
-    assert traffic.window_shares == pytest.approx({"korean law": 0.25, cluster: 0.75})
-    assert traffic.older_shares == {"english": 1.0}  # stopped arriving, still measured
+    assert traffic.window_tokens == {"korean law": 10 * 12, cluster: 30 * 12, "english": 120}
+    assert traffic.window_shares == pytest.approx({"korean law": 0.2, cluster: 0.6, "english": 0.2})
+    assert traffic.older_shares == {"english": 1.0}  # older traffic: English alone
     assert set(traffic.samples) == {"english", "korean law", cluster}
     held = {s.request_id for samples in traffic.samples.values() for s in samples}
     assert {s.request_id for s in traffic.samples[cluster]} <= {f"req-{200 + i}" for i in range(30)}
-    assert all(s.request_id.startswith("req-") for s in traffic.samples["english"])
-    assert 0 < len(held) < 60  # held out, not everything
+    assert 0 < len(held) < 70  # held out, not everything
+    # Each segment's window requests come first: the gain is measured on them alone.
+    english = [int(s.request_id.removeprefix("req-")) for s in traffic.samples["english"]]
+    first = traffic.window_held_out["english"]
+    assert 0 < first < len(english), english
+    assert min(english[:first]) >= 300 and max(english[first:]) < 20
+    assert traffic.window_held_out[cluster] == len(traffic.samples[cluster])
     assert cycle.held_out_samples(config, snapshot).keys() == traffic.samples.keys()
 
     # The segmenter is stored once under the cycle's state and read back as is.

@@ -29,7 +29,10 @@ requests of the window and of the older traffic in the lookback. Rules, in order
    below the floor under the champion only needs not to fall further.
 4. The acceptance length weighted by each segment's share of the window's tokens
    must gain at least ``margin``: the challenger has to pay off on what the fleet
-   serves now.
+   serves now. Each segment's figure here is measured on the window's held-out
+   requests alone when it has some (``window_figures``): a segment's older requests
+   (Korean chat in the cluster that Korean law joined) would dilute the gain on
+   what the window brought.
 
 The decision carries its figures; :func:`decision_tags` turns it into MLflow
 version tags (``tide.gate.*``, ``tide.al.*``; every name is built here),
@@ -262,6 +265,7 @@ def decide(
     pooled: PooledFigures | None = None,
     floor: dict[str, float] | None = None,
     floor_margins: dict[str, float] | None = None,
+    window_figures: tuple[dict[str, float], dict[str, float]] | None = None,
 ) -> GateDecision:
     """Promote or not; ``challenger``/``champion`` map segment -> acceptance length at k.
 
@@ -274,13 +278,17 @@ def decide(
     (:func:`~tide_lib.evaluation.offline.drop_margin`): a drop rejects only beyond it;
     ``pooled`` measures segments too thin to protect alone together (none: they are not);
     ``floor`` the floor draft's figures on the same requests (rule 3; none: no floor) and
-    ``floor_margins`` the margins of error of the challenger's drops below it.
+    ``floor_margins`` the margins of error of the challenger's drops below it;
+    ``window_figures`` the challenger's and the champion's figures on the window's
+    held-out requests alone, by segment: the weighted gain (rule 4) uses them where
+    a segment has them (the figures above elsewhere).
     """
     if not challenger:
         raise ValueError("the challenger has no figures: no held-out traffic was evaluated")
     shares = dict(weights) if weights else dict.fromkeys(challenger, 1.0)
     older = dict(older_shares or {})
-    weighted_challenger = _weighted(challenger, shares)
+    on_window, champion_on_window = window_figures or ({}, {})
+    weighted_challenger = _weighted({**challenger, **on_window}, shares)
     shared = protected_segments(list(challenger), shares, older, config.min_segment_share)
     tokens = held_out_tokens
     protected, thin = _evidenced(shared, tokens, config.min_segment_tokens)
@@ -307,8 +315,12 @@ def decide(
 
     if not champion:
         return verdict(True, "no champion yet: the first valid challenger wins")
-    common = {s: v for s, v in challenger.items() if s in champion}
-    weighted_champion = _weighted({s: champion[s] for s in common}, shares)
+    # the gain on what the window brought: window figures where both drafts have them
+    both = {s for s in on_window if s in champion_on_window}
+    gain_challenger = {**challenger, **{s: on_window[s] for s in both}}
+    gain_champion = {**champion, **{s: champion_on_window[s] for s in both}}
+    common = {s: v for s, v in gain_challenger.items() if s in gain_champion}
+    weighted_champion = _weighted({s: gain_champion[s] for s in common}, shares)
     weighted_common = _weighted(common, shares)
     forgotten = _forgotten(
         protected,

@@ -501,15 +501,18 @@ class HeldOutTraffic:
     """What the gate judges on, by segment: held-out requests and token shares.
 
     ``window_tokens`` counts every request of the window (held out or not): the
-    weights of the gate. ``older_tokens`` counts the older requests read for the
-    held-out budget (held out or not): the share that keeps traffic which stopped
-    arriving protected.
+    weights of the gate; ``window_held_out`` how many of each segment's samples (the
+    first ones) are the window's: the gain the gate asks for is measured on them.
+    ``older_tokens`` counts the older requests read for the held-out budget (held out
+    or not): the share that keeps traffic which stopped arriving protected.
     """
 
     samples: dict[str, list[CapturedRecord]]
     window_tokens: dict[str, int]
     older_tokens: dict[str, int]
     segmenter_key: str
+    # Each segment's first this many samples are the window's (the rest older traffic).
+    window_held_out: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def window_shares(self) -> dict[str, float]:
@@ -551,6 +554,7 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
         window_tokens[segment] = window_tokens.get(segment, 0) + int(sample.input_ids.numel())
         if held:
             judge(segment, sample)
+    window_held_out = {segment: len(judged) for segment, judged in samples.items()}
     held_older = 0
     budget = config.cycle.held_out_older_tokens
     for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
@@ -561,7 +565,7 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
         if _held_out(sample, config.cycle.held_out_percent) and judge(segment, sample):
             held_older += tokens
     log_debris(reader, f"cycle {snapshot.cycle_id} held-out")
-    return HeldOutTraffic(samples, window_tokens, older_tokens, key)
+    return HeldOutTraffic(samples, window_tokens, older_tokens, key, window_held_out)
 
 
 def held_out_samples(config: TideConfig, snapshot: Snapshot) -> dict[str, list[CapturedRecord]]:
@@ -837,6 +841,10 @@ def _judge(
         pooled=_pooled(champion_counts[k], challenger_counts[k]) if champion_counts else None,
         floor=floor,
         floor_margins=_drop_margins(floor_counts, challenger_counts, k),
+        window_figures=(
+            _window_lengths(challenger_counts[k], traffic.window_held_out),
+            _window_lengths(champion_counts[k], traffic.window_held_out) if champion_counts else {},
+        ),
     )
     return dataclasses.replace(
         decision,
@@ -861,6 +869,19 @@ def _references(
     if floor is None or floor.version in (version, champion_version):
         return champion_version, None
     return champion_version, floor.version
+
+
+def _window_lengths(counts: dict[str, AcceptanceCount], window: dict[str, int]) -> dict[str, float]:
+    """Each segment's acceptance length on its window requests alone (the first
+    ``window[segment]`` of its held-out requests); segments without any are left out."""
+    lengths = {}
+    for segment, count in counts.items():
+        alone = AcceptanceCount()
+        for pair in count.per_request[: window.get(segment, 0)]:
+            alone.add(*pair)
+        if alone.requests:
+            lengths[segment] = alone.accept_length
+    return lengths
 
 
 def _drop_margins(
