@@ -66,6 +66,9 @@ class Tags:
     CHAMPION_ACCEPT_LENGTH: Final = "tide.gate.champion_al.{segment}.k{k}"
     FLOOR_ACCEPT_LENGTH: Final = "tide.gate.floor_al.{segment}.k{k}"  # the baseline's
     FLOOR_VERSION: Final = "tide.gate.floor_version"
+    # on the window's held-out requests alone: what the gain is measured on
+    WINDOW_ACCEPT_LENGTH: Final = "tide.gate.window_al.{segment}.k{k}"
+    CHAMPION_WINDOW_ACCEPT_LENGTH: Final = "tide.gate.champion_window_al.{segment}.k{k}"
     WEIGHT: Final = "tide.gate.weight.{segment}"
     OLDER_SHARE: Final = "tide.gate.older_share.{segment}"
     PROTECTED: Final = "tide.gate.protected"

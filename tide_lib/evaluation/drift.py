@@ -165,12 +165,11 @@ def carried_gain(promotion: GateDecision, *, min_gain: float, min_share: float) 
     learned; the next cycle learns them from every window (their earlier requests too,
     not kept by distillation toward the draft that did not serve them), the rest of the
     window kept."""
-    before = promotion.champion
-    if min_gain <= 0 or not promotion.promote or before is None:
+    if min_gain <= 0 or not promotion.promote:
         return {}
-    gains = {
-        segment: value - before[segment]
-        for segment, value in promotion.challenger.items()
-        if segment in before and promotion.weights.get(segment, 0.0) >= min_share
+    gains = {  # on the window's held-out requests, where the gate measured some
+        segment: gain
+        for segment, gain in promotion.gains().items()
+        if promotion.weights.get(segment, 0.0) >= min_share
     }
     return {segment: gain for segment, gain in sorted(gains.items()) if gain >= min_gain}

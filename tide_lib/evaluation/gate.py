@@ -106,6 +106,19 @@ class GateDecision:
     # The floor draft's figures at the gate's k (rule 3); None: judged without a floor.
     floor: dict[str, float] | None = None
     floor_version: str | None = None
+    # Figures on the window's held-out requests alone (rule 4's), where a segment has some.
+    window_challenger: dict[str, float] = dataclasses.field(default_factory=dict)
+    window_champion: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def gains(self) -> dict[str, float]:
+        """Each segment's gain over the champion (none without one): on the window's
+        held-out requests where both drafts were measured on some, else on all."""
+        if not self.champion:
+            return {}
+        both = self.window_challenger.keys() & self.window_champion.keys()
+        after = {**self.challenger, **{s: self.window_challenger[s] for s in both}}
+        before = {**self.champion, **{s: self.window_champion[s] for s in both}}
+        return {s: value - before[s] for s, value in after.items() if s in before}
 
 
 PooledFigures = Callable[[tuple[str, ...]], tuple[float, float, float]]
@@ -311,12 +324,14 @@ def decide(
             protected,
             together,
             floor=dict(floor) if floor else None,
+            window_challenger=dict(on_window),
+            window_champion=dict(champion_on_window),
         )
 
     if not champion:
         return verdict(True, "no champion yet: the first valid challenger wins")
     # the gain on what the window brought: window figures where both drafts have them
-    both = {s for s in on_window if s in champion_on_window}
+    both = on_window.keys() & champion_on_window.keys()
     gain_challenger = {**challenger, **{s: on_window[s] for s in both}}
     gain_champion = {**champion, **{s: champion_on_window[s] for s in both}}
     common = {s: v for s, v in gain_challenger.items() if s in gain_champion}
@@ -407,8 +422,13 @@ def decision_tags(decision: GateDecision, k: int) -> dict[str, str]:
         tags[Tags.WEIGHTED_CHAMPION] = f"{decision.weighted_champion:.4f}"
     if decision.floor_version is not None:
         tags[Tags.FLOOR_VERSION] = decision.floor_version
-    for segment, value in (decision.floor or {}).items():
-        tags[Tags.FLOOR_ACCEPT_LENGTH.format(segment=segment, k=k)] = f"{value:.4f}"
+    for template, figures in (
+        (Tags.FLOOR_ACCEPT_LENGTH, decision.floor or {}),
+        (Tags.WINDOW_ACCEPT_LENGTH, decision.window_challenger),
+        (Tags.CHAMPION_WINDOW_ACCEPT_LENGTH, decision.window_champion),
+    ):
+        for segment, value in figures.items():
+            tags[template.format(segment=segment, k=k)] = f"{value:.4f}"
     for at_k, figures in {**decision.challenger_by_k, k: decision.challenger}.items():
         for segment, value in figures.items():
             tags[Tags.ACCEPT_LENGTH.format(segment=segment, k=at_k)] = f"{value:.4f}"
@@ -512,6 +532,8 @@ def decision_from_tags(tags: dict[str, str], k: int) -> GateDecision | None:
         champion_by_k=champion_by_k,
         floor=_by_k(tags, Tags.FLOOR_ACCEPT_LENGTH).get(k),
         floor_version=tags.get(Tags.FLOOR_VERSION),
+        window_challenger=_by_k(tags, Tags.WINDOW_ACCEPT_LENGTH).get(k, {}),
+        window_champion=_by_k(tags, Tags.CHAMPION_WINDOW_ACCEPT_LENGTH).get(k, {}),
     )
 
 

@@ -656,7 +656,6 @@ def keep_champion_baseline(
         if figures:
             held = Baseline(champion.version, figures, {}, segmenter_key)
             store_baseline(config, held, "gate: held its place")
-    before = decision.champion
     settle_tried_segments(
         config,
         registry,
@@ -664,9 +663,7 @@ def keep_champion_baseline(
         champion.version,
         gain=decision.weighted_challenger - (decision.weighted_champion or 0.0),
         segment_gains={  # a segment's own gain only on enough held-out traffic to count
-            s: v - before[s]
-            for s, v in decision.challenger.items()
-            if s in before and s in decision.protected
+            s: gain for s, gain in decision.gains().items() if s in decision.protected
         },
         gains_key=segmenter_key,
     )
