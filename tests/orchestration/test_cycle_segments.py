@@ -165,8 +165,8 @@ def test_export_separates_window_and_replay(
     replayed = sum(torch.load(path, weights_only=True)["input_ids"].numel() for path in replay)
     assert exported.as_params()["trained_replay_tokens"] == replayed
     assert not list((tmp_path / "data").glob("*.ckpt"))  # nothing outside the parts
-    # The window's held-out requests go along apart, to be scored, never trained on:
-    # the very requests the gate judges the challenger on.
+    # The held-out requests go along apart, to be scored, never trained on: the very
+    # requests the gate judges the challenger on, the window's and the older traffic's.
     judged = sorted((tmp_path / "data" / "held_out").rglob("*.ckpt"))
     assert judged and {path.parent.name for path in judged} <= {"window", "replay"}
 
@@ -184,7 +184,9 @@ def test_export_separates_window_and_replay(
         for samples in cycle.held_out_samples(config, snapshot).values()
         for sample in samples
     }
-    assert digests(judged) == window_held and window_held <= gate
+    assert digests(judged) == gate and window_held < gate  # older English judged too
+    older_judged = sorted((tmp_path / "data" / "held_out" / "replay").glob("*.ckpt"))
+    assert digests(older_judged) >= gate - window_held  # older traffic: traffic to keep
     assert digests(judged).isdisjoint(digests(window + replay))
 
 

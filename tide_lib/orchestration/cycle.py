@@ -255,6 +255,27 @@ def _window_split(
         yield position == 0 or _held_out(sample, percent), sample
 
 
+def _older_held_out(
+    config: TideConfig, snapshot: Snapshot, reader: LakeReader, seen: set[bytes]
+) -> Iterator[tuple[bool, CapturedRecord]]:
+    """The older requests the gate reads for its held-out budget, newest commits first,
+    each with whether the gate judges it: held out (:func:`_held_out`) and not ``seen``
+    before (whose digests this adds to). Stops once ``cycle.held_out_older_tokens``
+    tokens are judged. The cycle's export and the gate read the same ones."""
+    judged_tokens, budget = 0, config.cycle.held_out_older_tokens
+    for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
+        if judged_tokens >= budget:
+            return
+        judged = _held_out(sample, config.cycle.held_out_percent)
+        if judged:
+            digest = content_digest(sample.input_ids)
+            judged = digest not in seen
+            seen.add(digest)
+        if judged:
+            judged_tokens += int(sample.input_ids.numel())
+        yield judged, sample
+
+
 WINDOW_DIR = DataDirs.WINDOW  # export_training_data's layout: the trainer tells new traffic
 REPLAY_DIR = DataDirs.REPLAY  # from replayed older traffic by these sub-directories
 JUDGED_DIR = DataDirs.HELD_OUT  # and the window's held-out requests, never trained on
@@ -288,8 +309,10 @@ class TrainingSet:
 def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> TrainingSet:
     """Write the training set in SpecForge's layout: ``out/window/`` (the new traffic to
     learn) and ``out/replay/`` (traffic to keep), one ``.ckpt`` each, with its segment;
-    and under ``out/held_out/`` the window's held-out requests, which the trainer scores
-    its steps on and never trains on (the gate judges on them too).
+    and under ``out/held_out/`` the held-out requests the gate judges on, the window's
+    and the older traffic's (:func:`_older_held_out`, as traffic to keep), which the
+    trainer scores its steps on and never trains on: a step it keeps has not forgotten
+    older traffic on the very requests the gate will measure.
 
     Traffic to keep is older requests, chosen by segment toward those the window lacks
     (:mod:`.replay`), and the window's requests of segments the drift check found the
@@ -356,15 +379,21 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         if found is not None:
             candidate, learn = found
             save(sample, candidate.segment, window=learn)
+    window_judged = len(judged)
+    for held, sample in _older_held_out(config, snapshot, reader, judged):
+        if held:  # older traffic the gate judges forgetting on: scored as traffic to keep
+            segment = segment_of(sample, segmenter)
+            sample.save_specforge(out / JUDGED_DIR / REPLAY_DIR, len(judged), segment=segment)
     logger.info(
         "cycle %s: %d window training samples (%d of them earlier requests of the segments "
-        "it learns), %d replay samples, and the %d held-out requests of the window the gate "
-        "judges on (scored while training, never trained on)",
+        "it learns), %d replay samples, and the %d held-out requests of the window and %d "
+        "of older traffic the gate judges on (scored while training, never trained on)",
         snapshot.cycle_id,
         counts[WINDOW_DIR],
         counts[WINDOW_DIR] - window_requests,
         counts[REPLAY_DIR],
-        len(judged),
+        window_judged,
+        len(judged) - window_judged,
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} export")
     return TrainingSet(requests=counts, tokens=tokens)
@@ -555,15 +584,11 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
         if held:
             judge(segment, sample)
     window_held_out = {segment: len(judged) for segment, judged in samples.items()}
-    held_older = 0
-    budget = config.cycle.held_out_older_tokens
-    for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
-        if held_older >= budget:
-            break
+    for judged, sample in _older_held_out(config, snapshot, reader, seen):
         segment, tokens = segment_of(sample, segmenter), int(sample.input_ids.numel())
         older_tokens[segment] = older_tokens.get(segment, 0) + tokens
-        if _held_out(sample, config.cycle.held_out_percent) and judge(segment, sample):
-            held_older += tokens
+        if judged:
+            samples.setdefault(segment, []).append(sample)
     log_debris(reader, f"cycle {snapshot.cycle_id} held-out")
     return HeldOutTraffic(samples, window_tokens, older_tokens, key, window_held_out)
 
