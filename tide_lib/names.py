@@ -33,12 +33,15 @@ BASELINE = "baseline"
 class DataDirs:
     """Sub-directories of an exported training set: the cycle's export writes them on the
     training host, the trainer reads them. Traffic to learn, traffic to keep (replayed,
-    distilled), and the window's held-out requests, scored while training, never trained on
-    (``held_out/window/`` and ``held_out/replay/``, by the part they would train in)."""
+    distilled), and the held-out requests the gate judges, scored while training, never
+    trained on: the window's (``held_out/window/`` and ``held_out/replay/``, by the part
+    they would train in) and the older traffic's (``held_out/older/``, scored in groups
+    of their own, ``older/<segment>``, so they never dilute a group the window learns)."""
 
     WINDOW: Final = "window"
     REPLAY: Final = "replay"
     HELD_OUT: Final = "held_out"
+    OLDER: Final = "older"
 
 
 class Tags:
@@ -72,7 +75,7 @@ class Tags:
     WEIGHT: Final = "tide.gate.weight.{segment}"
     OLDER_SHARE: Final = "tide.gate.older_share.{segment}"
     PROTECTED: Final = "tide.gate.protected"
-    PROTECTED_TOGETHER: Final = "tide.gate.protected_together"  # thin traffic to keep, pooled
+    PROTECTED_TOGETHER: Final = "tide.gate.protected_together"  # traffic to keep, pooled
     REASON: Final = "tide.gate.reason"
     WEIGHTED: Final = "tide.gate.weighted_accept_length"
     WEIGHTED_CHAMPION: Final = "tide.gate.weighted_champion_accept_length"

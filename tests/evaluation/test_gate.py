@@ -374,9 +374,13 @@ def test_losses_within_the_tolerance_cannot_add_up_below_the_floor() -> None:
         challenger, eroded, CONFIG, weights=shares, floor=floor, floor_margins={"english": 0.4}
     )
     assert noisy.promote, noisy.reason
-    # a segment already below the floor only needs not to fall further
+    # a segment already below the floor only needs not to fall further (beyond the noise)
     kept = decide({"korean": 3.0, "english": 3.0}, eroded, CONFIG, weights=shares, floor=floor)
     assert kept.promote, kept.reason
+    dipped = {"korean": 3.0, "english": 2.95}
+    noise = {"english": 0.1}
+    assert decide(dipped, eroded, CONFIG, weights=shares, floor=floor, drop_margins=noise).promote
+    assert not decide(dipped, eroded, CONFIG, weights=shares, floor=floor).promote
     assert kept.floor == floor
     report = decision_report(below, k=4)
     assert "| english | 0.20 | - | yes | 2.900 | 3.000 | 3.400 |" in report

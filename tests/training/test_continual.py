@@ -27,6 +27,7 @@ from tide_lib.training.selection import (
     Evaluation,
     HeldOut,
     Selection,
+    sample_group,
     sample_split,
     split_held_out,
 )
@@ -138,6 +139,25 @@ def test_the_held_out_split_hashes_names_and_covers_every_segment(tmp_path: Path
     assert split_held_out(tmp_path, with_judged, off) == (samples, [])  # off: none scored
     two = config.model_copy(update={"validation_max_samples": 2})
     assert len([p for p in split_held_out(tmp_path, with_judged, two)[1] if p in judged]) == 2
+    # The older traffic's held-out requests the gate judges: scored in groups of their own
+    # (never diluting a group the window learns), after the window's when the cap binds.
+    (tmp_path / "held_out" / "older").mkdir(parents=True)
+    for index in range(4):
+        torch.save(
+            {"input_ids": torch.tensor([950 + index, 7]), "segment": "law"},
+            tmp_path / "held_out" / "older" / f"data_{index:06d}.ckpt",
+        )
+    with_older = list_samples(tmp_path)
+    older = [path for path in with_older if "older" in path.parts]
+    assert {sample_group(tmp_path, path) for path in older} == {"older/law"}
+    assert {sample_split(tmp_path, path) for path in older} == {"replay"}
+    scored = split_held_out(tmp_path, with_older, config)[1]
+    assert set(older) <= set(scored)
+    four = config.model_copy(update={"validation_max_samples": 4})
+    capped_judged = [
+        p for p in split_held_out(tmp_path, with_older, four)[1] if "held_out" in p.parts
+    ]
+    assert set(judged) <= set(capped_judged) and len(capped_judged) == 4  # the window's first
 
 
 def test_the_distillation_gradient_is_student_minus_parent() -> None:

@@ -98,7 +98,7 @@ class GateDecision:
     weighted_champion: float | None
     older_shares: dict[str, float] = dataclasses.field(default_factory=dict)
     protected: tuple[str, ...] = ()
-    # Traffic to keep too thin to protect alone, judged together (its requests pooled).
+    # Traffic to keep judged together (its requests pooled), thin parts or not.
     protected_together: tuple[str, ...] = ()
     # Figures at the other ks evaluated, for the record: {k: {segment: acceptance length}}.
     challenger_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
@@ -190,15 +190,19 @@ def _below_floor(
     floor: dict[str, float],
     *,
     margins: dict[str, float],
+    champion_margins: dict[str, float],
     tolerance: float,
 ) -> str | None:
     """Why the challenger ends a protected segment below the floor draft (more than the
-    tolerance beyond its margin of error, and below the champion too), or None."""
+    tolerance beyond its margin of error, and below the champion beyond that drop's
+    margin of error too: a segment the champion already serves below the floor only
+    must not fall further), or None."""
     for segment in protected:
         if segment not in floor or segment not in champion:
             continue
         drop, margin = floor[segment] - challenger[segment], margins.get(segment, 0.0)
-        if drop - margin > tolerance + _EPSILON and challenger[segment] < champion[segment]:
+        fell = champion[segment] - challenger[segment] > champion_margins.get(segment, 0.0)
+        if drop - margin > tolerance + _EPSILON and fell:
             noise = f" + margin of error {margin:.3f}" if margin else ""
             return (
                 f"segment {segment!r}: {challenger[segment]:.3f} vs floor {floor[segment]:.3f} "
@@ -289,7 +293,7 @@ def decide(
     ``drop_margins`` the one-sided 95% margin of error of each segment's drop, champion
     and challenger replayed on the same requests
     (:func:`~tide_lib.evaluation.offline.drop_margin`): a drop rejects only beyond it;
-    ``pooled`` measures segments too thin to protect alone together (none: they are not);
+    ``pooled`` measures segments of traffic to keep together (none: they are not);
     ``floor`` the floor draft's figures on the same requests (rule 3; none: no floor) and
     ``floor_margins`` the margins of error of the challenger's drops below it;
     ``window_figures`` the challenger's and the champion's figures on the window's
@@ -348,7 +352,7 @@ def decide(
     together = _forgotten_together(
         shared,
         thin,
-        champion,
+        gain_champion,  # served well or not: on the window's requests where it has some
         tokens,
         pooled,
         config=config,
@@ -361,6 +365,7 @@ def decide(
         champion,
         floor or {},
         margins=floor_margins or {},
+        champion_margins=drop_margins or {},
         tolerance=config.tolerance,
     )
     if forgotten or together.forgotten or below:

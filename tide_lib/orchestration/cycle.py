@@ -278,7 +278,7 @@ def _older_held_out(
 
 WINDOW_DIR = DataDirs.WINDOW  # export_training_data's layout: the trainer tells new traffic
 REPLAY_DIR = DataDirs.REPLAY  # from replayed older traffic by these sub-directories
-JUDGED_DIR = DataDirs.HELD_OUT  # and the window's held-out requests, never trained on
+JUDGED_DIR = DataDirs.HELD_OUT  # and the held-out requests the gate judges, never trained on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +310,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     """Write the training set in SpecForge's layout: ``out/window/`` (the new traffic to
     learn) and ``out/replay/`` (traffic to keep), one ``.ckpt`` each, with its segment;
     and under ``out/held_out/`` the held-out requests the gate judges on, the window's
-    and the older traffic's (:func:`_older_held_out`, as traffic to keep), which the
+    and the older traffic's (:func:`_older_held_out`, in ``held_out/older/``), which the
     trainer scores its steps on and never trains on: a step it keeps has not forgotten
     older traffic on the very requests the gate will measure.
 
@@ -383,7 +383,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     for held, sample in _older_held_out(config, snapshot, reader, judged):
         if held:  # older traffic the gate judges forgetting on: scored as traffic to keep
             segment = segment_of(sample, segmenter)
-            sample.save_specforge(out / JUDGED_DIR / REPLAY_DIR, len(judged), segment=segment)
+            sample.save_specforge(out / JUDGED_DIR / DataDirs.OLDER, len(judged), segment=segment)
     logger.info(
         "cycle %s: %d window training samples (%d of them earlier requests of the segments "
         "it learns), %d replay samples, and the %d held-out requests of the window and %d "
@@ -904,7 +904,7 @@ def _window_lengths(counts: dict[str, AcceptanceCount], window: dict[str, int]) 
         alone = AcceptanceCount()
         for pair in count.per_request[: window.get(segment, 0)]:
             alone.add(*pair)
-        if alone.requests:
+        if alone.verify_steps:
             lengths[segment] = alone.accept_length
     return lengths
 

@@ -337,7 +337,8 @@ class DraftRegistry:
         """``champion`` -> ``version``; the champion it replaces becomes ``previous-champion``.
 
         ``baseline`` (the gate's floor, see ``gate.floor``) is set once, on the first
-        champion this registry knows; an operator moves it to re-anchor the floor.
+        champion; an operator moves it to re-anchor the floor (or sets it on a registry
+        whose first champion came before it existed: a rollback must not set it).
 
         Idempotent: promoting the champion again only finishes what an interrupted
         promotion left undone (its ``tide.promoted`` tag).
@@ -347,9 +348,8 @@ class DraftRegistry:
             if current.tags.get(Tags.PROMOTED) != "true":
                 self.client.set_model_version_tag(self.name, version, Tags.PROMOTED, "true")
             return
-        if self.alias(BASELINE) is None:  # the gate's floor: the first champion known
-            floor = current.version if current is not None else version
-            self.client.set_registered_model_alias(self.name, BASELINE, floor)
+        if current is None and self.alias(BASELINE) is None:  # the gate's floor
+            self.client.set_registered_model_alias(self.name, BASELINE, version)
         if current is not None:
             self.client.set_registered_model_alias(self.name, PREVIOUS_CHAMPION, current.version)
         self.client.set_registered_model_alias(self.name, CHAMPION, version)

@@ -4,7 +4,8 @@ A warm start trained on a small window can end worse than the draft it started
 from, even on that window's traffic. So held-out requests are never trained on
 and are scored with the offline acceptance replay (:mod:`tide_lib.evaluation.offline`,
 the engine's own chain drafting) at step 0 and every ``eval_every`` steps: the
-window's own held-out requests, the ones the gate judges on (``held_out/``), and a
+held-out requests the gate judges on (``held_out/``: the window's, and the older
+traffic's in groups of their own, ``older/<segment>``), and a
 share of the training samples (chosen by a hash of each request's tokens, so window
 and replay alike, copies of a request together, and the same split on every retry).
 
@@ -66,9 +67,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 WINDOW, REPLAY = DataDirs.WINDOW, DataDirs.REPLAY
-# The window's held-out requests: what the gate will judge the draft on, so the run scores
-# them too and never trains on them.
+# The held-out requests the gate will judge the draft on (the window's, and under
+# held_out/older/ the older traffic's), so the run scores them too and never trains on them.
 JUDGED = DataDirs.HELD_OUT
+OLDER_PREFIX = f"{DataDirs.OLDER}/"  # the group of an older held-out request: older/<segment>
 
 
 _VALIDATION_SALT = b"tide-validation"  # independent of the cycle's held-out split
@@ -76,12 +78,18 @@ MIN_HELD_OUT_PER_GROUP = 2  # a group with fewer held-out samples could forget u
 
 
 def sample_split(data_dir: Path, path: Path) -> str:
-    """``replay`` for a sample under ``data_dir/replay/`` (or ``held_out/replay/``), else
-    ``window``."""
+    """``replay`` for a sample under ``data_dir/replay/`` (or ``held_out/replay/``, or the
+    older traffic's ``held_out/older/``), else ``window``."""
     parts = path.relative_to(data_dir).parts
     if parts[0] == JUDGED:
         parts = parts[1:]
-    return REPLAY if parts and parts[0] == REPLAY else WINDOW
+    return REPLAY if parts and parts[0] in (REPLAY, DataDirs.OLDER) else WINDOW
+
+
+def _older_evidence(data_dir: Path, path: Path) -> bool:
+    """Is the sample an older held-out request the gate judges (``held_out/older/``)?"""
+    parts = path.relative_to(data_dir).parts
+    return len(parts) > 1 and parts[0] == JUDGED and parts[1] == DataDirs.OLDER
 
 
 def judged_by_the_gate(data_dir: Path, path: Path) -> bool:
@@ -94,7 +102,8 @@ def sample_group(data_dir: Path, path: Path, raw: dict[str, Any] | None = None) 
     if raw is None:  # memory-mapped: only the label is read, not the states
         raw = torch.load(path, weights_only=True, mmap=True)
     segment = raw.get("segment")
-    return segment if isinstance(segment, str) else sample_split(data_dir, path)
+    group = segment if isinstance(segment, str) else sample_split(data_dir, path)
+    return OLDER_PREFIX + group if _older_evidence(data_dir, path) else group
 
 
 def split_held_out(
@@ -155,10 +164,12 @@ def split_held_out(
 
 
 def _judged(data_dir: Path, paths: list[Path], cap: int) -> tuple[list[Path], dict[str, int]]:
-    """The window's held-out requests to score: at most ``cap`` distinct ones, lowest by
-    hash (the same on every retry; copies go together), and each group's count of them."""
+    """The gate's held-out requests to score: at most ``cap`` distinct ones, the window's
+    first, then the older traffic's, each lowest by hash (the same on every retry; copies
+    go together), and each group's count of them."""
     keys = _content_keys(data_dir, paths)
-    kept = set(sorted({fraction for fraction, _group in keys.values()})[:cap])
+    older = {keys[path][0] for path in paths if _older_evidence(data_dir, path)}
+    kept = set(sorted({f for f, _group in keys.values()}, key=lambda f: (f in older, f))[:cap])
     counts: dict[str, int] = {}
     for _fraction, group in {key for key in keys.values() if key[0] in kept}:
         counts[group] = counts.get(group, 0) + 1
