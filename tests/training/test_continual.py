@@ -121,12 +121,7 @@ def test_the_held_out_split_hashes_names_and_covers_every_segment(tmp_path: Path
     off = config.model_copy(update={"validation_fraction": 0})
     assert split_held_out(tmp_path, samples, off) == (samples, [])
     # The window's held-out requests (the gate's) are always scored, never trained on.
-    (tmp_path / "held_out" / "window").mkdir(parents=True)
-    for index in range(3):
-        torch.save(
-            {"input_ids": torch.tensor([900 + index, 7]), "segment": "law"},
-            tmp_path / "held_out" / "window" / f"data_{index:06d}.ckpt",
-        )
+    _judged_law_requests(tmp_path / "held_out" / "window", first_token=900, count=3)
     with_judged = list_samples(tmp_path)
     judged = [path for path in with_judged if "held_out" in path.parts]
     train_now, held_now = split_held_out(tmp_path, with_judged, config)
@@ -141,12 +136,7 @@ def test_the_held_out_split_hashes_names_and_covers_every_segment(tmp_path: Path
     assert len([p for p in split_held_out(tmp_path, with_judged, two)[1] if p in judged]) == 2
     # The older traffic's held-out requests the gate judges: scored in groups of their own
     # (never diluting a group the window learns), after the window's when the cap binds.
-    (tmp_path / "held_out" / "older").mkdir(parents=True)
-    for index in range(4):
-        torch.save(
-            {"input_ids": torch.tensor([950 + index, 7]), "segment": "law"},
-            tmp_path / "held_out" / "older" / f"data_{index:06d}.ckpt",
-        )
+    _judged_law_requests(tmp_path / "held_out" / "older", first_token=950, count=4)
     with_older = list_samples(tmp_path)
     older = [path for path in with_older if "older" in path.parts]
     assert {sample_group(tmp_path, path) for path in older} == {"older/law"}
@@ -158,6 +148,16 @@ def test_the_held_out_split_hashes_names_and_covers_every_segment(tmp_path: Path
         p for p in split_held_out(tmp_path, with_older, four)[1] if "held_out" in p.parts
     ]
     assert set(judged) <= set(capped_judged) and len(capped_judged) == 4  # the window's first
+
+
+def _judged_law_requests(folder: Path, *, first_token: int, count: int) -> None:
+    """``count`` distinct two-token requests labelled ``law``, as the cycle exports them."""
+    folder.mkdir(parents=True)
+    for index in range(count):
+        torch.save(
+            {"input_ids": torch.tensor([first_token + index, 7]), "segment": "law"},
+            folder / f"data_{index:06d}.ckpt",
+        )
 
 
 def test_the_distillation_gradient_is_student_minus_parent() -> None:
