@@ -115,10 +115,25 @@ class GateDecision:
         held-out requests where both drafts were measured on some, else on all."""
         if not self.champion:
             return {}
-        both = self.window_challenger.keys() & self.window_champion.keys()
-        after = {**self.challenger, **{s: self.window_challenger[s] for s in both}}
-        before = {**self.champion, **{s: self.window_champion[s] for s in both}}
+        after, before = _window_preferred(
+            self.challenger, self.champion, self.window_challenger, self.window_champion
+        )
         return {s: value - before[s] for s, value in after.items() if s in before}
+
+
+def _window_preferred(
+    challenger: dict[str, float],
+    champion: dict[str, float],
+    window_challenger: dict[str, float],
+    window_champion: dict[str, float],
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Challenger and champion figures, each segment's on the window's held-out requests
+    where both drafts were measured on some (rule 4's), else on all its requests."""
+    both = window_challenger.keys() & window_champion.keys()
+    return (
+        {**challenger, **{s: window_challenger[s] for s in both}},
+        {**champion, **{s: window_champion[s] for s in both}},
+    )
 
 
 PooledFigures = Callable[[tuple[str, ...]], tuple[float, float, float]]
@@ -335,9 +350,9 @@ def decide(
     if not champion:
         return verdict(True, "no champion yet: the first valid challenger wins")
     # the gain on what the window brought: window figures where both drafts have them
-    both = on_window.keys() & champion_on_window.keys()
-    gain_challenger = {**challenger, **{s: on_window[s] for s in both}}
-    gain_champion = {**champion, **{s: champion_on_window[s] for s in both}}
+    gain_challenger, gain_champion = _window_preferred(
+        challenger, champion, on_window, champion_on_window
+    )
     common = {s: v for s, v in gain_challenger.items() if s in gain_champion}
     weighted_champion = _weighted({s: gain_champion[s] for s in common}, shares)
     weighted_common = _weighted(common, shares)

@@ -23,7 +23,7 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -258,10 +258,11 @@ def _window_split(
 def _older_held_out(
     config: TideConfig, snapshot: Snapshot, reader: LakeReader, seen: set[bytes]
 ) -> Iterator[tuple[bool, CapturedRecord]]:
-    """The older requests the gate reads for its held-out budget, newest commits first,
-    each with whether the gate judges it: held out (:func:`_held_out`) and not ``seen``
-    before (whose digests this adds to). Stops once ``cycle.held_out_older_tokens``
-    tokens are judged. The cycle's export and the gate read the same ones."""
+    """The older requests the gate reads for its held-out budget, in the snapshot's
+    order of older commits, each with whether the gate judges it: held out
+    (:func:`_held_out`) and not ``seen`` before (whose digests this adds to). Stops once
+    ``cycle.held_out_older_tokens`` tokens are judged. The cycle's export and the gate
+    read the same ones."""
     judged_tokens, budget = 0, config.cycle.held_out_older_tokens
     for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
         if judged_tokens >= budget:
@@ -901,12 +902,18 @@ def _window_lengths(counts: dict[str, AcceptanceCount], window: dict[str, int]) 
     ``window[segment]`` of its held-out requests); segments without any are left out."""
     lengths = {}
     for segment, count in counts.items():
-        alone = AcceptanceCount()
-        for pair in count.per_request[: window.get(segment, 0)]:
-            alone.add(*pair)
+        alone = _counted(count.per_request[: window.get(segment, 0)])
         if alone.verify_steps:
             lengths[segment] = alone.accept_length
     return lengths
+
+
+def _counted(pairs: Iterable[tuple[int, int]]) -> AcceptanceCount:
+    """Pooled counts of requests' ``(emitted, verify steps)`` pairs."""
+    count = AcceptanceCount()
+    for pair in pairs:
+        count.add(*pair)
+    return count
 
 
 def _drop_margins(
@@ -931,12 +938,8 @@ def _pooled(
     """The gate's measure of segments judged together: their requests pooled, paired."""
 
     def figures(segments: tuple[str, ...]) -> tuple[float, float, float]:
-        before, after = AcceptanceCount(), AcceptanceCount()
-        for segment in segments:
-            for pair in champion[segment].per_request:
-                before.add(*pair)
-            for pair in challenger[segment].per_request:
-                after.add(*pair)
+        before = _counted(pair for s in segments for pair in champion[s].per_request)
+        after = _counted(pair for s in segments for pair in challenger[s].per_request)
         margin = drop_margin(before.per_request, after.per_request)[1]
         return before.accept_length, after.accept_length, margin
 
