@@ -81,6 +81,12 @@ class Tags:
     WEIGHTED_CHAMPION: Final = "tide.gate.weighted_champion_accept_length"
     DECISION: Final = "tide.gate.decision"  # written last: it marks the record complete
 
+    @staticmethod
+    def of_decision(key: str) -> bool:
+        """Whether ``key`` is one of the gate decision's tags (not ``GATE_REPLAY``, which
+        says how the figures were measured and is set before judging)."""
+        return key.startswith(("tide.al.", "tide.gate.")) and key != Tags.GATE_REPLAY
+
 
 _SLUG_UNSAFE = re.compile(r"[^a-z0-9._-]+")
 

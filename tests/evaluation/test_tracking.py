@@ -8,7 +8,7 @@ import mlflow
 import pytest
 
 from tide_lib.config import GateConfig, TideConfig
-from tide_lib.evaluation.gate import decide
+from tide_lib.evaluation.gate import decide, decision_from_tags
 from tide_lib.evaluation.plot import plot_acceptance
 from tide_lib.evaluation.tracking import log_acceptance_plot, log_decision
 from tide_lib.registry import DraftRegistry
@@ -44,3 +44,29 @@ def test_decision_and_plot_reach_mlflow(stack: TideConfig, tmp_path: Path) -> No
     assert artifacts == {"evaluation/acceptance_length_k4.png"}
     gate = {a.path for a in client.list_artifacts(run.info.run_id, "gate")}
     assert gate == {f"gate/decision-v{version.version}.md"} and "PROMOTE" in report
+
+
+@pytest.mark.slow
+def test_a_rejudged_version_keeps_no_figures_of_the_judging_that_died(stack: TideConfig) -> None:
+    """A judging that died midway left a floor and a segment this one does not have;
+    read back, the new decision must not carry them."""
+    client = mlflow.MlflowClient(stack.mlflow.tracking_uri)
+    client.create_registered_model("tide-draft-rejudge-test")
+    version = client.create_model_version("tide-draft-rejudge-test", "s3://x/draft").version
+    registry = DraftRegistry(stack.mlflow.tracking_uri, "rejudge-test")
+    died = {
+        "tide.gate.floor_version": "1",
+        "tide.gate.floor_al.recent.k4": "3.0000",
+        "tide.al.cluster-3.k4": "1.5000",
+        "tide.gate.replay": "every_position",
+    }
+    registry.set_tags(version, died)
+    decision = decide({"recent": 2.5}, {"recent": 2.0}, GateConfig(floor=False))
+    log_decision(registry, version, decision, k=4)
+    tags = registry.get(version).tags
+    assert tags["tide.gate.replay"] == "every_position"  # how it was measured: kept
+    assert not {"tide.gate.floor_version", "tide.gate.floor_al.recent.k4"} & tags.keys()
+    assert "tide.al.cluster-3.k4" not in tags and tags["tide.al.recent.k4"] == "2.5000"
+    read_back = decision_from_tags(tags, 4)
+    assert read_back is not None and read_back.floor is None and read_back.floor_version is None
+    assert read_back.challenger == {"recent": 2.5}

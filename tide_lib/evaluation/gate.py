@@ -30,7 +30,8 @@ requests of the window and of the older traffic in the lookback. Rules, in order
 4. The acceptance length weighted by each segment's share of the window's tokens
    must gain at least ``margin``: the challenger has to pay off on what the fleet
    serves now. Each segment's figure here is measured on the window's held-out
-   requests alone when it has some (``window_figures``): a segment's older requests
+   requests alone when they hold ``min_segment_tokens`` output tokens
+   (``window_figures``; fewer are noise): a segment's older requests
    (Korean chat in the cluster that Korean law joined) would dilute the gain on
    what the window brought.
 

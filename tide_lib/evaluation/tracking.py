@@ -21,6 +21,7 @@ from tide_lib.evaluation.gate import (
     decision_tags,
 )
 from tide_lib.evaluation.plot import plot_acceptance
+from tide_lib.names import Tags
 
 if TYPE_CHECKING:
     from tide_lib.registry import DraftRegistry, DraftVersion
@@ -38,9 +39,13 @@ def log_decision(registry: DraftRegistry, version: str, decision: GateDecision, 
     # figures first: the tags end with the one that marks the record complete
     registry.log_version_text(registered, report, f"gate/decision-v{version}.md")
     registry.log_version_metrics(registered, decision_metrics(decision, k))
-    registry.set_tags(
-        version, {key: value[:5000] for key, value in decision_tags(decision, k).items()}
+    tags = {key: value[:5000] for key, value in decision_tags(decision, k).items()}
+    # a judging that died midway (no decision tag) may have left figures this one has
+    # not, of other segments or a floor since turned off: they would be read back with it
+    registry.delete_tags(
+        version, [key for key in registered.tags if Tags.of_decision(key) and key not in tags]
     )
+    registry.set_tags(version, tags)
     logger.info("gate on %s v%s: %s", registry.name, version, decision.reason)
     return report
 

@@ -23,7 +23,7 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -842,7 +842,7 @@ def _judge(
     k; decide at gate.k."""
     from tide_lib.evaluation.gate import decide  # noqa: PLC0415
 
-    k = config.gate.k
+    k, min_tokens = config.gate.k, config.gate.min_segment_tokens
     ks = sorted({k, *config.gate.ks})
     champion_version, floor_version = _references(config, registry, version)
     with task_scratch(config, f"evaluate-{snapshot.cycle_id}") as work:
@@ -868,8 +868,10 @@ def _judge(
         floor=floor,
         floor_margins=_drop_margins(floor_counts, challenger_counts, k),
         window_figures=(
-            _window_lengths(challenger_counts[k], traffic.window_held_out),
-            _window_lengths(champion_counts[k], traffic.window_held_out) if champion_counts else {},
+            _window_lengths(challenger_counts[k], traffic.window_held_out, min_tokens),
+            _window_lengths(champion_counts[k], traffic.window_held_out, min_tokens)
+            if champion_counts
+            else {},
         ),
     )
     return dataclasses.replace(
@@ -897,23 +899,19 @@ def _references(
     return champion_version, floor.version
 
 
-def _window_lengths(counts: dict[str, AcceptanceCount], window: dict[str, int]) -> dict[str, float]:
+def _window_lengths(
+    counts: dict[str, AcceptanceCount], window: dict[str, int], min_tokens: int
+) -> dict[str, float]:
     """Each segment's acceptance length on its window requests alone (the first
-    ``window[segment]`` of its held-out requests); segments without any are left out."""
+    ``window[segment]`` of its held-out requests); segments whose window requests
+    emitted fewer than ``min_tokens`` output tokens (``gate.min_segment_tokens``: one or
+    two requests are noise) are left out, and measured on all their requests."""
     lengths = {}
     for segment, count in counts.items():
-        alone = _counted(count.per_request[: window.get(segment, 0)])
-        if alone.verify_steps:
+        alone = AcceptanceCount.of(count.per_request[: window.get(segment, 0)])
+        if alone.verify_steps and alone.emitted >= max(min_tokens, 1):
             lengths[segment] = alone.accept_length
     return lengths
-
-
-def _counted(pairs: Iterable[tuple[int, int]]) -> AcceptanceCount:
-    """Pooled counts of requests' ``(emitted, verify steps)`` pairs."""
-    count = AcceptanceCount()
-    for pair in pairs:
-        count.add(*pair)
-    return count
 
 
 def _drop_margins(
@@ -938,8 +936,8 @@ def _pooled(
     """The gate's measure of segments judged together: their requests pooled, paired."""
 
     def figures(segments: tuple[str, ...]) -> tuple[float, float, float]:
-        before = _counted(pair for s in segments for pair in champion[s].per_request)
-        after = _counted(pair for s in segments for pair in challenger[s].per_request)
+        before = AcceptanceCount.of(pair for s in segments for pair in champion[s].per_request)
+        after = AcceptanceCount.of(pair for s in segments for pair in challenger[s].per_request)
         margin = drop_margin(before.per_request, after.per_request)[1]
         return before.accept_length, after.accept_length, margin
 

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -360,6 +361,11 @@ class DraftRegistry:
         """Set version tags, in their order."""
         for key, value in tags.items():
             self.client.set_model_version_tag(self.name, version, key, value)
+
+    def delete_tags(self, version: str, keys: Iterable[str]) -> None:
+        """Remove version tags (those absent are skipped)."""
+        for key in keys:
+            self.client.delete_model_version_tag(self.name, version, key)
 
     def download(self, version: str, out_dir: Path) -> Path:
         """The version's validated draft directory, downloaded from the artifact store."""

@@ -11,7 +11,7 @@ Per-request pairs are kept, for margins of error, unless ``keep_requests`` is of
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = ["AcceptanceCount"]
@@ -26,6 +26,14 @@ class AcceptanceCount:
     requests: int = 0
     per_request: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     keep_requests: bool = True  # off for long-lived counters (an engine's lifetime)
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[int, int]]) -> AcceptanceCount:
+        """Pooled counts of requests' ``(emitted, verify steps)`` pairs."""
+        count = cls()
+        for emitted, verify_steps in pairs:
+            count.add(emitted, verify_steps)
+        return count
 
     def add(self, emitted: int, verify_steps: int) -> None:
         """One request that emitted ``emitted`` tokens in ``verify_steps`` verify steps."""
