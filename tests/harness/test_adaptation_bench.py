@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 
 from tide_lib.config import TideConfig, TrainConfig
-from tide_lib.harness.adaptation_bench import WorkloadError, load_workload, run_adaptation_bench
+from tide_lib.harness.adaptation_bench import (
+    WorkloadError,
+    _paired_ratio,
+    load_workload,
+    run_adaptation_bench,
+)
 from tide_lib.harness.params import AdaptationBenchParams
+from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.target_model import load_corpus, render_prompt
 
 
@@ -24,6 +30,18 @@ def test_malformed_workload_lines_are_named(tmp_path: Path) -> None:
         load_workload(path)
     path.write_text('{"prompt": "a", "segment": "x"}\n')  # one segment: a workload without shift
     assert load_workload(path) == [{"prompt": "a", "segment": "x"}]
+
+
+def test_a_ratio_of_drafts_carries_the_paired_noise_of_its_requests() -> None:
+    before = AcceptanceCount.of([(40, 10), (30, 10), (20, 10)])  # 3.0 pooled
+    same = _paired_ratio(before, before)
+    assert same == (1.0, 0.0)  # the same draft: no noise at all
+    one_fell = _paired_ratio(before, AcceptanceCount.of([(40, 10), (30, 10), (10, 10)]))  # 2.667
+    assert one_fell[0] == pytest.approx(8 / 9) and one_fell[1] > 1 - one_fell[0]
+    all_fell = _paired_ratio(
+        before, AcceptanceCount.of([(37, 10), (27, 10), (17, 10)])
+    )  # each -0.3
+    assert all_fell[0] == pytest.approx(0.9) and all_fell[1] == pytest.approx(0.0, abs=1e-9)
 
 
 @pytest.mark.slow
@@ -90,6 +108,11 @@ def test_adaptation_bench_on_a_generated_workload(
     assert written["tokens_per_s_plain"] > 0
     assert set(written["retention"]) == {"old"}  # every segment but the last
     assert written["retention"]["old"]["before_draft"] in written["accept_length"]
+    assert set(written["retention"]["old"]["margin"]) == {"k3", "k5"}
+    assert all(m >= 0 for m in written["al_ratio_adapted_static_margin"].values())
+    held = written["held_out_requests"]
+    assert held["new"] == written["requests"]["held_out_new_segment"]
+    assert sum(held.values()) == written["requests"]["held_out"]
     outcomes = [entry["outcome"] for entry in written["cycle_log"]]
     assert outcomes and set(outcomes) <= {"promoted", "rejected", "no-drift", "parent-best"}
     assert written["cycles_trained"] == len(outcomes)  # the drift check was off

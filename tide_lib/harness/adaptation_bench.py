@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import tempfile
 import time
 import uuid
@@ -45,6 +46,7 @@ from tide_lib.lake import CapturedRecord, target_slug
 if TYPE_CHECKING:
     from tide_lib.harness.serve_bench import EngineRun
     from tide_lib.registry import DraftRegistry
+    from tide_lib.serving.acceptance import AcceptanceCount
     from tide_lib.serving.engine import Engine
 
 __all__ = [
@@ -315,39 +317,67 @@ def _train_oracle(
     ).draft_dir
 
 
+Counts = dict[str, dict[str, dict[int, "AcceptanceCount"]]]  # draft -> segment -> k -> counts
+
+
 def _acceptance(
     versions: dict[str, Path],
     target_dir: Path,
     by_segment: dict[str, list[CapturedRecord]],
     ks: tuple[int, ...],
-) -> dict[str, dict[str, dict[str, float]]]:
-    """Offline acceptance length per draft, segment and k, on the held-out requests."""
+) -> Counts:
+    """Offline acceptance counts per draft, segment and k, on the held-out requests
+    (per request: every draft is replayed on the same ones, so drafts compare paired)."""
     from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415
     from tide_lib.training.draft import load_draft  # noqa: PLC0415
 
-    accept: dict[str, dict[str, dict[str, float]]] = {}
-    for name, path in versions.items():
-        counts = offline_acceptance(load_draft(path, target_dir), target_dir, by_segment, list(ks))
-        accept[name] = {
+    return {
+        name: offline_acceptance(load_draft(path, target_dir), target_dir, by_segment, list(ks))
+        for name, path in versions.items()
+    }
+
+
+def _lengths(counts: Counts, ks: tuple[int, ...]) -> dict[str, dict[str, dict[str, float]]]:
+    return {
+        name: {
             segment: {f"k{k}": by_k[k].accept_length for k in ks}
-            for segment, by_k in counts.items()
+            for segment, by_k in segments.items()
         }
-    return accept
+        for name, segments in counts.items()
+    }
+
+
+def _paired_ratio(before: AcceptanceCount, after: AcceptanceCount) -> tuple[float, float]:
+    """``after / before`` and its one-sided 95% margin of error: the paired margin of the
+    drop (both drafts on the same requests) over the ``before`` figure. A dozen held-out
+    requests move a ratio by tenths; the margin says how far."""
+    from tide_lib.evaluation.offline import drop_margin  # noqa: PLC0415
+
+    if not before.accept_length:
+        return 0.0, math.inf
+    _, margin = drop_margin(before.per_request, after.per_request)
+    return after.accept_length / before.accept_length, margin / before.accept_length
+
+
+def _ratios(
+    counts: Counts, a: str, b: str, segment: str, ks: tuple[int, ...]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Draft ``a`` over draft ``b`` on ``segment`` at each k, and the margins of error."""
+    pairs = {f"k{k}": _paired_ratio(counts[b][segment][k], counts[a][segment][k]) for k in ks}
+    return {k: r for k, (r, _) in pairs.items()}, {k: m for k, (_, m) in pairs.items()}
 
 
 def _retention(
-    accept: dict[str, dict[str, dict[str, float]]], loop: _Loop, segments: list[str]
+    counts: Counts, loop: _Loop, segments: list[str], ks: tuple[int, ...]
 ) -> dict[str, dict[str, Any]]:
     """Each older segment's acceptance under the final draft over that under the draft that
-    served when its traffic ended (forgetting shows as a ratio under 1)."""
+    served when its traffic ended (forgetting shows as a ratio under 1), with the ratio's
+    one-sided 95% margin of error (``margin``)."""
     retention: dict[str, dict[str, Any]] = {}
     for segment in segments[:-1]:
         before_draft = loop.champion_when_segment_ended.get(segment, "static")
-        before, after = accept[before_draft][segment], accept[loop.champion][segment]
-        retention[segment] = {
-            "before_draft": before_draft,
-            **{k: after[k] / before[k] if before[k] else 0.0 for k in before},
-        }
+        ratios, margins = _ratios(counts, loop.champion, before_draft, segment, ks)
+        retention[segment] = {"before_draft": before_draft, **ratios, "margin": margins}
     return retention
 
 
@@ -466,12 +496,12 @@ def run_adaptation_bench(
             ]
             for segment in segments
         }
-        accept = _acceptance(loop.versions, target_dir, by_segment, ks)
+        counts = _acceptance(loop.versions, target_dir, by_segment, ks)
         new_prompts = [item["prompt"] for item in held_items if item["segment"] == new_segment]
         timed, adaptive = _timing(
             loop, target_dir, new_prompts, max_new_tokens, params.timing_passes
         )
-    result = _result(loop, accept, timed, segments, ks)
+    result = _result(loop, counts, timed, segments, ks)
     result["adaptive_k"] = adaptive
     result["requests"] = {
         "served": len(served),
@@ -498,7 +528,7 @@ def run_adaptation_bench(
 
 def _result(
     loop: _Loop,
-    accept: dict[str, dict[str, dict[str, float]]],
+    counts: Counts,
     timed: dict[str, EngineRun],
     segments: list[str],
     ks: tuple[int, ...],
@@ -507,17 +537,19 @@ def _result(
 
     new_segment, final = segments[-1], loop.champion
     tokens_per_s = {name: run.tokens_per_s for name, run in timed.items()}
-
-    def ratio(a: str, b: str, k: int) -> float:
-        denominator = accept[b][new_segment][f"k{k}"]
-        return accept[a][new_segment][f"k{k}"] / denominator if denominator else 0.0
-
+    over_static = _ratios(counts, final, "static", new_segment, ks)
+    over_oracle = _ratios(counts, final, "oracle", new_segment, ks)
     outcomes = [c["outcome"] for c in loop.cycles]
     return {
-        "accept_length": accept,
-        "al_ratio_adapted_static": {f"k{k}": ratio(final, "static", k) for k in ks},
-        "al_ratio_adapted_oracle": {f"k{k}": ratio(final, "oracle", k) for k in ks},
-        "retention": _retention(accept, loop, segments),
+        "accept_length": _lengths(counts, ks),
+        "held_out_requests": {
+            segment: by_k[ks[0]].requests for segment, by_k in counts["static"].items()
+        },
+        "al_ratio_adapted_static": over_static[0],
+        "al_ratio_adapted_static_margin": over_static[1],  # one-sided 95%, paired
+        "al_ratio_adapted_oracle": over_oracle[0],
+        "al_ratio_adapted_oracle_margin": over_oracle[1],
+        "retention": _retention(counts, loop, segments, ks),
         "tokens_per_s_static": tokens_per_s["static"],
         "tokens_per_s_adapted": tokens_per_s["adapted"],
         "tokens_per_s_plain": tokens_per_s["plain"],
