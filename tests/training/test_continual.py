@@ -90,7 +90,10 @@ def test_the_held_out_split_hashes_names_and_covers_every_segment(tmp_path: Path
     for split in ("window", "replay"):
         (tmp_path / split).mkdir()
         for index in range(40):
-            payload: dict[str, object] = {"input_ids": torch.tensor([index, len(split), 7])}
+            payload: dict[str, object] = {
+                "input_ids": torch.tensor([index, len(split), 7]),
+                "loss_mask": torch.tensor([0, 1, 1]),
+            }
             if split == "window" and index < 3:
                 payload["segment"] = "law"
             torch.save(payload, tmp_path / split / f"data_{index:06d}.ckpt")
@@ -105,7 +108,8 @@ def test_the_held_out_split_hashes_names_and_covers_every_segment(tmp_path: Path
     # copies of one request fall on the same side, and count once towards a quota
     for number in range(5):
         torch.save(
-            {"input_ids": torch.tensor([1, 6, 7])}, tmp_path / "window" / f"dup_{number}.ckpt"
+            {"input_ids": torch.tensor([1, 6, 7]), "loss_mask": torch.tensor([0, 1, 1])},
+            tmp_path / "window" / f"dup_{number}.ckpt",
         )
     samples = list_samples(tmp_path)
     train, held = split_held_out(tmp_path, samples, config)
@@ -150,14 +154,45 @@ def test_the_held_out_split_hashes_names_and_covers_every_segment(tmp_path: Path
     assert set(judged) <= set(capped_judged) and len(capped_judged) == 4  # the window's first
 
 
-def _judged_law_requests(folder: Path, *, first_token: int, count: int) -> None:
-    """``count`` distinct two-token requests labelled ``law``, as the cycle exports them."""
+def _judged_law_requests(folder: Path, *, first_token: int, count: int, outputs: int = 1) -> None:
+    """``count`` distinct two-token requests labelled ``law``, as the cycle exports them,
+    whose last ``outputs`` tokens (0 or 1) the target answered."""
     folder.mkdir(parents=True)
     for index in range(count):
         torch.save(
-            {"input_ids": torch.tensor([first_token + index, 7]), "segment": "law"},
+            {
+                "input_ids": torch.tensor([first_token + index, 7]),
+                "loss_mask": torch.tensor([0, outputs]),
+                "segment": "law",
+            },
             folder / f"data_{index:06d}.ckpt",
         )
+
+
+def test_requests_answered_with_no_token_are_never_the_evidence_of_a_group(
+    tmp_path: Path,
+) -> None:
+    """Half the Korean law requests end at once (no output token). A group held out on
+    those alone scores 0 whatever the draft learns: the run kept its parent and the
+    drift check settled law at 1.02 (four-segment bench, 4846080)."""
+    (tmp_path / "window").mkdir()
+    for index in range(12):  # law to learn: even ones answered, odd ones not
+        torch.save(
+            {
+                "input_ids": torch.tensor([index, 5, 7]),
+                "loss_mask": torch.tensor([0, index % 2 == 0, index % 2 == 0]).long(),
+                "segment": "law",
+            },
+            tmp_path / "window" / f"data_{index:06d}.ckpt",
+        )
+    _judged_law_requests(tmp_path / "held_out" / "window", first_token=900, count=2, outputs=0)
+    samples = list_samples(tmp_path)
+    config = BASE.model_copy(update={"validation_fraction": 0.2, "validation_max_samples": 100})
+    train, held = split_held_out(tmp_path, samples, config)
+    judged = [path for path in samples if "held_out" in path.parts]
+    assert not set(judged) & set(train) and not set(judged) & set(held)  # no evidence
+    scored = [torch.load(path)["loss_mask"] for path in held]
+    assert len(scored) == 2 and all(int(mask.sum()) > 0 for mask in scored)
 
 
 def test_the_distillation_gradient_is_student_minus_parent() -> None:

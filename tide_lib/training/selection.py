@@ -37,7 +37,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -116,6 +116,10 @@ def split_held_out(
     draft the run keeps has beaten its parent on the requests the gate judges it on, not
     only on others. They count towards each group's share, minimum and the cap.
 
+    Only requests with output tokens are scored: one the target answered with no token
+    (a document line it ends at once: half the Korean law requests) has nothing to
+    verify, and a group held out on those alone scores 0 whatever the draft learns.
+
     The rest is split. Samples are ranked by a hash of their tokens
     (:func:`content_fraction`), so copies of one request fall together: held out, or
     trained on, never both. Each group holds out its distinct requests that hash below
@@ -133,8 +137,10 @@ def split_held_out(
     if len(samples) < 2:
         return samples, judged
     keys = _content_keys(data_dir, samples)
-    groups: dict[str, list[float]] = {}  # each group's distinct requests, by hash
-    for fraction, group in sorted(set(keys.values())):
+    groups: dict[str, list[float]] = {}  # each group's distinct requests with outputs, by hash
+    for fraction, group in sorted(
+        {(key.fraction, key.group) for key in keys.values() if key.outputs}
+    ):
         groups.setdefault(group, []).append(fraction)
     quota = {  # a group's judged requests count towards its share and its minimum
         name: max(
@@ -151,38 +157,50 @@ def split_held_out(
         for name, requests in groups.items()
     }
     if not any(quota.values()) and not judged:  # every group a single request: hold one
-        if len({fraction for fraction, _group in keys.values()}) < 2:
-            return samples, judged  # copies of one request: nothing to train on if held out
+        if len({fraction for requests in groups.values() for fraction in requests}) < 2:
+            return samples, judged  # one request to learn (copies aside): nothing if held out
         quota[next(iter(groups))] = 1
     while sum(quota.values()) > max(0, config.validation_max_samples - sum(scored.values())):
         largest = max(quota, key=lambda name: (quota[name], name))
         quota[largest] -= 1
     # by content alone: a copy labelled otherwise goes with the request it copies
     chosen = {f for name, requests in groups.items() for f in requests[: quota[name]]}
-    held = {path for path, (fraction, _group) in keys.items() if fraction in chosen}
+    held = {path for path, key in keys.items() if key.fraction in chosen}
     return [p for p in samples if p not in held], [p for p in samples if p in held] + judged
 
 
 def _judged(data_dir: Path, paths: list[Path], cap: int) -> tuple[list[Path], dict[str, int]]:
-    """The gate's held-out requests to score: at most ``cap`` distinct ones, the window's
-    first, then the older traffic's, each lowest by hash (the same on every retry; copies
-    go together), and each group's count of them."""
-    keys = _content_keys(data_dir, paths)
-    older = {keys[path][0] for path in paths if _older_evidence(data_dir, path)}
-    kept = set(sorted({f for f, _group in keys.values()}, key=lambda f: (f in older, f))[:cap])
+    """The gate's held-out requests to score: at most ``cap`` distinct ones with output
+    tokens, the window's first, then the older traffic's, each lowest by hash (the same
+    on every retry; copies go together), and each group's count of them. Requests the
+    target answered with no token (a document line it ends at once) are no evidence:
+    never scored (nor trained on)."""
+    keys = {path: key for path, key in _content_keys(data_dir, paths).items() if key.outputs}
+    older = {key.fraction for path, key in keys.items() if _older_evidence(data_dir, path)}
+    distinct = {key.fraction for key in keys.values()}
+    kept = set(sorted(distinct, key=lambda f: (f in older, f))[:cap])
     counts: dict[str, int] = {}
-    for _fraction, group in {key for key in keys.values() if key[0] in kept}:
+    for _fraction, group in {(k.fraction, k.group) for k in keys.values() if k.fraction in kept}:
         counts[group] = counts.get(group, 0) + 1
-    return [path for path in paths if keys[path][0] in kept], counts
+    return [path for path in paths if path in keys and keys[path].fraction in kept], counts
 
 
-def _content_keys(data_dir: Path, paths: list[Path]) -> dict[Path, tuple[float, str]]:
-    """Each sample's validation hash of its tokens and its group."""
-    keys: dict[Path, tuple[float, str]] = {}
+class _Key(NamedTuple):
+    """A sample's validation hash of its tokens, its group, and its output tokens."""
+
+    fraction: float
+    group: str
+    outputs: int
+
+
+def _content_keys(data_dir: Path, paths: list[Path]) -> dict[Path, _Key]:
+    """Each sample's :class:`_Key`."""
+    keys: dict[Path, _Key] = {}
     for path in paths:  # memory-mapped: the tokens and the label, not the states
         raw = torch.load(path, weights_only=True, mmap=True)
         fraction = content_fraction(raw["input_ids"], salt=_VALIDATION_SALT)
-        keys[path] = (fraction, sample_group(data_dir, path, raw))
+        outputs = int(raw["loss_mask"].sum())
+        keys[path] = _Key(fraction, sample_group(data_dir, path, raw), outputs)
     return keys
 
 
