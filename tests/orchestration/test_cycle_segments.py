@@ -329,3 +329,27 @@ def test_a_cycle_sent_to_learn_by_drift_takes_any_gain_over_its_champion(
         update={"cycle": config.cycle.model_copy(update={"force_promote": True})}
     )
     assert cycle._training_settings(forced, "c2").export == "last"
+
+
+def test_the_window_first_answered_request_is_held_out(
+    config: TideConfig, lake_store: ObjectStore
+) -> None:
+    """The window's first request is always judged, so a small window has recent traffic
+    to judge on; one the target answered with no token (a law line it ends at once) has
+    nothing to verify, so the first answered request is judged in its place."""
+    config = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"held_out_percent": 1})}
+    )
+    unanswered = [
+        dataclasses.replace(record, loss_mask=np.zeros_like(record.loss_mask))
+        for record in (_record(i, CENTERS[1], "korean law") for i in range(2))
+    ]
+    answered = [_record(10 + i, CENTERS[1], "korean law") for i in range(6)]
+    _write(lake_store, config, unanswered + answered)
+    snapshot = cycle.snapshot_window(config, "c1")
+    held = [
+        sample.request_id
+        for judged, sample in cycle._window_split(config, snapshot, cycle.sample_reader(config))
+        if judged and not content_fraction(sample.input_ids) * 100 < 1
+    ]
+    assert held == [answered[0].request_id]

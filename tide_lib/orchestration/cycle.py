@@ -247,12 +247,15 @@ def _window_split(
 
     The one held-out rule (a hash of the request's tokens), so a request judged now is
     never trained on later as replay, and train and evaluate agree on any host
-    even if a shard is quarantined in between. The window's first request is
-    held out too, so a small window still has recent traffic to judge on.
+    even if a shard is quarantined in between. The window's first request with
+    output tokens is held out too, so a small window still has recent traffic to judge
+    on (one the target answered with no token has nothing to verify).
     """
-    percent = config.cycle.held_out_percent
-    for position, sample in enumerate(reader.iter_records(markers_of(reader, snapshot.window))):
-        yield position == 0 or _held_out(sample, percent), sample
+    percent, first = config.cycle.held_out_percent, True
+    for sample in reader.iter_records(markers_of(reader, snapshot.window)):
+        answered = bool(int(sample.loss_mask.sum()))
+        yield (first and answered) or _held_out(sample, percent), sample
+        first = first and not answered
 
 
 def _older_held_out(
