@@ -12,6 +12,7 @@ from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.harness.adaptation_bench import (
     WorkloadError,
     _paired_ratio,
+    held_out_indices,
     load_workload,
     run_adaptation_bench,
 )
@@ -30,6 +31,19 @@ def test_malformed_workload_lines_are_named(tmp_path: Path) -> None:
         load_workload(path)
     path.write_text('{"prompt": "a", "segment": "x"}\n')  # one segment: a workload without shift
     assert load_workload(path) == [{"prompt": "a", "segment": "x"}]
+
+
+def test_copies_of_a_prompt_are_all_held_out_or_all_served() -> None:
+    chat = [{"prompt": f"q{i % 7}", "segment": "chat"} for i in range(70)]  # each prompt 10x
+    law = [{"prompt": f"law {i}", "segment": "law"} for i in range(3)]
+    requests = chat + law
+    held = held_out_indices(requests, 20)
+    held_prompts = {requests[i]["prompt"] for i in held}
+    served_prompts = {item["prompt"] for i, item in enumerate(requests) if i not in set(held)}
+    assert held_prompts and not held_prompts & served_prompts
+    assert {requests[i]["segment"] for i in held} == {"chat", "law"}  # one per segment at least
+    assert held == held_out_indices(list(requests), 20)  # the same on every run
+    assert held_out_indices([{"prompt": "only", "segment": "one"}] * 5, 1) == []
 
 
 def test_a_ratio_of_drafts_carries_the_paired_noise_of_its_requests() -> None:
@@ -109,6 +123,8 @@ def test_adaptation_bench_on_a_generated_workload(
     assert set(written["retention"]) == {"old"}  # every segment but the last
     assert written["retention"]["old"]["before_draft"] in written["accept_length"]
     assert set(written["retention"]["old"]["margin"]) == {"k3", "k5"}
+    assert set(written["retention_served"]) == {"old"}  # measured on what the drafts learned
+    assert set(written["accept_length_served"]["static"]) == {"old"}
     assert all(m >= 0 for m in written["al_ratio_adapted_static_margin"].values())
     held = written["held_out_requests"]
     assert held["new"] == written["requests"]["held_out_new_segment"]

@@ -3,7 +3,8 @@
 The workload is JSONL, one request per line in order of arrival:
 ``{"prompt": "...", "segment": "...", "max_new_tokens": 48}`` (the last key is
 optional); the last segment to appear is the new traffic. A share of each
-segment's requests is held out for evaluation and never captured.
+segment's requests is held out for evaluation and never captured: chosen by prompt,
+so copies of a request are all held out or all served.
 
 1. A static draft is bootstrapped from the target's greedy answers to the first
    segment's requests (``static_steps``: by default trained to fit them, as a
@@ -18,8 +19,10 @@ segment's requests is held out for evaluation and never captured.
    requests the cycles' windows held, so it learns from the same traffic the loop
    did (traffic served after the last cycle waits for the next one in both).
 4. Every draft is evaluated offline on the held-out requests of each segment,
-   for each k; the static and the final adapted draft are also timed side by
-   side on held-out new-traffic prompts.
+   for each k (and on a sample of the older segments' served requests, which the
+   drafts trained on: ``accept_length_served``, ``retention_served``); the static
+   and the final adapted draft are also timed side by side on held-out new-traffic
+   prompts.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ __all__ = [
     "AdaptationBenchParams",
     "WorkloadError",
     "demo_workload",
+    "held_out_indices",
     "load_workload",
     "run_adaptation_bench",
 ]
@@ -143,18 +147,51 @@ def demo_workload(
     )
 
 
-def _held_out(index: int, prompt: str, percent: int) -> bool:
-    return hashlib.sha256(f"{index}:{prompt}".encode()).digest()[0] * 100 // 256 < percent
+SERVED_SAMPLE: Final = 16  # distinct served prompts per older segment measured as well
 
 
-def _held_out_samples(
-    target_dir: Path, items: list[dict[str, Any]], default_max: int
-) -> list[CapturedRecord]:
-    """The target's greedy answers to held-out prompts, with their states (as serving captures)."""
+def _prompt_fraction(prompt: str) -> float:
+    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") / 2**64
+
+
+def held_out_indices(requests: list[dict[str, Any]], percent: int) -> list[int]:
+    """The requests held out of serving, chosen by their prompt alone: copies of a prompt
+    (a chat turn many users send) are all held out or all served. A held-out prompt whose
+    copy was served, and so trained the drafts, measures their memory of that request,
+    not the segment (up to 4846080, 9 of the 11 held-out English requests of both
+    workloads had one). Each segment of two or more distinct prompts holds out one at
+    least."""
+    held = {item["prompt"] for item in requests if _prompt_fraction(item["prompt"]) * 100 < percent}
+    for segment in dict.fromkeys(item["segment"] for item in requests):
+        prompts = {item["prompt"] for item in requests if item["segment"] == segment}
+        if len(prompts) > 1 and not prompts & held:
+            held.add(min(prompts, key=_prompt_fraction))
+    return [index for index, item in enumerate(requests) if item["prompt"] in held]
+
+
+def _samples_by_segment(
+    target_dir: Path, items: list[dict[str, Any]], default_max: int, name: str
+) -> dict[str, list[CapturedRecord]]:
+    """The target's greedy answers to ``items``, with their states (as serving captures),
+    by segment."""
     from tide_lib.harness.serve_bench import greedy_records  # noqa: PLC0415
 
     requests = [(item["prompt"], int(item.get("max_new_tokens", default_max))) for item in items]
-    return list(greedy_records(target_dir, requests, "held-out"))
+    by_segment: dict[str, list[CapturedRecord]] = {}
+    for sample, item in zip(greedy_records(target_dir, requests, name), items, strict=True):
+        by_segment.setdefault(item["segment"], []).append(sample)
+    return by_segment
+
+
+def _served_sample(served: list[dict[str, Any]], segments: list[str]) -> list[dict[str, Any]]:
+    """Up to :data:`SERVED_SAMPLE` distinct served prompts of each older segment: what the
+    drafts trained on (the static one all of the first segment's), measured apart from
+    the held-out requests: forgetting a request the fleet sends again is a loss too."""
+    sample: list[dict[str, Any]] = []
+    for segment in segments[:-1]:
+        distinct = {item["prompt"]: item for item in served if item["segment"] == segment}
+        sample += list(distinct.values())[:SERVED_SAMPLE]
+    return sample
 
 
 @dataclasses.dataclass
@@ -452,7 +489,7 @@ def run_adaptation_bench(
     static_steps = params.static_steps or 4 * train.steps
     segments = list(dict.fromkeys(item["segment"] for item in requests))
     new_segment = segments[-1]
-    held = [i for i, item in enumerate(requests) if _held_out(i, item["prompt"], held_out_percent)]
+    held = held_out_indices(requests, held_out_percent)
     served = [item for i, item in enumerate(requests) if i not in set(held)]
     target_id = f"bench-adapt-{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="tide-bench-adapt-") as tmp:
@@ -487,26 +524,26 @@ def run_adaptation_bench(
             engine.close()
         loop.versions["oracle"] = _train_oracle(loop, served, new_segment, target_dir)
         held_items = [requests[i] for i in held]
-        held_samples = _held_out_samples(target_dir, held_items, max_new_tokens)
-        by_segment = {
-            segment: [
-                s
-                for s, item in zip(held_samples, held_items, strict=True)
-                if item["segment"] == segment
-            ]
-            for segment in segments
-        }
+        by_segment = _samples_by_segment(target_dir, held_items, max_new_tokens, "held-out")
         counts = _acceptance(loop.versions, target_dir, by_segment, ks)
+        seen = _samples_by_segment(
+            target_dir, _served_sample(served, segments), max_new_tokens, "served"
+        )
+        served_counts = _acceptance(loop.versions, target_dir, seen, ks)
         new_prompts = [item["prompt"] for item in held_items if item["segment"] == new_segment]
         timed, adaptive = _timing(
             loop, target_dir, new_prompts, max_new_tokens, params.timing_passes
         )
     result = _result(loop, counts, timed, segments, ks)
+    result["accept_length_served"] = _lengths(served_counts, ks)
+    result["retention_served"] = _retention(served_counts, loop, segments, ks)
     result["adaptive_k"] = adaptive
     result["requests"] = {
         "served": len(served),
         "held_out": len(held),
         "held_out_new_segment": len(new_prompts),  # the timed prompts
+        "held_out_distinct_prompts": len({requests[i]["prompt"] for i in held}),
+        "served_measured": {segment: len(samples) for segment, samples in seen.items()},
     }
     result["params"] = {
         "cycle_tokens": cycle_tokens,

@@ -131,7 +131,13 @@ def _bench_adaptation(args: argparse.Namespace, config: TideConfig) -> int:
         config_from_args(args, AdaptationBenchParams()),
         target_dir=args.target or DEFAULT_TARGETS / "demo",
     )
-    keys = ("al_ratio_adapted_static", "al_ratio_adapted_oracle", "retention", "cycle_outcomes")
+    keys = (
+        "al_ratio_adapted_static",
+        "al_ratio_adapted_oracle",
+        "retention",
+        "retention_served",
+        "cycle_outcomes",
+    )
     echo(json.dumps({k: result[k] for k in keys}))
     static, adapted = result["tokens_per_s_static"], result["tokens_per_s_adapted"]
     adaptive, plain = result["tokens_per_s_adapted_adaptive_k"], result["tokens_per_s_plain"]
