@@ -663,6 +663,15 @@ class GateConfig(StrictModel):
             "so losses each within the tolerance cannot add up over promotions"
         ),
     )
+    net_gain: bool = Field(
+        True,
+        description=(
+            "also reject a challenger whose loss on the traffic to keep, judged together, "
+            "exceeds both the tolerance and its window-weighted gain (point estimates): a "
+            "loss the margin of error cannot tell from chance is still no trade for a "
+            "smaller gain"
+        ),
+    )
     k: int = Field(4, ge=1, description="draft tokens per verify the gate judges at")
     ks: list[int] = Field(default_factory=lambda: [3, 5], description="k values evaluated")
 

@@ -409,3 +409,29 @@ def test_the_gain_is_measured_on_the_window_requests_of_a_segment() -> None:
 
     assert carried_gain(law, min_gain=0.25, min_share=0.1) == pytest.approx({"korean": 1.0})
     assert decision_from_tags(decision_tags(law, k=4), k=4) == law
+
+
+def test_traffic_to_keep_may_not_lose_more_than_the_window_gains() -> None:
+    """Seen in the demo benchmark: a cycle sent to go on learning Korean gained +0.131
+    window-weighted while English, judged together, fell 3.060 -> 2.667, within its
+    margin of error, and was promoted."""
+    tokens = {"korean": 400, "en-a": 200, "en-b": 200}
+    champion = {"korean": 3.00, "en-a": 3.1, "en-b": 3.0}
+    learning = {"korean": 3.13, "en-a": 2.7, "en-b": 2.6}  # +0.13 on the window
+    shares, older = {"korean": 1.0}, {"en-a": 0.5, "en-b": 0.5}
+
+    def pooled(segments: tuple[str, ...]) -> tuple[float, float, float]:
+        return 3.06, 2.667, 0.5  # a drop of 0.393, within tolerance + margin
+
+    kwargs = {"weights": shares, "older_shares": older, "held_out_tokens": tokens}
+    margins = {"en-a": 0.6, "en-b": 0.6}
+    config = GateConfig(margin=0.05, tolerance=0.1, min_segment_share=0.1)
+    decision = decide(learning, champion, config, **kwargs, drop_margins=margins, pooled=pooled)
+    assert not decision.promote
+    assert "traffic to keep loses more than the window gains" in decision.reason
+    assert "drop 0.393 > window-weighted gain +0.130" in decision.reason
+    # a gain larger than the loss is a trade the gate takes; so does net_gain off
+    learned = {**learning, "korean": 3.6}
+    assert decide(learned, champion, config, **kwargs, drop_margins=margins, pooled=pooled).promote
+    off = config.model_copy(update={"net_gain": False})
+    assert decide(learning, champion, off, **kwargs, drop_margins=margins, pooled=pooled).promote
