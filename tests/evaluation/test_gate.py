@@ -186,19 +186,23 @@ def test_a_loss_spread_over_older_clusters_is_judged_on_all_their_requests() -> 
     assert not together.promote and "en-a, en-b together 2.500 vs champion 3.000" in (
         together.reason
     )
-    # one older segment protected alone is not judged twice
+    # one older segment protected alone is not judged together by rule 2 (it is alone),
+    # but its drop still weighs against the gain in rule 5
     asked.clear()
     single = {"korean": 400, "en-a": 200}
-    decide(
+    alone_kept = decide(
         {"korean": 3.2, "en-a": 2.75},
         {"korean": 3.0, "en-a": 3.1},
         CONFIG,
         weights={"korean": 1.0},
         older_shares={"en-a": 0.7, "korean": 0.3},
         held_out_tokens=single,
+        drop_margins={"en-a": 0.3},
         pooled=pooled,
     )
-    assert asked == []
+    assert asked == [("en-a",)] and alone_kept.protected_together == ()
+    assert not alone_kept.promote and "judged together" not in alone_kept.reason
+    assert "loses more than the window gains: en-a 2.500 vs champion 3.000" in alone_kept.reason
 
 
 def test_thin_window_traffic_the_champion_already_serves_well_is_protected_together() -> None:
@@ -430,6 +434,7 @@ def test_traffic_to_keep_may_not_lose_more_than_the_window_gains() -> None:
     assert not decision.promote
     assert "traffic to keep loses more than the window gains" in decision.reason
     assert "drop 0.393 > window-weighted gain +0.130" in decision.reason
+    assert "no drop beyond the tolerance" not in decision.reason  # rule 2's verdict, not 5's
     # a gain larger than the loss is a trade the gate takes; so does net_gain off
     learned = {**learning, "korean": 3.6}
     assert decide(learned, champion, config, **kwargs, drop_margins=margins, pooled=pooled).promote

@@ -244,7 +244,10 @@ class _Together:
     judged: tuple[str, ...] = ()
     figures: str = ""
     forgotten: str | None = None
-    drop: float = 0.0  # champion minus challenger, pooled (a point estimate)
+    # rule 5's evidence: champion minus challenger on the traffic to keep, pooled (a point
+    # estimate; also for a pool of one segment judged alone by rule 2), and its figures
+    drop: float = 0.0
+    measured: str = ""
 
 
 def _forgotten_together(
@@ -265,7 +268,8 @@ def _forgotten_together(
     better than the window as a whole (``weighted_champion``, by more than the
     tolerance). A segment of the window the champion serves no better is what the
     challenger was trained to learn: pooled, its gain would hide what the others lost.
-    A pool of one segment protected alone is judged alone only."""
+    A pool of one segment protected alone is judged alone only (rule 2), but its drop
+    still counts for rule 5."""
     window, older = shares
     floor = config.min_segment_share - _EPSILON
     judged = tuple(
@@ -277,22 +281,27 @@ def _forgotten_together(
             or champion[segment] > weighted_champion + config.tolerance
         )
     )
-    judged_alone = len(judged) == 1 and judged[0] not in thin
-    if pooled is None or tokens is None or not judged or judged_alone:
+    if pooled is None or tokens is None or not judged:
         return _Together()
     if sum(tokens.get(segment, 0) for segment in judged) < config.min_segment_tokens:
         return _Together()
     before, after, margin = pooled(judged)
     drop = before - after
+    if len(judged) == 1 and judged[0] not in thin:  # rule 2 judged it alone already
+        measured = f"{judged[0]} {after:.3f} vs champion {before:.3f}"
+        return _Together(drop=drop, measured=measured)
     figures = f"{', '.join(judged)} together {after:.3f} vs champion {before:.3f}"
     if drop - margin <= config.tolerance + _EPSILON:
-        return _Together(judged, f"{figures}: no drop beyond the tolerance", drop=drop)
+        return _Together(
+            judged, f"{figures}: no drop beyond the tolerance", drop=drop, measured=figures
+        )
     return _Together(
         judged,
         figures,
         f"traffic to keep, judged together: {figures} "
         f"(drop {drop:.3f} > tolerance {config.tolerance:.3f} + margin of error {margin:.3f})",
         drop,
+        figures,
     )
 
 
@@ -409,7 +418,7 @@ def decide(
     if config.net_gain and together.drop > max(config.tolerance, gain) + _EPSILON:
         return verdict(
             False,
-            f"traffic to keep loses more than the window gains: {together.figures} (drop "
+            f"traffic to keep loses more than the window gains: {together.measured} (drop "
             f"{together.drop:.3f} > window-weighted gain {gain:+.3f} and tolerance "
             f"{config.tolerance:.3f})",
             weighted_champion,

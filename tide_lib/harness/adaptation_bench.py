@@ -170,16 +170,21 @@ def held_out_indices(requests: list[dict[str, Any]], percent: int) -> list[int]:
 
 
 def _samples_by_segment(
-    target_dir: Path, items: list[dict[str, Any]], default_max: int, name: str
+    target_dir: Path,
+    items: list[dict[str, Any]],
+    default_max: int,
+    name: str,
+    segments: list[str],
 ) -> dict[str, list[CapturedRecord]]:
     """The target's greedy answers to ``items``, with their states (as serving captures),
-    by segment."""
+    by segment, in the order of ``items``; every one of ``segments`` is a key (a segment
+    without items measures nothing, and says so as 0)."""
     from tide_lib.harness.serve_bench import greedy_records  # noqa: PLC0415
 
     requests = [(item["prompt"], int(item.get("max_new_tokens", default_max))) for item in items]
-    by_segment: dict[str, list[CapturedRecord]] = {}
+    by_segment: dict[str, list[CapturedRecord]] = {segment: [] for segment in segments}
     for sample, item in zip(greedy_records(target_dir, requests, name), items, strict=True):
-        by_segment.setdefault(item["segment"], []).append(sample)
+        by_segment[item["segment"]].append(sample)
     return by_segment
 
 
@@ -384,28 +389,60 @@ def _lengths(counts: Counts, ks: tuple[int, ...]) -> dict[str, dict[str, dict[st
     }
 
 
-def _paired_ratio(before: AcceptanceCount, after: AcceptanceCount) -> tuple[float, float]:
+Units = dict[str, list[str]]  # segment -> the prompt of each measured request, in order
+Margins = dict[str, float | None]
+
+
+def _by_unit(pairs: list[tuple[int, int]], units: list[str] | None) -> list[tuple[int, int]]:
+    """Per-request ``(emitted, verify)`` pairs summed per unit (copies of one prompt are
+    one piece of evidence, not several); as they are without units."""
+    if units is None:
+        return pairs
+    summed: dict[str, tuple[int, int]] = {}
+    for unit, (emitted, verify) in zip(units, pairs, strict=True):
+        total = summed.get(unit, (0, 0))
+        summed[unit] = (total[0] + emitted, total[1] + verify)
+    return list(summed.values())
+
+
+def _paired_ratio(
+    before: AcceptanceCount, after: AcceptanceCount, units: list[str] | None = None
+) -> tuple[float, float | None]:
     """``after / before`` and its one-sided 95% margin of error: the paired margin of the
-    drop (both drafts on the same requests) over the ``before`` figure. A dozen held-out
-    requests move a ratio by tenths; the margin says how far."""
+    drop (both drafts on the same requests, copies of a prompt as one) over the ``before``
+    figure. A dozen held-out requests move a ratio by tenths; the margin says how far.
+    None where there is no estimate (under two prompts, or nothing measured)."""
     from tide_lib.evaluation.offline import drop_margin  # noqa: PLC0415
 
     if not before.accept_length:
-        return 0.0, math.inf
-    _, margin = drop_margin(before.per_request, after.per_request)
-    return after.accept_length / before.accept_length, margin / before.accept_length
+        return 0.0, None
+    pairs = (_by_unit(before.per_request, units), _by_unit(after.per_request, units))
+    _, margin = drop_margin(*pairs)
+    ratio = after.accept_length / before.accept_length
+    return ratio, margin / before.accept_length if math.isfinite(margin) else None
 
 
 def _ratios(
-    counts: Counts, a: str, b: str, segment: str, ks: tuple[int, ...]
-) -> tuple[dict[str, float], dict[str, float]]:
+    counts: Counts,
+    a: str,
+    b: str,
+    segment: str,
+    ks: tuple[int, ...],
+    *,
+    units: Units | None = None,
+) -> tuple[dict[str, float], Margins]:
     """Draft ``a`` over draft ``b`` on ``segment`` at each k, and the margins of error."""
-    pairs = {f"k{k}": _paired_ratio(counts[b][segment][k], counts[a][segment][k]) for k in ks}
+    of = (units or {}).get(segment)
+    pairs = {f"k{k}": _paired_ratio(counts[b][segment][k], counts[a][segment][k], of) for k in ks}
     return {k: r for k, (r, _) in pairs.items()}, {k: m for k, (_, m) in pairs.items()}
 
 
 def _retention(
-    counts: Counts, loop: _Loop, segments: list[str], ks: tuple[int, ...]
+    counts: Counts,
+    loop: _Loop,
+    segments: list[str],
+    ks: tuple[int, ...],
+    units: Units | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Each older segment's acceptance under the final draft over that under the draft that
     served when its traffic ended (forgetting shows as a ratio under 1), with the ratio's
@@ -413,7 +450,7 @@ def _retention(
     retention: dict[str, dict[str, Any]] = {}
     for segment in segments[:-1]:
         before_draft = loop.champion_when_segment_ended.get(segment, "static")
-        ratios, margins = _ratios(counts, loop.champion, before_draft, segment, ks)
+        ratios, margins = _ratios(counts, loop.champion, before_draft, segment, ks, units=units)
         retention[segment] = {"before_draft": before_draft, **ratios, "margin": margins}
     return retention
 
@@ -524,17 +561,23 @@ def run_adaptation_bench(
             engine.close()
         loop.versions["oracle"] = _train_oracle(loop, served, new_segment, target_dir)
         held_items = [requests[i] for i in held]
-        by_segment = _samples_by_segment(target_dir, held_items, max_new_tokens, "held-out")
+        by_segment = _samples_by_segment(
+            target_dir, held_items, max_new_tokens, "held-out", segments
+        )
         counts = _acceptance(loop.versions, target_dir, by_segment, ks)
         seen = _samples_by_segment(
-            target_dir, _served_sample(served, segments), max_new_tokens, "served"
+            target_dir, _served_sample(served, segments), max_new_tokens, "served", segments
         )
         served_counts = _acceptance(loop.versions, target_dir, seen, ks)
         new_prompts = [item["prompt"] for item in held_items if item["segment"] == new_segment]
         timed, adaptive = _timing(
             loop, target_dir, new_prompts, max_new_tokens, params.timing_passes
         )
-    result = _result(loop, counts, timed, segments, ks)
+    units = {
+        segment: [item["prompt"] for item in held_items if item["segment"] == segment]
+        for segment in segments
+    }
+    result = _result(loop, counts, timed, segments, ks, units=units)
     result["accept_length_served"] = _lengths(served_counts, ks)
     result["retention_served"] = _retention(served_counts, loop, segments, ks)
     result["adaptive_k"] = adaptive
@@ -569,13 +612,15 @@ def _result(
     timed: dict[str, EngineRun],
     segments: list[str],
     ks: tuple[int, ...],
+    *,
+    units: Units,
 ) -> dict[str, Any]:
     from tide_lib.harness.serve_bench import pass_ratios  # noqa: PLC0415
 
     new_segment, final = segments[-1], loop.champion
     tokens_per_s = {name: run.tokens_per_s for name, run in timed.items()}
-    over_static = _ratios(counts, final, "static", new_segment, ks)
-    over_oracle = _ratios(counts, final, "oracle", new_segment, ks)
+    over_static = _ratios(counts, final, "static", new_segment, ks, units=units)
+    over_oracle = _ratios(counts, final, "oracle", new_segment, ks, units=units)
     outcomes = [c["outcome"] for c in loop.cycles]
     return {
         "accept_length": _lengths(counts, ks),
@@ -586,7 +631,7 @@ def _result(
         "al_ratio_adapted_static_margin": over_static[1],  # one-sided 95%, paired
         "al_ratio_adapted_oracle": over_oracle[0],
         "al_ratio_adapted_oracle_margin": over_oracle[1],
-        "retention": _retention(counts, loop, segments, ks),
+        "retention": _retention(counts, loop, segments, ks, units),
         "tokens_per_s_static": tokens_per_s["static"],
         "tokens_per_s_adapted": tokens_per_s["adapted"],
         "tokens_per_s_plain": tokens_per_s["plain"],

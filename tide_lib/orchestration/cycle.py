@@ -235,9 +235,12 @@ def _held_out(sample: CapturedRecord, percent: int) -> bool:
     """Held out of training in every cycle: judges forgetting once the traffic is older.
 
     A hash of the request's tokens, not of its id: copies of one request (a prompt the
-    fleet sees again and again) are all held out or all trained on, never both.
+    fleet sees again and again) are all held out or all trained on, never both. A
+    request the target answered with no token is never held out: it has nothing to
+    verify, and as a request judged it would only narrow the margins of error.
     """
-    return content_fraction(sample.input_ids) * 100 < percent
+    answered = bool(int(sample.loss_mask.sum()))
+    return answered and content_fraction(sample.input_ids) * 100 < percent
 
 
 def _window_split(
@@ -906,13 +909,15 @@ def _window_lengths(
     counts: dict[str, AcceptanceCount], window: dict[str, int], min_tokens: int
 ) -> dict[str, float]:
     """Each segment's acceptance length on its window requests alone (the first
-    ``window[segment]`` of its held-out requests); segments whose window requests
-    emitted fewer than ``min_tokens`` output tokens (``gate.min_segment_tokens``: one or
-    two requests are noise) are left out, and measured on all their requests."""
+    ``window[segment]`` of its held-out requests); segments whose window requests hold
+    fewer than ``min_tokens`` output tokens (``gate.min_segment_tokens``: one or two
+    requests are noise) are left out, and measured on all their requests. The gate
+    replays a round from every output position, so verify steps count output tokens,
+    the same for every draft: both are measured on the same requests."""
     lengths = {}
     for segment, count in counts.items():
         alone = AcceptanceCount.of(count.per_request[: window.get(segment, 0)])
-        if alone.verify_steps and alone.emitted >= max(min_tokens, 1):
+        if alone.verify_steps >= max(min_tokens, 1):
             lengths[segment] = alone.accept_length
     return lengths
 
