@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tide_lib.config import TideConfig, TrainConfig
+from tide_lib.harness import adaptation_bench
 from tide_lib.harness.adaptation_bench import (
     WorkloadError,
-    _paired_ratio,
     held_out_indices,
     load_workload,
     run_adaptation_bench,
@@ -48,18 +48,26 @@ def test_copies_of_a_prompt_are_all_held_out_or_all_served() -> None:
 
 def test_a_ratio_of_drafts_carries_the_paired_noise_of_its_requests() -> None:
     before = AcceptanceCount.of([(40, 10), (30, 10), (20, 10)])  # 3.0 pooled
-    same = _paired_ratio(before, before)
+    same = adaptation_bench._paired_ratio(before, before)
     assert same == (1.0, 0.0)  # the same draft: no noise at all
-    one_fell = _paired_ratio(before, AcceptanceCount.of([(40, 10), (30, 10), (10, 10)]))  # 2.667
+    one_fell = adaptation_bench._paired_ratio(
+        before, AcceptanceCount.of([(40, 10), (30, 10), (10, 10)])
+    )  # 2.667
     assert one_fell[0] == pytest.approx(8 / 9) and one_fell[1] > 1 - one_fell[0]
-    all_fell = _paired_ratio(
+    all_fell = adaptation_bench._paired_ratio(
         before, AcceptanceCount.of([(37, 10), (27, 10), (17, 10)])
     )  # each -0.3
     assert all_fell[0] == pytest.approx(0.9) and all_fell[1] == pytest.approx(0.0, abs=1e-9)
     # copies of a prompt are one piece of evidence: three copies of one give no estimate
     copies = ["q", "q", "q"]
-    assert _paired_ratio(before, AcceptanceCount.of([(40, 10)] * 3), copies)[1] is None
-    assert _paired_ratio(AcceptanceCount(), before) == (0.0, None)  # nothing measured
+    assert (
+        adaptation_bench._paired_ratio(before, AcceptanceCount.of([(40, 10)] * 3), copies)[1]
+        is None
+    )
+    assert adaptation_bench._paired_ratio(AcceptanceCount(), before) == (
+        0.0,
+        None,
+    )  # nothing measured
 
 
 @pytest.mark.slow

@@ -566,7 +566,7 @@ def run_adaptation_bench(
         )
         counts = _acceptance(loop.versions, target_dir, by_segment, ks)
         seen = _samples_by_segment(
-            target_dir, _served_sample(served, segments), max_new_tokens, "served", segments
+            target_dir, _served_sample(served, segments), max_new_tokens, "served", segments[:-1]
         )
         served_counts = _acceptance(loop.versions, target_dir, seen, ks)
         new_prompts = [item["prompt"] for item in held_items if item["segment"] == new_segment]
