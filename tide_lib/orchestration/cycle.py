@@ -239,8 +239,12 @@ def _held_out(sample: CapturedRecord, percent: int) -> bool:
     request the target answered with no token is never held out: it has nothing to
     verify, and as a request judged it would only narrow the margins of error.
     """
-    answered = bool(int(sample.loss_mask.sum()))
-    return answered and content_fraction(sample.input_ids) * 100 < percent
+    return _answered(sample) and content_fraction(sample.input_ids) * 100 < percent
+
+
+def _answered(sample: CapturedRecord) -> bool:
+    """Did the target answer with at least one token (something to verify)?"""
+    return bool(int(sample.loss_mask.sum()))
 
 
 def _window_split(
@@ -256,7 +260,7 @@ def _window_split(
     """
     percent, first = config.cycle.held_out_percent, True
     for sample in reader.iter_records(markers_of(reader, snapshot.window)):
-        answered = bool(int(sample.loss_mask.sum()))
+        answered = _answered(sample)
         yield (first and answered) or _held_out(sample, percent), sample
         first = first and not answered
 
