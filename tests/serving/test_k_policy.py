@@ -90,17 +90,27 @@ class SyntheticServer:
         per_token_s: float,
         rates: list[float],
         draft_prefill_s: float = 0.0,
+        *,
+        forward_s: list[float] | None = None,
     ) -> None:
         self.draft_s, self.plain_s, self.per_token_s = draft_s, plain_s, per_token_s
         self.rates = rates
         self.draft_prefill_s = draft_prefill_s  # a cost the model does not see
+        # Seconds of a target forward reading n tokens (index n - 1), when not linear.
+        self.forward_s = forward_s
+
+    def forward(self, tokens: int) -> float:
+        """Seconds of a target forward reading ``tokens`` tokens."""
+        if self.forward_s is not None:
+            return self.forward_s[tokens - 1]
+        return self.plain_s + (tokens - 1) * self.per_token_s
 
     def run(self, k: int, rounds: int = 20) -> RoundTimings:
         """``rounds`` verify rounds at k; acceptance deterministic in expectation."""
         timings = RoundTimings(k, [])
         if k == 0:
-            timings.target_forwards = [(1, self.plain_s)] * rounds
-            timings.decode_seconds, timings.emitted = rounds * self.plain_s, rounds
+            timings.target_forwards = [(1, self.forward(1))] * rounds
+            timings.decode_seconds, timings.emitted = rounds * self.forward(1), rounds
             return timings
         for index in range(rounds):
             accepted = 0
@@ -112,7 +122,7 @@ class SyntheticServer:
                     break
                 accepted += 1
             timings.rounds.append((k, accepted))
-            timings.target_forwards.append((k + 1, self.plain_s + k * self.per_token_s))
+            timings.target_forwards.append((k + 1, self.forward(k + 1)))
             timings.draft_forwards += k
             timings.draft_seconds += k * self.draft_s
         forwards = sum(seconds for _, seconds in timings.target_forwards)
@@ -291,6 +301,38 @@ def test_a_k_that_serves_slower_than_plain_is_not_chosen_and_is_tried_again() ->
     server.draft_prefill_s = 0.0
     _serve(controller, server, 800)
     assert controller.snapshot()["chosen_k"] == MAX_K
+
+
+def test_costs_measured_on_a_busy_machine_follow_the_load_of_those_served() -> None:
+    """Calibration ran on a busy machine (every cost 1.6x); serving refreshes only the
+    count its k reads. Read as measured, plain decoding's stale figure kept k=4 (221
+    tokens/s) where plain decoding serves 250: in the four-segment benchmark the model
+    expected +41% from speculating, and adaptive k served 0.92x plain decoding."""
+    quiet = [0.0040, 0.0068, 0.0070, 0.0071, 0.0072]  # a target forward reading 1-5 tokens
+    rates = [0.38, 0.9, 0.86, 0.86]  # as measured there
+    server = SyntheticServer(0.0008, 0.0, 0.0, rates=rates, forward_s=quiet)
+    busy = SyntheticServer(0.0008 * 1.6, 0.0, 0.0, rates=rates, forward_s=[s * 1.6 for s in quiet])
+    controller = KController(4, adaptive=True, explore_every=4)
+    controller.calibrate(busy.run(k) for k in range(5))
+    assert controller.snapshot()["modelled_k"] == 4  # right on the busy machine
+    picked = _serve(controller, server, 120)
+    assert picked[0] == 4 and picked[1:4] == [0, 0, 0]  # one request at k=4 told the load
+    assert controller.costs.load == pytest.approx(1 / 1.6, rel=0.05)
+    verify = controller.costs.verify_costs(4)
+    assert verify is not None and verify[0] == pytest.approx(0.0040, rel=0.05)
+    assert picked[-60:].count(0) >= 55  # exploration aside
+
+
+def test_exploring_while_speculating_measures_plain_decoding_again() -> None:
+    """The rate speculation must beat is served now and then, not only the neighbours of
+    the choice: a veto compares with what plain decoding delivers now."""
+    server = SyntheticServer(draft_s=0.001, plain_s=0.01, per_token_s=0.0, rates=[0.9] * 4)
+    controller = KController(4, adaptive=True, explore_every=4)
+    picked = _serve(controller, server, 60)
+    assert controller.snapshot()["chosen_k"] == 4
+    assert picked[2:].count(0) >= 2
+    assert set(picked[2:]) == {0, 3, 4}
+    assert controller.snapshot()["realized_tokens_per_s"]["0"] == pytest.approx(100.0)
 
 
 def test_a_token_count_measured_once_does_not_bend_the_verify_costs() -> None:

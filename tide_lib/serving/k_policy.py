@@ -15,11 +15,12 @@ tests and the fleet's recommendation for SGLang servers (fixed k) use it as is.
 acceptance is kept overall and per client segment label, a segment's estimate
 shrunk towards the overall one until it has rounds of its own. Positions never
 measured borrow the previous position's rate and position 0 starts at 1.0
-(optimism: an untried k gets tried), a request now and then runs at a neighbouring
-k so estimates stay current (every ``explore_every`` requests at first, half as
-often after each exploration that left the choice as it was, down to one in
-``8 * explore_every``; a new choice or a draft swap starts over), and a draft
-swap forgets acceptance.
+(optimism: an untried k gets tried), a request now and then runs at another k so
+estimates stay current: in turn plain decoding while speculating, the model's k where
+the realized rates overrule it, and the neighbours of the choice (every
+``explore_every`` requests at first, half as often after each exploration that left
+the choice as it was, down to one in ``8 * explore_every``; a new choice or a draft
+swap starts over), and a draft swap forgets acceptance.
 
 The cost model is a model: on CPU it misjudged speculation by several per cent
 (k=4 expected 5% above plain decoding, served 8% below it). So the throughput each
@@ -35,7 +36,7 @@ import math
 import statistics
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -179,33 +180,61 @@ class CostModel:
     cache crops): on a small model it is a real share, and larger per speculative round
     than per plain step, so each is measured from the request's wall time and added to
     the verify cost of its kind.
+
+    The machine's load moves every cost at once, but a request measures only the token
+    count its k reads: the others kept the figures of when they were last served, and
+    next to fresh ones they misled the choice (the serve bench, its capture uploading in
+    the background: 12.4 ms at 2 tokens served against 9.1 ms at 5 from the calibration).
+    So :attr:`load` follows what the forwards of well-measured counts cost against their
+    figures, and a figure is read scaled by how far the load moved since it was measured.
     """
 
     def __init__(self) -> None:
-        self.draft_step_s: float | None = None
-        self.target_s: dict[int, float] = {}  # tokens read -> seconds
+        self.load = 1.0  # wall cost now, against the load when costs were first measured
+        self._draft_step: float | None = None
+        self._draft_load = 1.0  # the load when the draft step was last measured
+        self.target_s: dict[int, float] = {}  # tokens read -> seconds, as measured
         self.target_forwards: dict[int, int] = {}  # tokens read -> forwards measured
+        self._target_load: dict[int, float] = {}  # tokens read -> load when last measured
         self.round_overhead_s = 0.0  # per speculative round
         self.plain_overhead_s = 0.0  # per plain decode step
+
+    @property
+    def draft_step_s(self) -> float | None:
+        """Seconds of a draft forward at the load now; None before any."""
+        if self._draft_step is None:
+            return None
+        return self._draft_step * self.load / self._draft_load
+
+    def target_seconds(self, tokens: int) -> float:
+        """Seconds of a target forward reading ``tokens`` (a measured count) at the load now."""
+        return self.target_s[tokens] * self.load / self._target_load[tokens]
 
     @staticmethod
     def blend(old: float | None, new: float) -> float:
         return new if old is None else (1.0 - _COST_EMA) * old + _COST_EMA * new
 
     def observe(self, timings: RoundTimings) -> None:
-        if timings.draft_forwards:
-            per_forward = timings.draft_seconds / timings.draft_forwards
-            self.draft_step_s = self.blend(self.draft_step_s, per_forward)
         by_tokens: dict[int, list[float]] = {}
         for tokens, seconds in timings.target_forwards:
             by_tokens.setdefault(tokens, []).append(seconds)
-        for tokens, seconds_list in by_tokens.items():
-            typical = statistics.median(seconds_list)  # one stalled forward is no cost
-            added = len(seconds_list)
+        # the median: one stalled forward is no cost
+        typical = {n: (statistics.median(s), len(s)) for n, s in by_tokens.items()}
+        # A figure this request measures again starts from the load before the request:
+        # what it measured enters once, through the figure's own running average.
+        old_target = {n: self.target_seconds(n) for n in typical if n in self.target_s}
+        old_draft = self.draft_step_s
+        self._follow_load(typical)
+        if timings.draft_forwards:
+            per_forward = timings.draft_seconds / timings.draft_forwards
+            self._draft_step = self.blend(old_draft, per_forward)
+            self._draft_load = self.load
+        for tokens, (seconds, added) in typical.items():
             count = self.target_forwards.get(tokens, 0) + added
-            old = self.target_s.get(tokens)
-            self.target_s[tokens] = _running_average(old, typical, count, added, _FORWARD_EMA)
+            old = old_target.get(tokens)
+            self.target_s[tokens] = _running_average(old, seconds, count, added, _FORWARD_EMA)
             self.target_forwards[tokens] = count
+            self._target_load[tokens] = self.load
         steps = len(timings.target_forwards)
         if not steps or timings.decode_seconds <= 0:
             return
@@ -215,6 +244,21 @@ class CostModel:
             self.round_overhead_s = self.blend(self.round_overhead_s or None, overhead)
         else:
             self.plain_overhead_s = self.blend(self.plain_overhead_s or None, overhead)
+
+    def _follow_load(self, typical: Mapping[int, tuple[float, int]]) -> None:
+        """Move :attr:`load` by what this request's forwards cost against the figures of
+        their counts, for the counts measured well enough to judge by (each forward weighs
+        as in its count's running average)."""
+        ratios = [
+            (math.log(seconds / self.target_seconds(tokens)), added)
+            for tokens, (seconds, added) in typical.items()
+            if self.target_forwards.get(tokens, 0) >= MIN_MEASURED_FORWARDS and seconds > 0
+        ]
+        forwards = sum(added for _, added in ratios)
+        if not forwards:
+            return
+        weight = 1.0 - (1.0 - _FORWARD_EMA) ** forwards
+        self.load *= math.exp(weight * sum(r * added for r, added in ratios) / forwards)
 
     def verify_costs(self, max_k: int) -> list[float] | None:
         """Seconds of a step at k besides its draft forwards, k = 0..max_k; None before any.
@@ -231,16 +275,16 @@ class CostModel:
         if not self.target_s:
             return None
         points = [
-            (n, s, min(self.target_forwards.get(n, 1), _FIT_WEIGHT_CAP))
-            for n, s in self.target_s.items()
+            (n, self.target_seconds(n), min(self.target_forwards.get(n, 1), _FIT_WEIGHT_CAP))
+            for n in self.target_s
         ]
         measured = [point for point in points if point[2] >= MIN_MEASURED_FORWARDS]
         line = _weighted_line(measured if len(measured) > 1 else points)
-        floor = min(self.target_s.values()) * 0.5
+        floor = min(seconds for _, seconds, _ in points) * 0.5
 
         def forward(tokens: int) -> float:
             if self.target_forwards.get(tokens, 0) >= MIN_MEASURED_FORWARDS:
-                return self.target_s[tokens]
+                return self.target_seconds(tokens)
             return max(floor, line(tokens))
 
         return [
@@ -256,6 +300,7 @@ class CostModel:
             "measured_target_tokens": sorted(self.target_s),
             "round_overhead_s": self.round_overhead_s,
             "plain_overhead_s": self.plain_overhead_s,
+            "load": self.load,
         }
 
 
@@ -468,11 +513,19 @@ class KController:
         if not self._time_to_explore(segment, chosen):
             return chosen
         self._explorations += 1
-        if modelled != chosen and self._explorations % 2:
-            return modelled  # what the model still expects to pay is measured again
+        return self._exploration(chosen, modelled)
+
+    def _exploration(self, chosen: int, modelled: int) -> int:
+        """The k an exploring request runs at, in turn: plain decoding while speculating
+        (the rate speculation must beat: measured once, by calibration, it goes stale when
+        the machine's load changes, and a veto needs it current), the model's k where the
+        realized rates overrule it, and the neighbours of the choice."""
         up, down = min(chosen + 1, self.max_k), max(chosen - 1, 0)
-        first, second = (down, up) if self._explorations % 2 else (up, down)
-        return first if first != chosen else second
+        turns = [0] if chosen else []
+        turns += [k for k in (modelled, down, up) if k != chosen and k not in turns]
+        if not turns:  # max_k = 0: nothing else to try
+            return chosen
+        return turns[(self._explorations - 1) % len(turns)]
 
     def _time_to_explore(self, segment: str | None, chosen: int) -> bool:
         """Explore on a countdown that doubles while the choice holds (reset when it moves)."""
