@@ -411,3 +411,12 @@ def test_calibrated_costs_choose_from_the_first_request_and_teach_no_acceptance(
     picked = _serve(controller, server, 12)
     assert picked[0] == 4 and choice.k == 1
     assert picked[1:].count(choice.k) >= len(picked) - 2 and 0 not in picked[:4]
+
+
+def test_forwards_measured_at_zero_seconds_leave_the_load_alone() -> None:
+    """A coarse clock can read a fast forward as 0 s: no ratio to judge the load by."""
+    controller = KController(4, adaptive=True)
+    for _ in range(2):
+        controller.observe(RoundTimings(0, [], target_forwards=[(1, 0.0)] * 10))
+    controller.observe(RoundTimings(0, [], target_forwards=[(1, 0.01)] * 10))
+    assert controller.costs.load == 1.0

@@ -252,7 +252,9 @@ class CostModel:
         ratios = [
             (math.log(seconds / self.target_seconds(tokens)), added)
             for tokens, (seconds, added) in typical.items()
-            if self.target_forwards.get(tokens, 0) >= MIN_MEASURED_FORWARDS and seconds > 0
+            if self.target_forwards.get(tokens, 0) >= MIN_MEASURED_FORWARDS
+            and seconds > 0
+            and self.target_s[tokens] > 0
         ]
         forwards = sum(added for _, added in ratios)
         if not forwards:
