@@ -16,8 +16,9 @@ acceptance is kept overall and per client segment label, a segment's estimate
 shrunk towards the overall one until it has rounds of its own. Positions never
 measured borrow the previous position's rate and position 0 starts at 1.0
 (optimism: an untried k gets tried), a request now and then runs at another k so
-estimates stay current: in turn plain decoding while speculating, the model's k where
-the realized rates overrule it, and the neighbours of the choice (every
+estimates stay current: the model's k every other time where the realized rates
+overrule it, else in turn plain decoding while speculating and the neighbours of the
+choice, turns kept per segment (every
 ``explore_every`` requests at first, half as often after each exploration that left
 the choice as it was, down to one in ``8 * explore_every``; a new choice or a draft
 swap starts over), and a draft swap forgets acceptance.
@@ -66,6 +67,7 @@ _EXPLORE_BACKOFF_LIMIT = 8  # exploration slows to one in explore_every x this r
 MIN_MEASURED_FORWARDS = 8  # forwards at a token count before its figure is used as is
 _FIT_WEIGHT_CAP = 64  # forwards behind a token count's weight in the verify-cost line
 MIN_REALIZED = 3  # requests at a k before what it delivered can veto the model's choice
+_MIN_LOAD, _MAX_LOAD = 1e-3, 1e3  # bounds of the cost load factor (never 0, never inf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,11 +188,12 @@ class CostModel:
     next to fresh ones they misled the choice (the serve bench, its capture uploading in
     the background: 12.4 ms at 2 tokens served against 9.1 ms at 5 from the calibration).
     So :attr:`load` follows what the forwards of well-measured counts cost against their
-    figures, and a figure is read scaled by how far the load moved since it was measured.
+    figures, and a forward's figure is read scaled by how far the load moved since it was
+    measured (bookkeeping, a small share measured on every request, is read as measured).
     """
 
     def __init__(self) -> None:
-        self.load = 1.0  # wall cost now, against the load when costs were first measured
+        self.load = 1.0  # relative: 1.0 until forwards cost other than their figures
         self._draft_step: float | None = None
         self._draft_load = 1.0  # the load when the draft step was last measured
         self.target_s: dict[int, float] = {}  # tokens read -> seconds, as measured
@@ -218,8 +221,9 @@ class CostModel:
         by_tokens: dict[int, list[float]] = {}
         for tokens, seconds in timings.target_forwards:
             by_tokens.setdefault(tokens, []).append(seconds)
-        # the median: one stalled forward is no cost
-        typical = {n: (statistics.median(s), len(s)) for n, s in by_tokens.items()}
+        # The median: one stalled forward is no cost (and a coarse clock's 0 s none either).
+        medians = {n: (statistics.median(s), len(s)) for n, s in by_tokens.items()}
+        typical = {n: (seconds, added) for n, (seconds, added) in medians.items() if seconds > 0}
         # A figure this request measures again starts from the load before the request:
         # what it measured enters once, through the figure's own running average.
         old_target = {n: self.target_seconds(n) for n in typical if n in self.target_s}
@@ -246,21 +250,23 @@ class CostModel:
             self.plain_overhead_s = self.blend(self.plain_overhead_s or None, overhead)
 
     def _follow_load(self, typical: Mapping[int, tuple[float, int]]) -> None:
-        """Move :attr:`load` by what this request's forwards cost against the figures of
-        their counts, for the counts measured well enough to judge by (each forward weighs
-        as in its count's running average)."""
-        ratios = [
-            (math.log(seconds / self.target_seconds(tokens)), added)
-            for tokens, (seconds, added) in typical.items()
-            if self.target_forwards.get(tokens, 0) >= MIN_MEASURED_FORWARDS
-            and seconds > 0
-            and self.target_s[tokens] > 0
-        ]
-        forwards = sum(added for _, added in ratios)
-        if not forwards:
-            return
-        weight = 1.0 - (1.0 - _FORWARD_EMA) ** forwards
-        self.load *= math.exp(weight * sum(r * added for r, added in ratios) / forwards)
+        """Move :attr:`load` as this request moves the figures of the counts measured well
+        enough to judge by (the forward-weighted mean of their running averages' factors):
+        a count served alone then keeps its figure and the load in step, so counts not
+        served keep their relation to it. Each ratio is clipped to [1/2, 2] (a stalled
+        request is not the machine), and the load to [1e-3, 1e3]."""
+        factors = []
+        for tokens, (seconds, added) in typical.items():
+            known = self.target_forwards.get(tokens, 0)
+            if known < MIN_MEASURED_FORWARDS:
+                continue
+            ratio = min(max(seconds / self.target_seconds(tokens), 0.5), 2.0)
+            weight = _update_weight(known + added, added, _FORWARD_EMA)
+            factors.append((1.0 + weight * (ratio - 1.0), added))
+        forwards = sum(added for _, added in factors)
+        if forwards:
+            factor = sum(f * added for f, added in factors) / forwards
+            self.load = min(max(self.load * factor, _MIN_LOAD), _MAX_LOAD)
 
     def verify_costs(self, max_k: int) -> list[float] | None:
         """Seconds of a step at k besides its draft forwards, k = 0..max_k; None before any.
@@ -314,8 +320,13 @@ def _running_average(
     then a running average that follows the traffic (weight ``ema`` per unit)."""
     if old is None:
         return new
-    weight = max(1.0 - (1.0 - ema) ** added, added / count)
+    weight = _update_weight(count, added, ema)
     return (1.0 - weight) * old + weight * new
+
+
+def _update_weight(count: int, added: int, ema: float) -> float:
+    """The weight of ``added`` new units in a running average of ``count`` units in all."""
+    return max(1.0 - (1.0 - ema) ** added, added / count)
 
 
 def _weighted_line(points: Sequence[tuple[int, float, int]]) -> Callable[[int], float]:
@@ -450,8 +461,8 @@ class KController:
         self._overall = AcceptanceEstimate(max_k, decay)
         self._segments: OrderedDict[str, AcceptanceEstimate] = OrderedDict()
         self._picks = 0
-        self._explorations = 0
-        # Per segment (None: unlabelled): [last choice, interval, requests until exploring].
+        # Per segment (None: unlabelled): [last choice, interval, requests until exploring,
+        # explorations since the choice].
         self._exploring: dict[str | None, list[int]] = {}
         self.requests_by_k = [0] * (max_k + 1)
         self.realized = RealizedRates()
@@ -512,36 +523,40 @@ class KController:
         choice = self._choice(segment)
         modelled = choice.k if choice is not None else self.max_k
         chosen = self.realized.veto(modelled)
-        if not self._time_to_explore(segment, chosen):
-            return chosen
-        self._explorations += 1
-        return self._exploration(chosen, modelled)
+        turn = self._exploration_turn(segment, chosen)
+        return chosen if turn is None else self._exploration(chosen, modelled, turn)
 
-    def _exploration(self, chosen: int, modelled: int) -> int:
-        """The k an exploring request runs at, in turn: plain decoding while speculating
+    def _exploration(self, chosen: int, modelled: int, turn: int) -> int:
+        """The k an exploring request runs at: the model's k every other turn where the
+        realized rates overrule it; otherwise, in turn, plain decoding while speculating
         (the rate speculation must beat: measured once, by calibration, it goes stale when
-        the machine's load changes, and a veto needs it current), the model's k where the
-        realized rates overrule it, and the neighbours of the choice."""
+        the machine's load changes, and a veto needs it current) and the neighbours of the
+        choice."""
+        if modelled != chosen and turn % 2 == 0:
+            return modelled
         up, down = min(chosen + 1, self.max_k), max(chosen - 1, 0)
         turns = [0] if chosen else []
-        turns += [k for k in (modelled, down, up) if k != chosen and k not in turns]
+        turns += [k for k in (down, up) if k != chosen and k not in turns]
         if not turns:  # max_k = 0: nothing else to try
             return chosen
-        return turns[(self._explorations - 1) % len(turns)]
+        return turns[(turn // 2 if modelled != chosen else turn) % len(turns)]
 
-    def _time_to_explore(self, segment: str | None, chosen: int) -> bool:
-        """Explore on a countdown that doubles while the choice holds (reset when it moves)."""
+    def _exploration_turn(self, segment: str | None, chosen: int) -> int | None:
+        """The segment's exploration turn when this request explores, else None: on a
+        countdown that doubles while the choice holds (both start over when it moves)."""
         state = self._exploring.get(segment)
         if state is None or state[0] != chosen:
             if len(self._exploring) > MAX_SEGMENTS:
                 self._exploring.clear()
-            state = self._exploring[segment] = [chosen, self.explore_every, self.explore_every]
+            # [choice, interval, requests until exploring, explorations so far]
+            state = self._exploring[segment] = [chosen, self.explore_every, self.explore_every, 0]
         state[2] -= 1
         if state[2] > 0:
-            return False
+            return None
         state[1] = min(state[1] * 2, self.explore_every * _EXPLORE_BACKOFF_LIMIT)
         state[2] = state[1]
-        return True
+        state[3] += 1
+        return state[3] - 1
 
     def observe(self, timings: RoundTimings, segment: str | None = None) -> None:
         with self._lock:
