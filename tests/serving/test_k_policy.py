@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import random
-from typing import Any
-
 import pytest
 
 from tide_lib.serving.k_policy import (
@@ -306,10 +303,10 @@ def test_a_k_that_serves_slower_than_plain_is_not_chosen_and_is_tried_again() ->
     assert controller.snapshot()["chosen_k"] == MAX_K
 
 
-def test_costs_measured_on_a_busy_machine_follow_the_load_of_those_served() -> None:
-    """Calibration ran on a busy machine (every cost 1.6x); serving refreshes only the
-    count its k reads. Read as measured, plain decoding's stale figure kept k=4 (221
-    tokens/s) where plain decoding serves 250: in the four-segment benchmark the model
+def test_a_plain_step_measured_on_a_busy_machine_is_measured_again() -> None:
+    """Calibration ran on a busy machine (every cost 1.6x): serving refreshes the costs of
+    the k it serves, but plain decoding was never served again, so k=4 was kept (221
+    tokens/s) where plain decoding serves 250. In the four-segment benchmark the model
     expected +41% from speculating, and adaptive k served 0.92x plain decoding."""
     quiet = [0.0040, 0.0068, 0.0070, 0.0071, 0.0072]  # a target forward reading 1-5 tokens
     rates = [0.38, 0.9, 0.86, 0.86]  # as measured there
@@ -317,12 +314,10 @@ def test_costs_measured_on_a_busy_machine_follow_the_load_of_those_served() -> N
     busy = SyntheticServer(0.0008 * 1.6, 0.0, 0.0, rates=rates, forward_s=[s * 1.6 for s in quiet])
     controller = KController(4, adaptive=True, explore_every=4)
     controller.calibrate(busy.run(k) for k in range(5))
-    assert controller.snapshot()["modelled_k"] == 4  # right on the busy machine
     picked = _serve(controller, server, 120)
-    assert picked[0] == 4 and picked[1:4] == [0, 0, 0]  # one request at k=4 told the load
-    assert controller.costs.load == pytest.approx(1 / 1.6, rel=0.05)
-    verify = controller.costs.verify_costs(4)
-    assert verify is not None and verify[0] == pytest.approx(0.0040, rel=0.05)
+    assert picked[1:4] == [4, 4, 4]  # the stale plain figure made drafting look worth it
+    assert 0 in picked[4:8]  # the first exploration serves plain decoding
+    assert controller.snapshot()["chosen_k"] == 0
     assert picked[-60:].count(0) >= 55  # exploration aside
 
 
@@ -416,43 +411,25 @@ def test_calibrated_costs_choose_from_the_first_request_and_teach_no_acceptance(
     assert picked[1:].count(choice.k) >= len(picked) - 2 and 0 not in picked[:4]
 
 
-def test_forwards_measured_at_zero_seconds_leave_the_load_alone() -> None:
-    """A coarse clock can read a fast forward as 0 s: no ratio to judge the load by."""
+def test_forwards_measured_at_zero_seconds_are_no_cost() -> None:
+    """A coarse clock can read a fast forward as 0 s: that median never enters a figure."""
     controller = KController(4, adaptive=True)
     for _ in range(2):
         controller.observe(RoundTimings(0, [], target_forwards=[(1, 0.0)] * 10))
+    assert controller.costs.verify_costs(4) is None
     controller.observe(RoundTimings(0, [], target_forwards=[(1, 0.01)] * 10))
-    assert controller.costs.load == 1.0
+    assert controller.costs.target_s[1] == pytest.approx(0.01)
 
 
-class NoisyServer(SyntheticServer):
-    """Each request's target forwards cost ``noise`` more or less, at random (seeded)."""
-
-    def __init__(self, *args: Any, noise: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.noise, self.random = noise, random.Random(0)
-
-    def run(self, k: int, rounds: int = 20) -> RoundTimings:
-        timings = super().run(k, rounds)
-        factor = 1.0 + self.random.uniform(-self.noise, self.noise)
-        timings.target_forwards = [(n, s * factor) for n, s in timings.target_forwards]
-        return timings
-
-
-def test_the_load_stays_put_under_noise_while_one_k_is_served() -> None:
-    """A served count's figure and the load move by the same factor, so noise does not
-    walk the figures of the counts not served (a load moved by log-ratios drifted: plain
-    decoding read at 0.2x its cost after 1,000 requests at 10% noise, then 0 s)."""
-    quiet = [0.0040, 0.0042, 0.0043, 0.0044, 0.0045]
-    server = NoisyServer(0.0004, 0.0, 0.0, rates=[0.9] * 4, forward_s=quiet, noise=0.2)
-    controller = KController(4, adaptive=True, explore_every=4)
-    controller.calibrate(SyntheticServer(0.0004, 0.0, 0.0, [0.9] * 4, forward_s=quiet).run(k)
-                         for k in range(5))  # fmt: skip
-    picked = _serve(controller, server, 3000)
-    assert 0.8 < controller.costs.load < 1.25
-    verify = controller.costs.verify_costs(4)
-    assert verify is not None and verify[0] == pytest.approx(0.0040, rel=0.25)
-    assert picked[-500:].count(4) >= 480
+def test_explorations_take_turns() -> None:
+    """Vetoed: the model's k every other turn, plain decoding and the neighbours between
+    (never the model's k twice over); else plain decoding and the neighbours in turn."""
+    controller = KController(4, adaptive=True)
+    turns = controller._exploration
+    assert [turns(3, 4, turn) for turn in range(6)] == [4, 0, 4, 2, 4, 0]
+    assert [turns(3, 3, turn) for turn in range(3)] == [0, 2, 4]
+    assert [turns(0, 4, turn) for turn in range(4)] == [4, 1, 4, 1]
+    assert [turns(0, 0, turn) for turn in range(2)] == [1, 1]
 
 
 def test_each_segment_explores_every_turn() -> None:

@@ -18,10 +18,10 @@ measured borrow the previous position's rate and position 0 starts at 1.0
 (optimism: an untried k gets tried), a request now and then runs at another k so
 estimates stay current: the model's k every other time where the realized rates
 overrule it, else in turn plain decoding while speculating and the neighbours of the
-choice, turns kept per segment (every
-``explore_every`` requests at first, half as often after each exploration that left
-the choice as it was, down to one in ``8 * explore_every``; a new choice or a draft
-swap starts over), and a draft swap forgets acceptance.
+choice, turns kept per segment (every ``explore_every`` requests at first, half as
+often after each exploration that left the choice as it was, down to one in
+``8 * explore_every``; a new choice or a draft swap starts over), and a draft swap
+forgets acceptance.
 
 The cost model is a model: on CPU it misjudged speculation by several per cent
 (k=4 expected 5% above plain decoding, served 8% below it). So the throughput each
@@ -37,7 +37,7 @@ import math
 import statistics
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 __all__ = [
@@ -67,7 +67,6 @@ _EXPLORE_BACKOFF_LIMIT = 8  # exploration slows to one in explore_every x this r
 MIN_MEASURED_FORWARDS = 8  # forwards at a token count before its figure is used as is
 _FIT_WEIGHT_CAP = 64  # forwards behind a token count's weight in the verify-cost line
 MIN_REALIZED = 3  # requests at a k before what it delivered can veto the model's choice
-_MIN_LOAD, _MAX_LOAD = 1e-3, 1e3  # bounds of the cost load factor (never 0, never inf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,63 +181,35 @@ class CostModel:
     cache crops): on a small model it is a real share, and larger per speculative round
     than per plain step, so each is measured from the request's wall time and added to
     the verify cost of its kind.
-
-    The machine's load moves every cost at once, but a request measures only the token
-    count its k reads: the others kept the figures of when they were last served, and
-    next to fresh ones they misled the choice (the serve bench, its capture uploading in
-    the background: 12.4 ms at 2 tokens served against 9.1 ms at 5 from the calibration).
-    So :attr:`load` follows what the forwards of well-measured counts cost against their
-    figures, and a forward's figure is read scaled by how far the load moved since it was
-    measured (bookkeeping, a small share measured on every request, is read as measured).
     """
 
     def __init__(self) -> None:
-        self.load = 1.0  # relative: 1.0 until forwards cost other than their figures
-        self._draft_step: float | None = None
-        self._draft_load = 1.0  # the load when the draft step was last measured
-        self.target_s: dict[int, float] = {}  # tokens read -> seconds, as measured
+        self.draft_step_s: float | None = None
+        self.target_s: dict[int, float] = {}  # tokens read -> seconds
         self.target_forwards: dict[int, int] = {}  # tokens read -> forwards measured
-        self._target_load: dict[int, float] = {}  # tokens read -> load when last measured
         self.round_overhead_s = 0.0  # per speculative round
         self.plain_overhead_s = 0.0  # per plain decode step
-
-    @property
-    def draft_step_s(self) -> float | None:
-        """Seconds of a draft forward at the load now; None before any."""
-        if self._draft_step is None:
-            return None
-        return self._draft_step * self.load / self._draft_load
-
-    def target_seconds(self, tokens: int) -> float:
-        """Seconds of a target forward reading ``tokens`` (a measured count) at the load now."""
-        return self.target_s[tokens] * self.load / self._target_load[tokens]
 
     @staticmethod
     def blend(old: float | None, new: float) -> float:
         return new if old is None else (1.0 - _COST_EMA) * old + _COST_EMA * new
 
     def observe(self, timings: RoundTimings) -> None:
+        if timings.draft_forwards:
+            per_forward = timings.draft_seconds / timings.draft_forwards
+            self.draft_step_s = self.blend(self.draft_step_s, per_forward)
         by_tokens: dict[int, list[float]] = {}
         for tokens, seconds in timings.target_forwards:
             by_tokens.setdefault(tokens, []).append(seconds)
-        # The median: one stalled forward is no cost (and a coarse clock's 0 s none either).
-        medians = {n: (statistics.median(s), len(s)) for n, s in by_tokens.items()}
-        typical = {n: (seconds, added) for n, (seconds, added) in medians.items() if seconds > 0}
-        # A figure this request measures again starts from the load before the request:
-        # what it measured enters once, through the figure's own running average.
-        old_target = {n: self.target_seconds(n) for n in typical if n in self.target_s}
-        old_draft = self.draft_step_s
-        self._follow_load(typical)
-        if timings.draft_forwards:
-            per_forward = timings.draft_seconds / timings.draft_forwards
-            self._draft_step = self.blend(old_draft, per_forward)
-            self._draft_load = self.load
-        for tokens, (seconds, added) in typical.items():
+        for tokens, seconds_list in by_tokens.items():
+            typical = statistics.median(seconds_list)  # one stalled forward is no cost
+            if typical <= 0:
+                continue  # a coarse clock's 0 s is no cost either
+            added = len(seconds_list)
             count = self.target_forwards.get(tokens, 0) + added
-            old = old_target.get(tokens)
-            self.target_s[tokens] = _running_average(old, seconds, count, added, _FORWARD_EMA)
+            old = self.target_s.get(tokens)
+            self.target_s[tokens] = _running_average(old, typical, count, added, _FORWARD_EMA)
             self.target_forwards[tokens] = count
-            self._target_load[tokens] = self.load
         steps = len(timings.target_forwards)
         if not steps or timings.decode_seconds <= 0:
             return
@@ -248,25 +219,6 @@ class CostModel:
             self.round_overhead_s = self.blend(self.round_overhead_s or None, overhead)
         else:
             self.plain_overhead_s = self.blend(self.plain_overhead_s or None, overhead)
-
-    def _follow_load(self, typical: Mapping[int, tuple[float, int]]) -> None:
-        """Move :attr:`load` as this request moves the figures of the counts measured well
-        enough to judge by (the forward-weighted mean of their running averages' factors):
-        a count served alone then keeps its figure and the load in step, so counts not
-        served keep their relation to it. Each ratio is clipped to [1/2, 2] (a stalled
-        request is not the machine), and the load to [1e-3, 1e3]."""
-        factors = []
-        for tokens, (seconds, added) in typical.items():
-            known = self.target_forwards.get(tokens, 0)
-            if known < MIN_MEASURED_FORWARDS:
-                continue
-            ratio = min(max(seconds / self.target_seconds(tokens), 0.5), 2.0)
-            weight = _update_weight(known + added, added, _FORWARD_EMA)
-            factors.append((1.0 + weight * (ratio - 1.0), added))
-        forwards = sum(added for _, added in factors)
-        if forwards:
-            factor = sum(f * added for f, added in factors) / forwards
-            self.load = min(max(self.load * factor, _MIN_LOAD), _MAX_LOAD)
 
     def verify_costs(self, max_k: int) -> list[float] | None:
         """Seconds of a step at k besides its draft forwards, k = 0..max_k; None before any.
@@ -283,16 +235,16 @@ class CostModel:
         if not self.target_s:
             return None
         points = [
-            (n, self.target_seconds(n), min(self.target_forwards.get(n, 1), _FIT_WEIGHT_CAP))
-            for n in self.target_s
+            (n, s, min(self.target_forwards.get(n, 1), _FIT_WEIGHT_CAP))
+            for n, s in self.target_s.items()
         ]
         measured = [point for point in points if point[2] >= MIN_MEASURED_FORWARDS]
         line = _weighted_line(measured if len(measured) > 1 else points)
-        floor = min(seconds for _, seconds, _ in points) * 0.5
+        floor = min(self.target_s.values()) * 0.5
 
         def forward(tokens: int) -> float:
             if self.target_forwards.get(tokens, 0) >= MIN_MEASURED_FORWARDS:
-                return self.target_seconds(tokens)
+                return self.target_s[tokens]
             return max(floor, line(tokens))
 
         return [
@@ -308,7 +260,6 @@ class CostModel:
             "measured_target_tokens": sorted(self.target_s),
             "round_overhead_s": self.round_overhead_s,
             "plain_overhead_s": self.plain_overhead_s,
-            "load": self.load,
         }
 
 
@@ -320,13 +271,8 @@ def _running_average(
     then a running average that follows the traffic (weight ``ema`` per unit)."""
     if old is None:
         return new
-    weight = _update_weight(count, added, ema)
+    weight = max(1.0 - (1.0 - ema) ** added, added / count)
     return (1.0 - weight) * old + weight * new
-
-
-def _update_weight(count: int, added: int, ema: float) -> float:
-    """The weight of ``added`` new units in a running average of ``count`` units in all."""
-    return max(1.0 - (1.0 - ema) ** added, added / count)
 
 
 def _weighted_line(points: Sequence[tuple[int, float, int]]) -> Callable[[int], float]:
@@ -528,18 +474,20 @@ class KController:
 
     def _exploration(self, chosen: int, modelled: int, turn: int) -> int:
         """The k an exploring request runs at: the model's k every other turn where the
-        realized rates overrule it; otherwise, in turn, plain decoding while speculating
-        (the rate speculation must beat: measured once, by calibration, it goes stale when
-        the machine's load changes, and a veto needs it current) and the neighbours of the
-        choice."""
-        if modelled != chosen and turn % 2 == 0:
+        realized rates overrule it (what it still expects to pay is measured again);
+        otherwise, in turn, plain decoding while speculating (the rate speculation must
+        beat: measured by calibration on a busy machine, a plain step's cost stayed
+        stale while only k >= 2 was served and its neighbours explored) and the
+        neighbours of the choice."""
+        vetoed = modelled != chosen
+        if vetoed and turn % 2 == 0:
             return modelled
         up, down = min(chosen + 1, self.max_k), max(chosen - 1, 0)
         turns = [0] if chosen else []
-        turns += [k for k in (down, up) if k != chosen and k not in turns]
-        if not turns:  # max_k = 0: nothing else to try
-            return chosen
-        return turns[(turn // 2 if modelled != chosen else turn) % len(turns)]
+        turns += [k for k in (down, up) if k not in (chosen, modelled) and k not in turns]
+        if not turns:
+            return modelled if vetoed else chosen
+        return turns[(turn // 2 if vetoed else turn) % len(turns)]
 
     def _exploration_turn(self, segment: str | None, chosen: int) -> int | None:
         """The segment's exploration turn when this request explores, else None: on a
@@ -548,7 +496,7 @@ class KController:
         if state is None or state[0] != chosen:
             if len(self._exploring) > MAX_SEGMENTS:
                 self._exploring.clear()
-            # [choice, interval, requests until exploring, explorations so far]
+            # [choice, interval, requests until exploring, explorations since the choice]
             state = self._exploring[segment] = [chosen, self.explore_every, self.explore_every, 0]
         state[2] -= 1
         if state[2] > 0:

@@ -139,8 +139,6 @@ def _speculation(choice: dict[str, Any], model: str) -> Iterator[Metric]:
          None, {"": costs["draft_step_s"]}),
         (GaugeMetricFamily, "tide:spec_verify_seconds", "Modelled cost of a verify step at k", "k",
          costs["verify_s"] or {}),
-        (GaugeMetricFamily, "tide:spec_cost_load", "Load factor of the forward costs",
-         None, {"": costs["load"]}),
         (GaugeMetricFamily, "tide:spec_expected_tokens_per_s", "Expected tokens/s at each k",
          "k", choice["expected_tokens_per_s"] or {}),
         (CounterMetricFamily, "tide:spec_requests", "Requests served at each k", "k",
