@@ -445,3 +445,18 @@ def test_each_segment_explores_every_turn() -> None:
         if index > 20 and k != 4:
             explored[segment].add(k)
     assert explored == {"a": {0, 3}, "b": {0, 3}}
+
+
+def test_many_labels_taking_turns_still_explore() -> None:
+    """Past MAX_SEGMENTS labels the least recent label's countdown goes, not all of them:
+    clearing all of them restarted every countdown before it ran out, and nothing explored."""
+    server = SyntheticServer(draft_s=0.001, plain_s=0.01, per_token_s=0.0, rates=[0.9] * 4)
+    controller = KController(4, adaptive=True, explore_every=2)
+    labels = [f"user-{index}" for index in range(MAX_SEGMENTS + 6)]
+    picked = []
+    for index in range(len(labels) * 6):
+        segment = labels[index % len(labels)]
+        k = controller.pick(segment)
+        controller.observe(server.run(k), segment)
+        picked.append(k)
+    assert 0 in picked[len(labels) :]  # explorations still come round

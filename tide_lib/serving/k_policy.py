@@ -491,11 +491,15 @@ class KController:
 
     def _exploration_turn(self, segment: str | None, chosen: int) -> int | None:
         """The segment's exploration turn when this request explores, else None: on a
-        countdown that doubles while the choice holds (both start over when it moves)."""
+        countdown that doubles while the choice holds (both start over when it moves).
+
+        Labels past the first ``MAX_SEGMENTS`` share the unlabelled countdown: clearing
+        or evicting countdowns for them restarted each before it ran out, and with more
+        labels than that taking turns, no request explored."""
+        if segment not in self._exploring and len(self._exploring) >= MAX_SEGMENTS:
+            segment = None
         state = self._exploring.get(segment)
         if state is None or state[0] != chosen:
-            if len(self._exploring) > MAX_SEGMENTS:
-                self._exploring.clear()
             # [choice, interval, requests until exploring, explorations since the choice]
             state = self._exploring[segment] = [chosen, self.explore_every, self.explore_every, 0]
         state[2] -= 1
