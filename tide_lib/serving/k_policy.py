@@ -345,6 +345,19 @@ class RealizedRates:
         }
 
 
+@dataclasses.dataclass
+class _Countdown:
+    """A segment's exploration pace since its choice last moved."""
+
+    choice: int  # the k chosen when the countdown started
+    interval: int  # requests between explorations now
+    left: int = dataclasses.field(init=False)  # requests until the next exploration
+    turns: int = 0  # explorations since the choice
+
+    def __post_init__(self) -> None:
+        self.left = self.interval
+
+
 class AcceptanceEstimate:
     """Per-position conditional acceptance of chain drafting, with decaying counts.
 
@@ -407,9 +420,7 @@ class KController:
         self._overall = AcceptanceEstimate(max_k, decay)
         self._segments: OrderedDict[str, AcceptanceEstimate] = OrderedDict()
         self._picks = 0
-        # Per segment (None: unlabelled): [last choice, interval, requests until exploring,
-        # explorations since the choice].
-        self._exploring: dict[str | None, list[int]] = {}
+        self._exploring: dict[str | None, _Countdown] = {}  # per segment (None: unlabelled)
         self.requests_by_k = [0] * (max_k + 1)
         self.realized = RealizedRates()
         self.calibrated = False
@@ -499,16 +510,15 @@ class KController:
         if segment not in self._exploring and len(self._exploring) >= MAX_SEGMENTS:
             segment = None
         state = self._exploring.get(segment)
-        if state is None or state[0] != chosen:
-            # [choice, interval, requests until exploring, explorations since the choice]
-            state = self._exploring[segment] = [chosen, self.explore_every, self.explore_every, 0]
-        state[2] -= 1
-        if state[2] > 0:
+        if state is None or state.choice != chosen:
+            state = self._exploring[segment] = _Countdown(chosen, self.explore_every)
+        state.left -= 1
+        if state.left > 0:
             return None
-        state[1] = min(state[1] * 2, self.explore_every * _EXPLORE_BACKOFF_LIMIT)
-        state[2] = state[1]
-        state[3] += 1
-        return state[3] - 1
+        state.interval = min(state.interval * 2, self.explore_every * _EXPLORE_BACKOFF_LIMIT)
+        state.left = state.interval
+        state.turns += 1
+        return state.turns - 1
 
     def observe(self, timings: RoundTimings, segment: str | None = None) -> None:
         with self._lock:
