@@ -569,14 +569,13 @@ def run_adaptation_bench(
             target_dir, _served_sample(served, segments), max_new_tokens, "served", segments[:-1]
         )
         served_counts = _acceptance(loop.versions, target_dir, seen, ks)
-        new_prompts = [item["prompt"] for item in held_items if item["segment"] == new_segment]
+        units = {
+            segment: [item["prompt"] for item in held_items if item["segment"] == segment]
+            for segment in segments
+        }
         timed, adaptive = _timing(
-            loop, target_dir, new_prompts, max_new_tokens, params.timing_passes
+            loop, target_dir, units[new_segment], max_new_tokens, params.timing_passes
         )
-    units = {
-        segment: [item["prompt"] for item in held_items if item["segment"] == segment]
-        for segment in segments
-    }
     result = _result(loop, counts, timed, segments, ks, units=units)
     result["accept_length_served"] = _lengths(served_counts, ks)
     result["retention_served"] = _retention(served_counts, loop, segments, ks)
@@ -584,7 +583,7 @@ def run_adaptation_bench(
     result["requests"] = {
         "served": len(served),
         "held_out": len(held),
-        "held_out_new_segment": len(new_prompts),  # the timed prompts
+        "held_out_new_segment": len(units[new_segment]),  # the timed prompts
         "held_out_distinct_prompts": len({requests[i]["prompt"] for i in held}),
         "served_measured": {segment: len(samples) for segment, samples in seen.items()},
     }
