@@ -33,6 +33,7 @@ is not served; the best realized k that does is, else plain.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import statistics
 import threading
@@ -54,6 +55,8 @@ __all__ = [
     "geometric_acceptance",
     "recommend_k",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Labels come from clients: at most this many segments are tracked (least recent dropped).
 MAX_SEGMENTS = 64
@@ -481,7 +484,17 @@ class KController:
         modelled = choice.k if choice is not None else self.max_k
         chosen = self.realized.veto(modelled)
         turn = self._exploration_turn(segment, chosen)
-        return chosen if turn is None else self._exploration(chosen, modelled, turn)
+        k = chosen if turn is None else self._exploration(chosen, modelled, turn)
+        logger.debug(
+            "segment %s: k=%d (model %d, served choice %d, exploration turn %s; expected %s)",
+            segment,
+            k,
+            modelled,
+            chosen,
+            turn,
+            None if choice is None else [round(rate, 1) for rate in choice.tokens_per_s],
+        )
+        return k
 
     def _exploration(self, chosen: int, modelled: int, turn: int) -> int:
         """The k an exploring request runs at: the model's k every other turn where the
@@ -536,6 +549,13 @@ class KController:
             for drafted, accepted in timings.rounds:
                 for estimate in estimates:
                     estimate.observe(drafted, accepted)
+            logger.debug(
+                "served at k=%d: %d tokens in %.4f s decoding; realized tokens/s %s",
+                timings.k,
+                timings.emitted,
+                timings.decode_seconds + timings.draft_prefill_seconds,
+                {k: round(rate, 1) for k, rate in self.realized.snapshot().items()},
+            )
 
     def draft_swapped(self) -> None:
         """A new draft: acceptance starts over (costs stay: same target, same draft shape)."""
