@@ -26,8 +26,12 @@ forgets acceptance.
 The cost model is a model: on CPU it misjudged speculation by several per cent
 (k=4 expected 5% above plain decoding, served 8% below it). So the throughput each
 k really delivered (output tokens per second of decoding and the draft's prefill) has the
-last word: a k whose realized tokens/s does not beat plain decoding's realized rate
-is not served; the best realized k that does is, else plain.
+last word: a k that did not beat plain decoding is not served; the best realized k that
+did is, else plain. What a k delivered is judged against plain decoding measured beside
+it, pair by pair (:class:`RealizedRates`), since the machine's load moves only the served
+k's figures; nothing speculates before a plain request has measured the rate to beat as it
+is now (a calibration probe's may be stale); and a choice that moved serves the old choice
+again soon, under the same load.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from typing import Any
 __all__ = [
     "MAX_SEGMENTS",
     "MIN_MEASURED_FORWARDS",
+    "RECHECK_AFTER",
     "AcceptanceEstimate",
     "CostModel",
     "KChoice",
@@ -70,6 +75,8 @@ _EXPLORE_BACKOFF_LIMIT = 8  # exploration slows to one in explore_every x this r
 MIN_MEASURED_FORWARDS = 8  # forwards at a token count before its figure is used as is
 _FIT_WEIGHT_CAP = 64  # forwards behind a token count's weight in the verify-cost line
 MIN_REALIZED = 3  # requests at a k before what it delivered can veto the model's choice
+RECHECK_AFTER = 2  # requests after the choice moved before the old choice is served again
+_PAIR_WITHIN = 3  # requests apart that a request at k and one at plain decoding still pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,20 +304,70 @@ class RealizedRates:
     A k's figure counts once ``MIN_REALIZED`` requests measured it, as their plain mean
     at first (an early request that paid for warming up must not dominate), then as a
     running average; plain decoding's counts after one.
+
+    The machine's load moves every figure, but only the served k's figure follows it: a
+    k served during a busy spell looked worse than another measured while the machine was
+    quiet, and the choice moved to it (the serve bench served a draft that lost to plain
+    decoding for 7 requests so). So each k is also compared with plain decoding pair by
+    pair: a request at k against the last plain request when it came at most
+    ``_PAIR_WITHIN`` requests before, and the other way round (an exploration against the
+    served choice, the first requests after a move against the last ones before it; see
+    :meth:`_pair`). The log of each pair's ratio goes into a running average, where the
+    load cancels; with ``MIN_REALIZED`` pairs it is what the veto reads.
     """
 
     def __init__(self) -> None:
         self.seconds_per_token: dict[int, float] = {}
         self.requests: dict[int, int] = {}
+        self.log_ratio: dict[int, float] = {}  # k -> running average of log(k's rate / plain's)
+        self.pairs: dict[int, int] = {}
+        self._last: dict[int, tuple[int, float]] = {}  # k -> (request number, tokens/s)
+        self._observed = 0
 
     def observe(self, timings: RoundTimings) -> None:
         if not timings.emitted or timings.decode_seconds <= 0:
             return
         seconds = (timings.decode_seconds + timings.draft_prefill_seconds) / timings.emitted
-        count = self.requests.get(timings.k, 0) + 1
-        old = self.seconds_per_token.get(timings.k)
-        self.seconds_per_token[timings.k] = _running_average(old, seconds, count)
-        self.requests[timings.k] = count
+        k = timings.k
+        count = self.requests.get(k, 0) + 1
+        old = self.seconds_per_token.get(k)
+        self.seconds_per_token[k] = _running_average(old, seconds, count)
+        self.requests[k] = count
+        self._observed += 1
+        self._pair(k, 1.0 / seconds)
+        self._last[k] = (self._observed, 1.0 / seconds)
+
+    def _pair(self, k: int, rate: float) -> None:
+        """Fold in the pairs this request makes with recent requests at another k: a plain
+        request with each of them; a request at k with the last plain one, else with the
+        last at the k served most (more than k), through that k's own ratio to plain (an
+        exploration while speculating: else a k explored while plain decoding lost kept
+        its old ratio for good)."""
+        recent = {
+            other: other_rate
+            for other, (number, other_rate) in self._last.items()
+            if other != k and self._observed - number <= _PAIR_WITHIN
+        }
+        if not k:
+            for other, other_rate in recent.items():
+                self._fold(other, math.log(other_rate / rate))
+            return
+        if 0 in recent:
+            self._fold(k, math.log(rate / recent[0]))
+            return
+        anchors = [
+            other
+            for other in recent
+            if other in self.log_ratio and self.requests[other] > self.requests[k]
+        ]
+        if anchors:
+            anchor = max(anchors, key=lambda other: self.requests[other])
+            self._fold(k, math.log(rate / recent[anchor]) + self.log_ratio[anchor])
+
+    def _fold(self, k: int, log_ratio: float) -> None:
+        count = self.pairs.get(k, 0) + 1
+        self.log_ratio[k] = _running_average(self.log_ratio.get(k), log_ratio, count)
+        self.pairs[k] = count
 
     def tokens_per_s(self, k: int) -> float | None:
         """The realized rate at ``k``, once measured on enough requests to count."""
@@ -318,33 +375,52 @@ class RealizedRates:
         seconds = self.seconds_per_token.get(k)
         return 1.0 / seconds if seconds and self.requests.get(k, 0) >= enough else None
 
+    def relative(self, k: int) -> float | None:
+        """What ``k`` delivered over what plain decoding delivered beside it (1.0 at
+        par): from ``MIN_REALIZED`` pairs, else from the two running rates as they stand."""
+        if k == 0:
+            return 1.0
+        if self.pairs.get(k, 0) >= MIN_REALIZED:
+            return math.exp(self.log_ratio[k])
+        rate, plain = self.tokens_per_s(k), self.tokens_per_s(0)
+        return None if rate is None or plain is None else rate / plain
+
     def veto(self, k: int) -> int:
-        """``k`` unless it was served and did not beat plain decoding (both measured); then
-        the best measured k that did, else 0. (The model's choice already had to beat
+        """``k`` unless it was served and did not beat plain decoding (:meth:`relative`);
+        then the best measured k that did, else 0. (The model's choice already had to beat
         plain decoding by ``min_gain``; what was served has only to beat it: per-request
         rates are noisy, and a veto of a k that pays costs as much as serving one that
         does not.)"""
-        plain = self.tokens_per_s(0)
-        if k == 0 or plain is None:
+        if k == 0 or self.tokens_per_s(0) is None:
             return k
 
         def pays(candidate: int) -> bool:
-            rate = self.tokens_per_s(candidate)
-            return rate is None or rate > plain
+            ratio = self.relative(candidate)
+            return ratio is None or ratio > 1.0
 
         if pays(k):
             return k
-        measured = [c for c in self.seconds_per_token if c and self.tokens_per_s(c) and pays(c)]
-        return max(measured, key=lambda c: self.tokens_per_s(c) or 0.0, default=0)
+        measured = [c for c in self.seconds_per_token if c and self.relative(c) and pays(c)]
+        return max(measured, key=lambda c: self.relative(c) or 0.0, default=0)
 
     def forget_speculation(self) -> None:
         """A new draft: what speculation delivered no longer holds (plain's rate does)."""
         self.seconds_per_token = {k: s for k, s in self.seconds_per_token.items() if k == 0}
         self.requests = {k: n for k, n in self.requests.items() if k == 0}
+        self._last = {k: last for k, last in self._last.items() if k == 0}
+        self.log_ratio.clear()
+        self.pairs.clear()
 
     def snapshot(self) -> dict[str, float]:
         return {
             str(k): rate for k in sorted(self.seconds_per_token) if (rate := self.tokens_per_s(k))
+        }
+
+    def relative_snapshot(self) -> dict[str, float]:
+        return {
+            str(k): ratio
+            for k in sorted(self.seconds_per_token)
+            if k and (ratio := self.relative(k)) is not None
         }
 
 
@@ -354,11 +430,16 @@ class _Countdown:
 
     choice: int  # the k chosen when the countdown started
     interval: int  # requests between explorations now
+    # The choice it moved from, served again after RECHECK_AFTER requests: a choice moves
+    # when the figures of the k it served grow worse, and that is often the machine's load,
+    # which the other k's older figures never saw. Measured under the same load, the old
+    # choice wins back where the move was the load's doing.
+    previous: int | None = None
     left: int = dataclasses.field(init=False)  # requests until the next exploration
     turns: int = 0  # explorations since the choice
 
     def __post_init__(self) -> None:
-        self.left = self.interval
+        self.left = self.interval if self.previous is None else RECHECK_AFTER
 
 
 class AcceptanceEstimate:
@@ -478,20 +559,23 @@ class KController:
         self._picks += 1
         if self.costs.draft_step_s is None or not self._overall.rounds:
             return self.max_k  # measure the draft and every position first
-        if 1 not in self.costs.target_s:
-            return 0  # then one plain request: the cost speculation must beat
+        if self.realized.tokens_per_s(0) is None:
+            # then one plain request: the rate speculation must beat, as it is now (a
+            # calibration probe on a busy machine measured plain decoding at 148 tokens/s
+            # where it served 180, and a draft that lost to it was served 15 requests)
+            return 0
         choice = self._choice(segment)
         modelled = choice.k if choice is not None else self.max_k
         chosen = self.realized.veto(modelled)
-        turn = self._exploration_turn(segment, chosen)
-        k = chosen if turn is None else self._exploration(chosen, modelled, turn)
+        explored = self._explored(segment, chosen, modelled)
+        k = chosen if explored is None else explored
         logger.debug(
-            "segment %s: k=%d (model %d, served choice %d, exploration turn %s; expected %s)",
+            "segment %s: k=%d (model %d, served choice %d, %s; expected tokens/s %s)",
             segment,
             k,
             modelled,
             chosen,
-            turn,
+            "exploring" if explored is not None else "not exploring",
             None if choice is None else [round(rate, 1) for rate in choice.tokens_per_s],
         )
         return k
@@ -513,9 +597,10 @@ class KController:
             return modelled if vetoed else chosen
         return turns[(turn // 2 if vetoed else turn) % len(turns)]
 
-    def _exploration_turn(self, segment: str | None, chosen: int) -> int | None:
-        """The segment's exploration turn when this request explores, else None: on a
-        countdown that doubles while the choice holds (both start over when it moves).
+    def _explored(self, segment: str | None, chosen: int, modelled: int) -> int | None:
+        """The k this request explores at, else None: on the segment's countdown, which
+        doubles while the choice holds and starts over when it moves, the old choice
+        served again soon after a move (see :class:`_Countdown`).
 
         Labels past the first ``MAX_SEGMENTS`` share the unlabelled countdown: clearing
         or evicting countdowns for them restarted each before it ran out, and with more
@@ -524,14 +609,18 @@ class KController:
             segment = None
         state = self._exploring.get(segment)
         if state is None or state.choice != chosen:
-            state = self._exploring[segment] = _Countdown(chosen, self.explore_every)
+            previous = None if state is None else state.choice
+            state = self._exploring[segment] = _Countdown(chosen, self.explore_every, previous)
         state.left -= 1
         if state.left > 0:
             return None
+        if state.previous is not None:
+            recheck, state.previous, state.left = state.previous, None, state.interval
+            return recheck
         state.interval = min(state.interval * 2, self.explore_every * _EXPLORE_BACKOFF_LIMIT)
         state.left = state.interval
         state.turns += 1
-        return state.turns - 1
+        return self._exploration(chosen, modelled, state.turns - 1)
 
     def observe(self, timings: RoundTimings, segment: str | None = None) -> None:
         with self._lock:
@@ -579,6 +668,7 @@ class KController:
                 **overall,
                 "costs": self.costs.snapshot(self.max_k),
                 "realized_tokens_per_s": self.realized.snapshot(),
+                "realized_vs_plain": self.realized.relative_snapshot(),
                 "requests_by_k": {str(k): n for k, n in enumerate(self.requests_by_k)},
                 "segments": segments,
             }
