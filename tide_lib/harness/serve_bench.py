@@ -145,7 +145,8 @@ def pass_ratios(runs: Mapping[str, EngineRun], name: str, baseline: str) -> list
 def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> dict[str, Any]:
     """What adaptive k did while timed: requests served at each k after the warm-up
     (``warm_by_k``, the controller's ``requests_by_k`` then), and from the controller's
-    final snapshot (``chosen``) its modelled tokens/s, acceptance and costs."""
+    final snapshot (``chosen``) its modelled tokens/s, acceptance, costs and what each k
+    delivered against plain decoding measured beside it."""
     return {
         "timed_requests_by_k": {
             k: count - warm_by_k.get(k, 0) for k, count in chosen["requests_by_k"].items()
@@ -153,6 +154,7 @@ def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> 
         "expected_tokens_per_s": chosen["expected_tokens_per_s"],
         "acceptance": chosen["acceptance"],
         "costs": chosen["costs"],
+        "realized_vs_plain": chosen["realized_vs_plain"],
     }
 
 
