@@ -136,6 +136,8 @@ def test_server_info_and_metrics_show_the_choice(adaptive: tuple[Engine, TestCli
         assert expected == pytest.approx(rates[str(k)])
         assert metric_value(metrics, "tide:spec_verify_seconds", **model, k=str(k)) > 0
     assert metric_value(metrics, "tide:spec_draft_step_seconds", **model) > 0
+    for k, ratio in speculation["realized_vs_plain"].items():  # measured k's only
+        assert metric_value(metrics, "tide:spec_realized_vs_plain", **model, k=k) == ratio
 
 
 def test_segments_are_read_from_custom_labels_or_headers_and_checked(

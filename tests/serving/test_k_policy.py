@@ -491,18 +491,70 @@ def test_pairs_of_neighbouring_requests_cancel_the_machines_load() -> None:
     assert realized.relative_snapshot() == {"1": pytest.approx(0.92, abs=0.01)}
 
 
-def test_requests_far_apart_make_no_pair_and_explorations_pair_through_the_served_k() -> None:
+def test_a_request_pairs_once_with_a_later_one_and_explorations_pair_through_the_served_k() -> None:
     realized = RealizedRates()
     realized.observe(_request(0, 100.0))
     for _ in range(4):
-        realized.observe(_request(2, 150.0))  # the first three pair with the plain request
-    assert realized.pairs == {2: 3}
+        realized.observe(_request(2, 150.0))
+    assert realized.pairs == {2: 1}  # the plain request pairs with the next request only
     realized.observe(_request(4, 300.0))  # an exploration beside k=2: 2x k=2's 1.5x plain
     assert realized.pairs[4] == 1 and math.exp(realized.log_ratio[4]) == pytest.approx(3.0)
     realized.observe(_request(2, 150.0))  # served more than k=4: no pair through it
-    assert realized.pairs[2] == 3
+    assert realized.pairs[2] == 1
     realized.forget_speculation()
     assert realized.pairs == {} and realized.relative(2) is None
+
+
+def test_one_lucky_request_does_not_outweigh_the_pairs_before_it() -> None:
+    """A request pairs with one plain request before it and one after at most: pairing it
+    with each of the next three plain requests gave it 59% of the average, and one lucky
+    request at 1.25x turned 40 pairs at 0.9x into a k that pays."""
+    realized = RealizedRates()
+    for _ in range(40):
+        realized.observe(_request(0, 100.0))
+        realized.observe(_request(2, 90.0))
+    realized.observe(_request(0, 100.0))
+    realized.observe(_request(2, 125.0))
+    for _ in range(3):
+        realized.observe(_request(0, 100.0))
+    assert realized.relative(2) < 1.0 and realized.veto(2) == 0
+
+
+def test_pairs_count_once_as_many_requests_at_k_made_them() -> None:
+    """The first request (the largest k, while warming up) followed by plain requests made
+    three pairs out of one request and vetoed the largest k on its own."""
+    realized = RealizedRates()
+    realized.observe(_request(4, 60.0))
+    for _ in range(3):
+        realized.observe(_request(0, 100.0))
+    assert realized.requests[4] == 1 and realized.veto(4) == 4
+
+
+def test_a_served_k_whose_rate_fell_is_paired_with_plain_decoding_again() -> None:
+    """Served alone, k's pairs come only from plain explorations, one in a few hundred
+    requests: after the draft's prefill grew (a cost the model does not see) and k=4 fell
+    from 2.9x to 0.8x plain decoding, it was served 150 more requests."""
+    server = SyntheticServer(draft_s=0.001, plain_s=0.01, per_token_s=0.0, rates=[0.9] * 4)
+    controller = KController(4, adaptive=True)
+    _serve(controller, server, 500)
+    assert controller.snapshot()["chosen_k"] == 4
+    server.draft_prefill_s = 0.745
+    picked = _serve(controller, server, 200)
+    assert sum(1 for k in picked if k) <= 30
+    assert controller.snapshot()["chosen_k"] == 0
+
+
+def test_labels_sharing_a_countdown_serve_no_other_labels_choice() -> None:
+    """Past MAX_SEGMENTS labels, labels share the unlabelled countdown: one label's choice
+    after another's is no move of a choice, and nothing is served again for it."""
+    controller = KController(4, adaptive=True, explore_every=16)
+    for index in range(MAX_SEGMENTS):
+        controller._explored(f"old-{index}", 0, 0)
+    explored = [
+        controller._explored(f"new-{index}", 4 * (index % 2), 4 * (index % 2))
+        for index in range(12)
+    ]
+    assert explored == [None] * 12
 
 
 def test_a_busy_spell_on_plain_decoding_does_not_move_the_choice_to_a_losing_draft() -> None:

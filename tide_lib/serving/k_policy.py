@@ -77,6 +77,7 @@ _FIT_WEIGHT_CAP = 64  # forwards behind a token count's weight in the verify-cos
 MIN_REALIZED = 3  # requests at a k before what it delivered can veto the model's choice
 RECHECK_AFTER = 2  # requests after the choice moved before the old choice is served again
 _PAIR_WITHIN = 3  # requests apart that a request at k and one at plain decoding still pair
+_DRIFT = 0.1  # log-fall of a served k's rate since its last pair that pairs it again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +298,15 @@ def _weighted_line(points: Sequence[tuple[int, float, int]]) -> Callable[[int], 
     return lambda tokens: mean_s + slope * (tokens - mean_n)
 
 
+@dataclasses.dataclass
+class _LastRequest:
+    """The last request at a k, as :meth:`RealizedRates._pair` pairs it."""
+
+    number: int  # observed requests up to and including it
+    rate: float  # tokens/s
+    paired: bool = False  # with another request already
+
+
 class RealizedRates:
     """Output tokens per second that each k really delivered, decoding and the draft's
     prefill included (running averages): the check on :func:`choose_k`'s model.
@@ -309,11 +319,11 @@ class RealizedRates:
     k served during a busy spell looked worse than another measured while the machine was
     quiet, and the choice moved to it (the serve bench served a draft that lost to plain
     decoding for 7 requests so). So each k is also compared with plain decoding pair by
-    pair: a request at k against the last plain request when it came at most
-    ``_PAIR_WITHIN`` requests before, and the other way round (an exploration against the
-    served choice, the first requests after a move against the last ones before it; see
-    :meth:`_pair`). The log of each pair's ratio goes into a running average, where the
-    load cancels; with ``MIN_REALIZED`` pairs it is what the veto reads.
+    pair, requests at most ``_PAIR_WITHIN`` apart (see :meth:`_pair`). The log of each
+    pair's ratio goes into a running average, where the load cancels; once ``MIN_REALIZED``
+    requests at k made ``MIN_REALIZED`` pairs, it is what the veto reads. A served k's
+    own rate that fell by more than ``_DRIFT`` since its last pair (:meth:`drifted`) is
+    the controller's cue to pair it again.
     """
 
     def __init__(self) -> None:
@@ -321,7 +331,9 @@ class RealizedRates:
         self.requests: dict[int, int] = {}
         self.log_ratio: dict[int, float] = {}  # k -> running average of log(k's rate / plain's)
         self.pairs: dict[int, int] = {}
-        self._last: dict[int, tuple[int, float]] = {}  # k -> (request number, tokens/s)
+        self._last: dict[int, _LastRequest] = {}
+        self._paired_at: dict[int, float] = {}  # k -> its seconds per token at its last pair
+        self._pair_weight: dict[int, int] = {}  # k -> pairs its average weighs as
         self._observed = 0
 
     def observe(self, timings: RoundTimings) -> None:
@@ -334,40 +346,65 @@ class RealizedRates:
         self.seconds_per_token[k] = _running_average(old, seconds, count)
         self.requests[k] = count
         self._observed += 1
-        self._pair(k, 1.0 / seconds)
-        self._last[k] = (self._observed, 1.0 / seconds)
+        paired = self._pair(k, 1.0 / seconds)
+        self._last[k] = _LastRequest(self._observed, 1.0 / seconds, paired)
 
-    def _pair(self, k: int, rate: float) -> None:
-        """Fold in the pairs this request makes with recent requests at another k: a plain
+    def _pair(self, k: int, rate: float) -> bool:
+        """Fold in the pairs this request makes with the last requests at other k's not
+        paired yet, and say whether it made one (a request pairs once: a lucky one paired
+        with each of the next three plain requests had 59% of the average): a plain
         request with each of them; a request at k with the last plain one, else with the
         last at the k served most (more than k), through that k's own ratio to plain (an
         exploration while speculating: else a k explored while plain decoding lost kept
         its old ratio for good)."""
         recent = {
-            other: other_rate
-            for other, (number, other_rate) in self._last.items()
-            if other != k and self._observed - number <= _PAIR_WITHIN
+            other: last
+            for other, last in self._last.items()
+            if other != k and not last.paired and self._observed - last.number <= _PAIR_WITHIN
         }
         if not k:
-            for other, other_rate in recent.items():
-                self._fold(other, math.log(other_rate / rate))
-            return
+            for other, last in recent.items():
+                self._fold(other, math.log(last.rate / rate), last)
+            return bool(recent)
         if 0 in recent:
-            self._fold(k, math.log(rate / recent[0]))
-            return
+            self._fold(k, math.log(rate / recent[0].rate), recent[0])
+            return True
         anchors = [
             other
             for other in recent
             if other in self.log_ratio and self.requests[other] > self.requests[k]
         ]
-        if anchors:
-            anchor = max(anchors, key=lambda other: self.requests[other])
-            self._fold(k, math.log(rate / recent[anchor]) + self.log_ratio[anchor])
+        if not anchors:
+            return False
+        anchor = max(anchors, key=lambda other: self.requests[other])
+        log_ratio = math.log(rate / recent[anchor].rate) + self.log_ratio[anchor]
+        self._fold(k, log_ratio, recent[anchor])
+        return True
 
-    def _fold(self, k: int, log_ratio: float) -> None:
-        count = self.pairs.get(k, 0) + 1
-        self.log_ratio[k] = _running_average(self.log_ratio.get(k), log_ratio, count)
-        self.pairs[k] = count
+    def _fold(self, k: int, log_ratio: float, earlier: _LastRequest) -> None:
+        """One pair into k's running average; after k's own rate fell by more than
+        ``_DRIFT`` since its last pair, the average so far is worth one pair (the traffic
+        or the draft changed: a k at 2.9x plain decoding that fell to 0.8x took 30 pairs
+        to be vetoed, each pair worth a fifth)."""
+        earlier.paired = True
+        then = self._paired_at.get(k)
+        fell = then is not None and math.log(self.seconds_per_token[k] / then) > _DRIFT
+        weight = 2 if fell else self._pair_weight.get(k, 0) + 1
+        self.log_ratio[k] = _running_average(self.log_ratio.get(k), log_ratio, weight)
+        self._pair_weight[k] = weight
+        self.pairs[k] = self.pairs.get(k, 0) + 1
+        self._paired_at[k] = self.seconds_per_token[k]
+
+    def drifted(self, k: int) -> bool:
+        """Has k's own rate fallen by more than ``_DRIFT`` since its last pair? (Served
+        alone, k's pairs come only from plain explorations, at most one in a few hundred
+        requests: a draft whose prefill grew with the prompts went on being served for
+        150 requests after it fell to 0.8x plain decoding.) Only while a plain request
+        next would pair with k's last one: else the cue would serve plain for good."""
+        then, now, last = self._paired_at.get(k), self.seconds_per_token.get(k), self._last.get(k)
+        if then is None or now is None or last is None or math.log(now / then) <= _DRIFT:
+            return False
+        return not last.paired and self._observed - last.number < _PAIR_WITHIN  # one can pair
 
     def tokens_per_s(self, k: int) -> float | None:
         """The realized rate at ``k``, once measured on enough requests to count."""
@@ -377,10 +414,11 @@ class RealizedRates:
 
     def relative(self, k: int) -> float | None:
         """What ``k`` delivered over what plain decoding delivered beside it (1.0 at
-        par): from ``MIN_REALIZED`` pairs, else from the two running rates as they stand."""
+        par): from ``MIN_REALIZED`` pairs of as many requests at k, else from the two
+        running rates as they stand."""
         if k == 0:
             return 1.0
-        if self.pairs.get(k, 0) >= MIN_REALIZED:
+        if min(self.pairs.get(k, 0), self.requests.get(k, 0)) >= MIN_REALIZED:
             return math.exp(self.log_ratio[k])
         rate, plain = self.tokens_per_s(k), self.tokens_per_s(0)
         return None if rate is None or plain is None else rate / plain
@@ -410,6 +448,8 @@ class RealizedRates:
         self._last = {k: last for k, last in self._last.items() if k == 0}
         self.log_ratio.clear()
         self.pairs.clear()
+        self._paired_at.clear()
+        self._pair_weight.clear()
 
     def snapshot(self) -> dict[str, float]:
         return {
@@ -568,6 +608,8 @@ class KController:
         modelled = choice.k if choice is not None else self.max_k
         chosen = self.realized.veto(modelled)
         explored = self._explored(segment, chosen, modelled)
+        if explored is None and chosen and self.realized.drifted(chosen):
+            explored = 0  # the served k's rate moved: pair it with plain decoding again
         k = chosen if explored is None else explored
         logger.debug(
             "segment %s: k=%d (model %d, served choice %d, %s; expected tokens/s %s)",
@@ -604,12 +646,15 @@ class KController:
 
         Labels past the first ``MAX_SEGMENTS`` share the unlabelled countdown: clearing
         or evicting countdowns for them restarted each before it ran out, and with more
-        labels than that taking turns, no request explored."""
-        if segment not in self._exploring and len(self._exploring) >= MAX_SEGMENTS:
+        labels than that taking turns, no request explored. Their choices differ, so a
+        move there is no move of one label's choice: nothing is served again for it."""
+        shared = segment is not None and segment not in self._exploring
+        shared = shared and len(self._exploring) >= MAX_SEGMENTS
+        if shared:
             segment = None
         state = self._exploring.get(segment)
         if state is None or state.choice != chosen:
-            previous = None if state is None else state.choice
+            previous = None if state is None or shared else state.choice
             state = self._exploring[segment] = _Countdown(chosen, self.explore_every, previous)
         state.left -= 1
         if state.left > 0:

@@ -127,7 +127,8 @@ def _one(family: Callable[..., Any], name: str, help_text: str, model: str, valu
 
 def _speculation(choice: dict[str, Any], model: str) -> Iterator[Metric]:
     """The k the engine serves with (SGLang's ``sglang:spec_num_steps``) and why: per k,
-    expected tokens/s and verify cost; per segment label, its chosen k. Figures not
+    expected tokens/s, verify cost and what it delivered against plain decoding; per
+    segment label, its chosen k. Figures not
     measured yet are left out."""
     costs = choice["costs"]
     series: list[tuple[Callable[..., Any], str, str, str | None, dict[Any, Any]]] = [
@@ -141,6 +142,9 @@ def _speculation(choice: dict[str, Any], model: str) -> Iterator[Metric]:
          costs["verify_s"] or {}),
         (GaugeMetricFamily, "tide:spec_expected_tokens_per_s", "Expected tokens/s at each k",
          "k", choice["expected_tokens_per_s"] or {}),
+        (GaugeMetricFamily, "tide:spec_realized_vs_plain",
+         "Tokens/s each k delivered over plain decoding's, measured side by side", "k",
+         choice["realized_vs_plain"]),
         (CounterMetricFamily, "tide:spec_requests", "Requests served at each k", "k",
          choice["requests_by_k"]),
         (GaugeMetricFamily, "tide:spec_segment_num_steps", "k chosen for each segment label",
