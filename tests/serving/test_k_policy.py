@@ -581,3 +581,21 @@ def test_a_choice_that_moved_serves_the_old_choice_again_soon() -> None:
     explored += [controller._explored(None, 1, 1) for _ in range(RECHECK_AFTER + 16)]
     assert explored[:3] == [None] * 3
     assert explored[3:] == [None] * (RECHECK_AFTER - 1) + [0] + [None] * 15 + [0]
+
+
+def test_the_reported_choice_is_what_the_next_request_is_served_at() -> None:
+    """/server_info's chosen_k while the controller still measures: the largest k, then
+    plain decoding until a plain request measured the rate to beat (it said the
+    recommended k, or the largest k where a coarse clock read plain decoding as 0 s)."""
+    server = SyntheticServer(draft_s=0.001, plain_s=0.01, per_token_s=0.0, rates=[0.9] * 4)
+    controller = KController(4, adaptive=True)
+    controller.calibrate(server.run(k) for k in range(5))
+    for expected in (4, 0):
+        assert controller.snapshot()["chosen_k"] == expected == controller.pick()
+        controller.observe(server.run(expected))
+    assert controller.snapshot()["chosen_k"] == 4 == controller.pick()
+    coarse = KController(4, adaptive=True)
+    coarse.observe(server.run(4))
+    assert coarse.pick() == 0
+    coarse.observe(RoundTimings(0, [], target_forwards=[(1, 0.0)] * 10, emitted=10))
+    assert coarse.snapshot()["chosen_k"] == 0 == coarse.pick()

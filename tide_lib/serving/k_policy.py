@@ -543,7 +543,6 @@ class KController:
         self._lock = threading.Lock()
         self._overall = AcceptanceEstimate(max_k, decay)
         self._segments: OrderedDict[str, AcceptanceEstimate] = OrderedDict()
-        self._picks = 0
         self._exploring: dict[str | None, _Countdown] = {}  # per segment (None: unlabelled)
         self.requests_by_k = [0] * (max_k + 1)
         self.realized = RealizedRates()
@@ -596,14 +595,9 @@ class KController:
             return 0
         if not self.adaptive:
             return self.max_k
-        self._picks += 1
-        if self.costs.draft_step_s is None or not self._overall.rounds:
-            return self.max_k  # measure the draft and every position first
-        if self.realized.tokens_per_s(0) is None:
-            # then one plain request: the rate speculation must beat, as it is now (a
-            # calibration probe on a busy machine measured plain decoding at 148 tokens/s
-            # where it served 180, and a draft that lost to it was served 15 requests)
-            return 0
+        measuring = self._measuring()
+        if measuring is not None:
+            return measuring
         choice = self._choice(segment)
         modelled = choice.k if choice is not None else self.max_k
         chosen = self.realized.veto(modelled)
@@ -621,6 +615,18 @@ class KController:
             None if choice is None else [round(rate, 1) for rate in choice.tokens_per_s],
         )
         return k
+
+    def _measuring(self) -> int | None:
+        """The k every request runs at while what the choice rests on is measured, else
+        None: the largest k until the draft and every position are, then plain decoding
+        until a plain request measured the rate to beat as it is now (a calibration probe
+        on a busy machine measured plain decoding at 148 tokens/s where it served 180,
+        and a draft that lost to it was served 15 requests)."""
+        if self.costs.draft_step_s is None or not self._overall.rounds:
+            return self.max_k
+        if self.realized.tokens_per_s(0) is None:
+            return 0
+        return None
 
     def _exploration(self, chosen: int, modelled: int, turn: int) -> int:
         """The k an exploring request runs at: the model's k every other turn where the
@@ -719,14 +725,17 @@ class KController:
             }
 
     def _describe(self, segment: str | None) -> dict[str, Any]:
+        """What the segment is served at now, exploration aside (as :meth:`_pick`), and why."""
         choice = self._choice(segment)
         recommended = None if choice is None else self.realized.veto(choice.k)
         if not self.speculative:
             serving = 0
-        elif not self.adaptive or recommended is None:
+        elif not self.adaptive:
             serving = self.max_k
         else:
-            serving = recommended
+            measuring = self._measuring()
+            modelled = choice.k if choice is not None else self.max_k
+            serving = self.realized.veto(modelled) if measuring is None else measuring
         return {
             "chosen_k": serving,
             "recommended_k": recommended,
