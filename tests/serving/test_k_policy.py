@@ -397,7 +397,7 @@ def test_calibrated_costs_choose_from_the_first_request_and_teach_no_acceptance(
     """The serve bench's case: every count measured by probes before serving, so the
     first request (all positions untried: optimism) runs at max k, the second measures the
     rate plain decoding delivers now (what speculating must beat), and from the third on
-    the k the measured acceptance pays for."""
+    the k the measured acceptance pays for, paired with plain requests at first."""
     server = SyntheticServer(
         draft_s=0.003, plain_s=0.012, per_token_s=0.0005, rates=[0.6, 0.5, 0.4, 0.3]
     )
@@ -412,7 +412,8 @@ def test_calibrated_costs_choose_from_the_first_request_and_teach_no_acceptance(
     choice = choose_k(server.rates, 0.003, [0.012 + k * 0.0005 for k in range(5)], max_k=4)
     picked = _serve(controller, server, 12)
     assert picked[:2] == [4, 0] and choice.k == 1
-    assert picked[2:].count(choice.k) >= len(picked) - 3
+    # then k=1, with plain requests beside it until it made MIN_REALIZED pairs
+    assert picked[2:].count(0) == MIN_REALIZED and picked[2:].count(choice.k) == 10 - MIN_REALIZED
 
 
 def test_forwards_measured_at_zero_seconds_are_no_cost() -> None:
@@ -544,17 +545,22 @@ def test_a_served_k_whose_rate_fell_is_paired_with_plain_decoding_again() -> Non
     assert controller.snapshot()["chosen_k"] == 0
 
 
-def test_labels_sharing_a_countdown_serve_no_other_labels_choice() -> None:
+def test_labels_sharing_a_countdown_explore_around_their_own_choice() -> None:
     """Past MAX_SEGMENTS labels, labels share the unlabelled countdown: one label's choice
-    after another's is no move of a choice, and nothing is served again for it."""
-    controller = KController(4, adaptive=True, explore_every=16)
+    after another's is no move of a choice, so nothing is served again for the label
+    before, and the countdown runs on (restarted at every change, two labels alternating
+    never explored)."""
+    controller = KController(4, adaptive=True, explore_every=4)
     for index in range(MAX_SEGMENTS):
         controller._explored(f"old-{index}", 0, 0)
-    explored = [
-        controller._explored(f"new-{index}", 4 * (index % 2), 4 * (index % 2))
-        for index in range(12)
-    ]
-    assert explored == [None] * 12
+    explored = []
+    for index in range(200):
+        chosen = 4 if index % 2 else 1
+        k = controller._explored(f"new-{index % 2}", chosen, chosen)
+        if k is not None:
+            explored.append((chosen, k))
+    assert len(explored) >= 5
+    assert all(k in ({0, 3} if chosen == 4 else {0, 2}) for chosen, k in explored)
 
 
 def test_a_busy_spell_on_plain_decoding_does_not_move_the_choice_to_a_losing_draft() -> None:
@@ -599,3 +605,44 @@ def test_the_reported_choice_is_what_the_next_request_is_served_at() -> None:
     assert coarse.pick() == 0
     coarse.observe(RoundTimings(0, [], target_forwards=[(1, 0.0)] * 10, emitted=10))
     assert coarse.snapshot()["chosen_k"] == 0 == coarse.pick()
+
+
+def test_a_served_k_must_beat_plain_decoding_by_its_running_rate_too() -> None:
+    """Three lucky pairs read k=2 at 1.25x plain decoding; served since, it delivers 90
+    tokens/s against plain decoding's 100: the running rates, current for the served k,
+    veto it (pairs alone kept a 0.92x draft for hundreds of requests in simulation)."""
+    realized = RealizedRates()
+    for _ in range(MIN_REALIZED):
+        realized.observe(_request(0, 100.0))
+        realized.observe(_request(2, 125.0))
+    for _ in range(12):
+        realized.observe(_request(2, 90.0))
+    assert math.exp(realized.log_ratio[2]) == pytest.approx(1.25)
+    assert realized.relative(2) < 0.95  # the running rates, k=2's mostly its last requests'
+    assert realized.veto(2) == 0
+
+
+def test_a_fall_pairs_the_next_request_and_only_a_confirmed_fall_resets_the_average() -> None:
+    """One slow request sets off the cue; paired with it, the plain request read the ratio
+    16% low on average, and reweighted so, load spells wiped out a 1.3x draft's history
+    (plain decoding served for a thousand requests in simulation)."""
+    realized = RealizedRates()
+    for _ in range(6):
+        realized.observe(_request(0, 100.0))
+        for _ in range(3):
+            realized.observe(_request(2, 130.0))
+    pairs = realized.pairs[2]
+    realized.observe(_request(2, 60.0))  # one slow request: k=2's running rate falls 20%+
+    assert realized.pair_now(2)
+    realized.observe(_request(0, 100.0))
+    assert realized.pairs[2] == pairs  # not paired with the slow request
+    assert not realized.pair_now(2)  # and no second cue before k=2's next request
+    realized.observe(_request(2, 130.0))  # the next one: no fall, no reset
+    assert realized.pairs[2] == pairs + 1
+    assert math.exp(realized.log_ratio[2]) == pytest.approx(1.3)
+    for _ in range(3):
+        realized.observe(_request(2, 60.0))  # a real fall this time
+    assert realized.pair_now(2)
+    realized.observe(_request(0, 100.0))
+    realized.observe(_request(2, 60.0))
+    assert math.exp(realized.log_ratio[2]) == pytest.approx(math.sqrt(1.3 * 0.6))  # 1 : 1

@@ -27,11 +27,11 @@ The cost model is a model: on CPU it misjudged speculation by several per cent
 (k=4 expected 5% above plain decoding, served 8% below it). So the throughput each
 k really delivered (output tokens per second of decoding and the draft's prefill) has the
 last word: a k that did not beat plain decoding is not served; the best realized k that
-did is, else plain. What a k delivered is judged against plain decoding measured beside
-it, pair by pair (:class:`RealizedRates`), since the machine's load moves only the served
-k's figures; nothing speculates before a plain request has measured the rate to beat as it
-is now (a calibration probe's may be stale); and a choice that moved serves the old choice
-again soon, under the same load.
+did is, else plain. "Beat" is read both from running rates and pair by pair against plain
+decoding measured beside it (:class:`RealizedRates`), since the machine's load moves only
+the served k's figures; nothing speculates before a plain request has measured the rate
+to beat as it is now (a calibration probe's may be stale); and a choice that moved serves
+the old choice again soon, under the same load.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ MIN_REALIZED = 3  # requests at a k before what it delivered can veto the model'
 RECHECK_AFTER = 2  # requests after the choice moved before the old choice is served again
 _PAIR_WITHIN = 3  # requests apart that a request at k and one at plain decoding still pair
 _DRIFT = 0.1  # log-fall of a served k's rate since its last pair that pairs it again
+_CONFIRMED_FALL = 0.3  # log-ratio below k's average that confirms the fall (about 1.4 noise)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,9 +322,10 @@ class RealizedRates:
     decoding for 7 requests so). So each k is also compared with plain decoding pair by
     pair, requests at most ``_PAIR_WITHIN`` apart (see :meth:`_pair`). The log of each
     pair's ratio goes into a running average, where the load cancels; once ``MIN_REALIZED``
-    requests at k made ``MIN_REALIZED`` pairs, it is what the veto reads. A served k's
-    own rate that fell by more than ``_DRIFT`` since its last pair (:meth:`drifted`) is
-    the controller's cue to pair it again.
+    requests at k made ``MIN_REALIZED`` pairs, it is one of the two readings the veto takes
+    the lower of (:meth:`relative`). A served k with
+    too few pairs, or whose own rate fell by more than ``_DRIFT`` since its last pair, is
+    the controller's cue to serve plain decoding next (:meth:`pair_now`).
     """
 
     def __init__(self) -> None:
@@ -334,6 +336,7 @@ class RealizedRates:
         self._last: dict[int, _LastRequest] = {}
         self._paired_at: dict[int, float] = {}  # k -> its seconds per token at its last pair
         self._pair_weight: dict[int, int] = {}  # k -> pairs its average weighs as
+        self._falling: set[int] = set()  # k's whose next pair may confirm a fall
         self._observed = 0
 
     def observe(self, timings: RoundTimings) -> None:
@@ -382,29 +385,41 @@ class RealizedRates:
         return True
 
     def _fold(self, k: int, log_ratio: float, earlier: _LastRequest) -> None:
-        """One pair into k's running average; after k's own rate fell by more than
-        ``_DRIFT`` since its last pair, the average so far is worth one pair (the traffic
-        or the draft changed: a k at 2.9x plain decoding that fell to 0.8x took 30 pairs
-        to be vetoed, each pair worth a fifth)."""
+        """One pair into k's running average; where the pair confirms a fall that
+        :meth:`pair_now` saw coming (below the average by ``_CONFIRMED_FALL``), the average
+        so far is worth one pair (the traffic or the draft changed: a k at 2.9x plain
+        decoding that fell to 0.8x took 30 pairs to be vetoed, each pair worth a fifth)."""
         earlier.paired = True
-        then = self._paired_at.get(k)
-        fell = then is not None and math.log(self.seconds_per_token[k] / then) > _DRIFT
+        old = self.log_ratio.get(k)
+        fell = k in self._falling and old is not None and log_ratio < old - _CONFIRMED_FALL
+        self._falling.discard(k)
         weight = 2 if fell else self._pair_weight.get(k, 0) + 1
-        self.log_ratio[k] = _running_average(self.log_ratio.get(k), log_ratio, weight)
+        self.log_ratio[k] = _running_average(old, log_ratio, weight)
         self._pair_weight[k] = weight
         self.pairs[k] = self.pairs.get(k, 0) + 1
         self._paired_at[k] = self.seconds_per_token[k]
 
-    def drifted(self, k: int) -> bool:
-        """Has k's own rate fallen by more than ``_DRIFT`` since its last pair? (Served
-        alone, k's pairs come only from plain explorations, at most one in a few hundred
-        requests: a draft whose prefill grew with the prompts went on being served for
-        150 requests after it fell to 0.8x plain decoding.) Only while a plain request
-        next would pair with k's last one: else the cue would serve plain for good."""
-        then, now, last = self._paired_at.get(k), self.seconds_per_token.get(k), self._last.get(k)
-        if then is None or now is None or last is None or math.log(now / then) <= _DRIFT:
+    def pair_now(self, k: int) -> bool:
+        """Should the next request decode plainly, to pair with the served ``k``? While k
+        has fewer than ``MIN_REALIZED`` pairs (a choice that moved from another k pairs only
+        at plain explorations, one in up to 128 requests: its figure was read off stale
+        running rates), and when k's own rate fell by more than ``_DRIFT`` since its last
+        pair (a draft whose prefill grew with the prompts was served 150 requests after it
+        fell to 0.8x plain decoding). Only while k's last request is recent and unpaired:
+        else the cue would serve plain for good. After a fall, the plain request pairs
+        with k's next request, not with the slow one that set the cue off (such pairs read
+        16% low, and load spells wiped out a 1.3x draft's history)."""
+        last = self._last.get(k)
+        if last is None or last.paired or self._observed - last.number >= _PAIR_WITHIN:
             return False
-        return not last.paired and self._observed - last.number < _PAIR_WITHIN  # one can pair
+        if self.pairs.get(k, 0) < MIN_REALIZED:
+            return True
+        then, now = self._paired_at.get(k), self.seconds_per_token.get(k)
+        if then is None or now is None or math.log(now / then) <= _DRIFT:
+            return False
+        last.paired = True
+        self._falling.add(k)
+        return True
 
     def tokens_per_s(self, k: int) -> float | None:
         """The realized rate at ``k``, once measured on enough requests to count."""
@@ -413,15 +428,23 @@ class RealizedRates:
         return 1.0 / seconds if seconds and self.requests.get(k, 0) >= enough else None
 
     def relative(self, k: int) -> float | None:
-        """What ``k`` delivered over what plain decoding delivered beside it (1.0 at
-        par): from ``MIN_REALIZED`` pairs of as many requests at k, else from the two
-        running rates as they stand."""
+        """What ``k`` delivered over what plain decoding delivered (1.0 at par), the lower
+        of two readings that err in different ways: the pairs (once ``MIN_REALIZED``
+        requests at k made as many), which the load cancels in but which are few and
+        noisy while k is served (a 0.92x draft read 1.17x on its first four and was served
+        for hundreds of requests), and the two running rates, each current where it is
+        served but the other's stale through a busy spell. Serving plain decoding where
+        one of them is wrong costs a few requests; serving a draft that loses, until the
+        next exploration."""
         if k == 0:
             return 1.0
+        readings = []
         if min(self.pairs.get(k, 0), self.requests.get(k, 0)) >= MIN_REALIZED:
-            return math.exp(self.log_ratio[k])
+            readings.append(math.exp(self.log_ratio[k]))
         rate, plain = self.tokens_per_s(k), self.tokens_per_s(0)
-        return None if rate is None or plain is None else rate / plain
+        if rate is not None and plain is not None:
+            readings.append(rate / plain)
+        return min(readings, default=None)
 
     def veto(self, k: int) -> int:
         """``k`` unless it was served and did not beat plain decoding (:meth:`relative`);
@@ -450,6 +473,7 @@ class RealizedRates:
         self.pairs.clear()
         self._paired_at.clear()
         self._pair_weight.clear()
+        self._falling.clear()
 
     def snapshot(self) -> dict[str, float]:
         return {
@@ -602,8 +626,8 @@ class KController:
         modelled = choice.k if choice is not None else self.max_k
         chosen = self.realized.veto(modelled)
         explored = self._explored(segment, chosen, modelled)
-        if explored is None and chosen and self.realized.drifted(chosen):
-            explored = 0  # the served k's rate moved: pair it with plain decoding again
+        if explored is None and chosen and self.realized.pair_now(chosen):
+            explored = 0  # the served k needs a pair with plain decoding
         k = chosen if explored is None else explored
         logger.debug(
             "segment %s: k=%d (model %d, served choice %d, %s; expected tokens/s %s)",
@@ -652,15 +676,17 @@ class KController:
 
         Labels past the first ``MAX_SEGMENTS`` share the unlabelled countdown: clearing
         or evicting countdowns for them restarted each before it ran out, and with more
-        labels than that taking turns, no request explored. Their choices differ, so a
-        move there is no move of one label's choice: nothing is served again for it."""
+        labels than that taking turns, no request explored. Their choices differ, so
+        another choice there is no move of one label's choice: the countdown runs on (it
+        restarted whenever two of them alternated, and none explored) and nothing is
+        served again for the label before."""
         shared = segment is not None and segment not in self._exploring
         shared = shared and len(self._exploring) >= MAX_SEGMENTS
         if shared:
             segment = None
         state = self._exploring.get(segment)
-        if state is None or state.choice != chosen:
-            previous = None if state is None or shared else state.choice
+        if state is None or (state.choice != chosen and not shared):
+            previous = None if state is None else state.choice
             state = self._exploring[segment] = _Countdown(chosen, self.explore_every, previous)
         state.left -= 1
         if state.left > 0:
