@@ -72,6 +72,7 @@ _FORWARD_EMA = 0.05
 _PRIOR_ROUNDS = 2.0  # pseudo-rounds of the prior behind each position's acceptance
 _SEGMENT_PRIOR_ROUNDS = 8.0  # pseudo-rounds of the overall estimate behind a segment's
 _EXPLORE_BACKOFF_LIMIT = 8  # exploration slows to one in explore_every x this requests
+_VETOED_BACKOFF_LIMIT = 2  # ... or this, while the realized rates overrule the model
 MIN_MEASURED_FORWARDS = 8  # forwards at a token count before its figure is used as is
 _FIT_WEIGHT_CAP = 64  # forwards behind a token count's weight in the verify-cost line
 MIN_REALIZED = 3  # requests at a k before what it delivered can veto the model's choice
@@ -462,7 +463,15 @@ class RealizedRates:
         if pays(k):
             return k
         measured = [c for c in self.seconds_per_token if c and self.relative(c) and pays(c)]
-        return max(measured, key=lambda c: self.relative(c) or 0.0, default=0)
+        return max(measured, key=self._ranking, default=0)
+
+    def _ranking(self, k: int) -> float:
+        """How the k's that pay rank: by their pairs where they have enough (a k served
+        through a busy spell kept a loaded running rate, and a worse k measured before it
+        was served for hundreds of requests in its place), else by :meth:`relative`."""
+        if min(self.pairs.get(k, 0), self.requests.get(k, 0)) >= MIN_REALIZED:
+            return math.exp(self.log_ratio[k])
+        return self.relative(k) or 0.0
 
     def forget_speculation(self) -> None:
         """A new draft: what speculation delivered no longer holds (plain's rate does)."""
@@ -694,7 +703,10 @@ class KController:
         if state.previous is not None:
             recheck, state.previous, state.left = state.previous, None, state.interval
             return recheck
-        state.interval = min(state.interval * 2, self.explore_every * _EXPLORE_BACKOFF_LIMIT)
+        # Vetoed, the model's k is served at every other exploration: one in 128 requests
+        # kept a draft at 1.13x plain decoding on plain for 500 requests after one noisy pair.
+        limit = _VETOED_BACKOFF_LIMIT if modelled != chosen else _EXPLORE_BACKOFF_LIMIT
+        state.interval = min(state.interval * 2, self.explore_every * limit)
         state.left = state.interval
         state.turns += 1
         return self._exploration(chosen, modelled, state.turns - 1)
