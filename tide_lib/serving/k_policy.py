@@ -439,13 +439,18 @@ class RealizedRates:
         next exploration."""
         if k == 0:
             return 1.0
-        readings = []
-        if min(self.pairs.get(k, 0), self.requests.get(k, 0)) >= MIN_REALIZED:
-            readings.append(math.exp(self.log_ratio[k]))
+        readings = [] if (paired := self._paired(k)) is None else [paired]
         rate, plain = self.tokens_per_s(k), self.tokens_per_s(0)
         if rate is not None and plain is not None:
             readings.append(rate / plain)
         return min(readings, default=None)
+
+    def _paired(self, k: int) -> float | None:
+        """k's rate over plain decoding's from its pairs, once ``MIN_REALIZED`` requests at
+        k made as many; else None."""
+        if min(self.pairs.get(k, 0), self.requests.get(k, 0)) < MIN_REALIZED:
+            return None
+        return math.exp(self.log_ratio[k])
 
     def veto(self, k: int) -> int:
         """``k`` unless it was served and did not beat plain decoding (:meth:`relative`);
@@ -469,9 +474,8 @@ class RealizedRates:
         """How the k's that pay rank: by their pairs where they have enough (a k served
         through a busy spell kept a loaded running rate, and a worse k measured before it
         was served for hundreds of requests in its place), else by :meth:`relative`."""
-        if min(self.pairs.get(k, 0), self.requests.get(k, 0)) >= MIN_REALIZED:
-            return math.exp(self.log_ratio[k])
-        return self.relative(k) or 0.0
+        paired = self._paired(k)
+        return paired if paired is not None else self.relative(k) or 0.0
 
     def forget_speculation(self) -> None:
         """A new draft: what speculation delivered no longer holds (plain's rate does)."""
@@ -638,15 +642,16 @@ class KController:
         if explored is None and chosen and self.realized.pair_now(chosen):
             explored = 0  # the served k needs a pair with plain decoding
         k = chosen if explored is None else explored
-        logger.debug(
-            "segment %s: k=%d (model %d, served choice %d, %s; expected tokens/s %s)",
-            segment,
-            k,
-            modelled,
-            chosen,
-            "exploring" if explored is not None else "not exploring",
-            None if choice is None else [round(rate, 1) for rate in choice.tokens_per_s],
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # the figures are formatted per request
+            logger.debug(
+                "segment %s: k=%d (model %d, served choice %d, %s; expected tokens/s %s)",
+                segment,
+                k,
+                modelled,
+                chosen,
+                "exploring" if explored is not None else "not exploring",
+                None if choice is None else [round(rate, 1) for rate in choice.tokens_per_s],
+            )
         return k
 
     def _measuring(self) -> int | None:
@@ -727,13 +732,14 @@ class KController:
             for drafted, accepted in timings.rounds:
                 for estimate in estimates:
                     estimate.observe(drafted, accepted)
-            logger.debug(
-                "served at k=%d: %d tokens in %.4f s decoding; realized tokens/s %s",
-                timings.k,
-                timings.emitted,
-                timings.decode_seconds + timings.draft_prefill_seconds,
-                {k: round(rate, 1) for k, rate in self.realized.snapshot().items()},
-            )
+            if logger.isEnabledFor(logging.DEBUG):  # the snapshot is built per request
+                logger.debug(
+                    "served at k=%d: %d tokens in %.4f s decoding; realized tokens/s %s",
+                    timings.k,
+                    timings.emitted,
+                    timings.decode_seconds + timings.draft_prefill_seconds,
+                    {k: round(rate, 1) for k, rate in self.realized.snapshot().items()},
+                )
 
     def draft_swapped(self) -> None:
         """A new draft: acceptance starts over (costs stay: same target, same draft shape)."""
@@ -772,8 +778,8 @@ class KController:
             serving = self.max_k
         else:
             measuring = self._measuring()
-            modelled = choice.k if choice is not None else self.max_k
-            serving = self.realized.veto(modelled) if measuring is None else measuring
+            vetoed = recommended if recommended is not None else self.realized.veto(self.max_k)
+            serving = vetoed if measuring is None else measuring
         return {
             "chosen_k": serving,
             "recommended_k": recommended,
