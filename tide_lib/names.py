@@ -42,6 +42,9 @@ class DataDirs:
     REPLAY: Final = "replay"
     HELD_OUT: Final = "held_out"
     OLDER: Final = "older"
+    # each segment's share of the window's tokens, the gate's weights (JSON, at the root):
+    # the trainer keeps no step below its parent on the gate's window-weighted figure
+    WINDOW_SHARES: Final = "window_shares.json"
 
 
 class Tags:

@@ -188,6 +188,9 @@ def test_export_separates_window_and_replay(
     older_judged = sorted((tmp_path / "data" / "held_out" / "older").glob("*.ckpt"))
     assert digests(older_judged) == gate - window_held  # scored in groups of their own
     assert digests(judged).isdisjoint(digests(window + replay))
+    # and the gate's weights, so the trainer keeps no step below its parent by them
+    shares = json.loads((tmp_path / "data" / "window_shares.json").read_text())
+    assert shares == pytest.approx(cycle.held_out_traffic(config, snapshot).window_shares)
 
 
 def test_the_replay_favours_the_segment_the_window_lost(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import math
 import shutil
@@ -605,6 +606,76 @@ def test_held_out_groups_of_replayed_traffic_are_the_older_ones(tmp_path: Path) 
     held = HeldOut(tmp_path, list(files), files.__getitem__, torch.nn.Identity(), 3)
     assert held.older_groups == {"mixed", "old"}  # mixed: 8 of its 11 tokens replayed
     assert held.output_tokens == {"new": 8, "mixed": 11, "old": 5}
+
+
+def _gate_held_out(tmp_path: Path, shares: dict[str, float] | None) -> HeldOut:
+    """A cycle's export: law learned, chat kept (its window requests under
+    held_out/replay/), one older chat request, and the window's token shares."""
+
+    def sample(segment: str, seed: int) -> dict[str, object]:
+        ids = torch.arange(seed, seed + 12)
+        return {
+            "input_ids": ids,
+            "loss_mask": torch.tensor([0] * 4 + [1] * 8),
+            "hidden_state": torch.zeros(len(ids), 2),
+            "aux_hidden_state": torch.zeros(len(ids), 6),
+            "segment": segment,
+        }
+
+    files = {
+        tmp_path / "window" / "a.ckpt": sample("law", 0),  # validation: not the gate's
+        tmp_path / "held_out" / "window" / "b.ckpt": sample("law", 20),
+        tmp_path / "held_out" / "replay" / "c.ckpt": sample("chat", 40),
+        tmp_path / "held_out" / "older" / "d.ckpt": sample("chat", 60),
+    }
+    if shares is not None:
+        (tmp_path / "window_shares.json").write_text(json.dumps(shares))
+    return HeldOut(tmp_path, list(files), files.__getitem__, torch.nn.Identity(), 3)
+
+
+def test_held_out_figures_the_gates_window_weighted_acceptance(tmp_path: Path) -> None:
+    """The gate's rule 4 figure on the requests it judges: each window segment on its
+    window requests (older ones added where those are too thin), by the window's shares."""
+    held = _gate_held_out(tmp_path, {"law": 0.25, "chat": 0.75})
+    assert held.gate_window == {"law": [1], "chat": [0]}
+    requests = {"law": [(8, 8), (16, 8)], "chat": [(24, 8)], "older/chat": [(8, 8)]}
+    evaluation = Evaluation(10, 2.0, {}, requests)
+    # law on its window request alone (2.0), not the validation one; chat 3.0
+    assert held.window_weighted(evaluation, min_tokens=8) == pytest.approx(0.25 * 2 + 0.75 * 3)
+    # chat's window request is too thin alone: pooled with its older request (2.0)
+    assert held.window_weighted(evaluation, min_tokens=16) == pytest.approx(2.0)
+    assert _gate_held_out(tmp_path / "script", None).window_weighted(evaluation, 8) is None
+
+
+def test_a_step_below_its_parent_on_the_gates_window_weighted_figure_is_never_kept(
+    tmp_path: Path,
+) -> None:
+    """The run learns law and keeps chat by distillation; the gate weighs both by their
+    share of the window. A step that gained on law while chat slipped (within the
+    forgetting tolerance) scores higher on what the run learns but lower on the gate's
+    figure: registered, it would be a challenger below its parent on its own window
+    (cycle 6 of a four-segment run, 2.895 against 3.110). Even when any gain counts."""
+    held = _gate_held_out(tmp_path, {"law": 0.3, "chat": 0.7})
+    assert held.older_groups == {"chat", "older/chat"}  # what the run keeps, not learns
+    at_step = {
+        0: {"law": [(12, 8), (12, 8)], "chat": [(28, 8)], "older/chat": [(28, 8)]},
+        10: {"law": [(16, 8), (16, 8)], "chat": [(24, 8)], "older/chat": [(28, 8)]},
+        20: {"law": [(20, 8), (20, 8)], "chat": [(27, 8)], "older/chat": [(28, 8)]},
+    }
+
+    def score(draft: torch.nn.Module, step: int) -> Evaluation:
+        requests = at_step[step]
+        lengths = {g: sum(e for e, _ in r) / sum(v for _, v in r) for g, r in requests.items()}
+        return Evaluation(step, 0.0, lengths, requests)
+
+    held.score = score  # type: ignore[method-assign]
+    draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    selection = Selection(held, forgetting_tolerance=0.6, gain_beyond_noise=False)
+    selection.begin(draft, parent, None)
+    selection.evaluate(draft, 10)  # law 1.5 -> 2.0; chat 3.5 -> 3.0: 2.9 -> 2.7 weighted
+    assert selection.best is not None and selection.best.step == 0
+    selection.evaluate(draft, 20)  # law 2.5, chat 3.375: 3.11 weighted
+    assert selection.best.step == 20
 
 
 def test_a_gain_over_the_parent_within_its_noise_keeps_the_parent() -> None:

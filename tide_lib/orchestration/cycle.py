@@ -323,7 +323,9 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     and under ``out/held_out/`` the held-out requests the gate judges on, the window's
     and the older traffic's (:func:`_older_held_out`, in ``held_out/older/``), which the
     trainer scores its steps on and never trains on: a step it keeps has not forgotten
-    older traffic on the very requests the gate will measure.
+    older traffic on the very requests the gate will measure, nor fallen below its
+    parent on the gate's window-weighted figure (the window's token shares by segment,
+    ``window_shares.json``).
 
     Traffic to keep is older requests, chosen by segment toward those the window lacks
     (:mod:`.replay`), and the window's requests of segments the drift check found the
@@ -367,6 +369,8 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         elif digest not in judged:
             save(sample, segment, window=True)
     window_requests = counts[WINDOW_DIR]
+    out.mkdir(parents=True, exist_ok=True)  # the gate's weights, for the trainer's guard
+    (out / DataDirs.WINDOW_SHARES).write_text(json.dumps(token_shares(window_tokens)))
 
     def relearned(sample: CapturedRecord, segment: str, digest: bytes) -> bool:
         if segment not in window_tokens or digest in carried:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -233,6 +234,10 @@ class HeldOut:
     ) -> None:
         self.groups: dict[str, list[ReplaySample]] = {}
         self.output_tokens: dict[str, int] = {}  # what each group's figure rests on
+        # each group's positions of the window's requests the gate judges (held_out/,
+        # not older/), and the window's token shares by segment: the gate's figure
+        self.gate_window: dict[str, list[int]] = {}
+        self.window_shares = _window_shares(data_dir)
         replay_tokens: dict[str, int] = {}
         seen: set[bytes] = set()
         for path in paths:
@@ -243,6 +248,8 @@ class HeldOut:
             seen.add(digest)
             group = sample_group(data_dir, path, raw)
             self.groups.setdefault(group, []).append(replay_sample(raw))
+            if judged_by_the_gate(data_dir, path) and not _older_evidence(data_dir, path):
+                self.gate_window.setdefault(group, []).append(len(self.groups[group]) - 1)
             tokens = int(raw["loss_mask"].sum())
             self.output_tokens[group] = self.output_tokens.get(group, 0) + tokens
             if sample_split(data_dir, path) == REPLAY:
@@ -259,6 +266,27 @@ class HeldOut:
 
     def __len__(self) -> int:
         return sum(len(samples) for samples in self.groups.values())
+
+    def window_weighted(self, evaluation: Evaluation, min_tokens: int) -> float | None:
+        """The gate's window-weighted acceptance length (rule 4) on the held-out requests
+        it judges: each window segment's figure on its window requests, or, where those
+        hold fewer than ``min_tokens`` output tokens, on its older ones too, weighted by
+        the window's token shares. None without shares or such requests."""
+        figures: dict[str, float] = {}
+        for segment, share in self.window_shares.items():
+            requests = evaluation.requests.get(segment, [])
+            window = [requests[i] for i in self.gate_window.get(segment, []) if i < len(requests)]
+            count = AcceptanceCount.of(window)
+            if count.verify_steps < max(min_tokens, 1):
+                count = AcceptanceCount.of(
+                    window + evaluation.requests.get(OLDER_PREFIX + segment, [])
+                )
+            if share > 0 and count.verify_steps:
+                figures[segment] = count.accept_length
+        total = sum(self.window_shares[segment] for segment in figures)
+        if not total:
+            return None
+        return sum(self.window_shares[s] * value for s, value in figures.items()) / total
 
     def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
         """Replay every held-out sample with ``draft`` (on CPU; copied there if elsewhere)."""
@@ -379,6 +407,15 @@ class Selection:
         if forgot:
             logger.info("step %d is not kept: it forgot %s", step, forgot)
             return
+        below = self._below_the_parent_as_gated(evaluation)
+        if below is not None:
+            logger.info(
+                "step %d is not kept: window-weighted acceptance length %.4f below the "
+                "parent's %.4f on the gate's held-out requests",
+                step,
+                *below,
+            )
+            return
         score = self._score(evaluation)
         if self.candidate is not None:
             self.candidate.offer(evaluation, draft, score)
@@ -395,6 +432,23 @@ class Selection:
         requests drown: a Korean-law cycle scored 3.6 overall at its parent, carried by
         older Korean chat, and no step's gain on law could show."""
         return _window_figure(evaluation, self._older_groups())
+
+    def _below_the_parent_as_gated(self, evaluation: Evaluation) -> tuple[float, float] | None:
+        """``(step, parent)`` when a warm start's step is below its parent on the gate's
+        window-weighted figure (:meth:`HeldOut.window_weighted`), else None. The run keeps
+        the best figure on the traffic it learns; the gate weighs every window segment by
+        its share, the ones the cycle keeps by distillation too: a step that gained on
+        Korean law while the window's other segments slipped within the tolerance was
+        registered 0.216 below its parent, under ``warm_gain: any`` or not."""
+        # a held-out set that does not know the gate's requests (a script) has no figure
+        figure = getattr(self.held_out, "window_weighted", None)
+        if not self.warm or figure is None or not self.evaluations:
+            return None
+        parent = figure(self.evaluations[0], self.forgetting_min_tokens)
+        now = figure(evaluation, self.forgetting_min_tokens)
+        if parent is None or now is None or now >= parent:
+            return None
+        return now, parent
 
     def _within_noise_of_the_parent(self, evaluation: Evaluation) -> bool:
         """Would ``evaluation`` replace the parent of a warm start on a gain that its
@@ -535,6 +589,21 @@ class Selection:
         for name, evaluation in (("before", before), ("after", after)):
             metrics |= {f"{name}_{key}": value for key, value in evaluation.as_metrics().items()}
         return metrics
+
+
+def _window_shares(data_dir: Path) -> dict[str, float]:
+    """The window's token shares by segment the cycle exported (none: not a cycle's)."""
+    path = data_dir / DataDirs.WINDOW_SHARES
+    if not path.is_file():
+        return {}
+    try:
+        shares = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        logger.warning("%s is unreadable (%s): no window-weighted guard", path, error)
+        return {}
+    if not isinstance(shares, dict):
+        return {}
+    return {str(k): float(v) for k, v in shares.items() if isinstance(v, int | float)}
 
 
 def _window_figure(evaluation: Evaluation, older: frozenset[str]) -> float:
