@@ -104,7 +104,9 @@ def test_adaptation_bench_on_a_generated_workload(
         forced,
         workload,
         out,
-        AdaptationBenchParams(cycle_tokens=120, max_new_tokens=12, labels=True, timing_passes=2),
+        AdaptationBenchParams(
+            cycle_tokens=120, max_new_tokens=12, labels=True, timing_passes=2, settle=2
+        ),
         target_dir=tiny_target,
         preset="tiny",
         train=TrainConfig(
@@ -124,6 +126,7 @@ def test_adaptation_bench_on_a_generated_workload(
     timed = written["adaptive_k"]["timed_requests_by_k"]  # every held-out prompt, twice
     assert sum(timed.values()) == 2 * written["requests"]["held_out_new_segment"]
     assert {len(rates) for rates in written["tokens_per_s_by_pass"].values()} == {2}
+    assert sum(written["adaptive_k"]["settling"]["requests_by_k"].values()) == 2  # untimed
     by_pass = written["adapted_adaptive_k_vs_plain_by_pass"]
     assert len(by_pass) == 2 and all(ratio > 0 for ratio in by_pass)
     for figures in written["accept_length"].values():

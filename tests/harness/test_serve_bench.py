@@ -23,7 +23,7 @@ def test_serve_bench_writes_the_json_keys(
         tiny_target,
         out,
         ServeBenchParams(
-            draft=tiny_drafts["en"], prompts=3, max_new_tokens=8, speculative_num_steps=3
+            draft=tiny_drafts["en"], prompts=3, max_new_tokens=8, speculative_num_steps=3, settle=4
         ),
         preset="tiny",
     )
@@ -42,6 +42,10 @@ def test_serve_bench_writes_the_json_keys(
     assert result["adaptive_k"] in range(4)
     timed = result["adaptive"]["timed_requests_by_k"]
     assert sum(timed.values()) == 3 * 2 and set(timed) == {"0", "1", "2", "3"}  # two passes
+    # adaptive k learned beside plain decoding first, the prompts in turn; reported apart
+    settling = result["adaptive"]["settling"]
+    assert settling["requests"] == 4 and sum(settling["requests_by_k"].values()) == 4
+    assert settling["adaptive_vs_plain"] > 0
     by_pass = result["adaptive_vs_plain_by_pass"]
     assert len(by_pass) == 2 and all(ratio > 0 for ratio in by_pass)
     assert result["adaptive_vs_plain"] == pytest.approx(

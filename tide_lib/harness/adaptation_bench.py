@@ -456,13 +456,19 @@ def _retention(
 
 
 def _timing(
-    loop: _Loop, target_dir: Path, prompts: list[str], max_new_tokens: int, passes: int
+    loop: _Loop,
+    target_dir: Path,
+    prompts: list[str],
+    max_new_tokens: int,
+    params: AdaptationBenchParams,
 ) -> tuple[dict[str, EngineRun], dict[str, Any]]:
     """Output tokens/s of static, final adapted (fixed and adaptive k) and plain decoding,
-    side by side on the same prompts, ``passes`` times; and what adaptive k did while timed."""
+    side by side on the same prompts, ``timing_passes`` times, once adaptive k has settled
+    (``settle`` requests beside plain decoding, reported apart); and what it did."""
     from tide_lib.harness.serve_bench import (  # noqa: PLC0415
         adaptive_report,
         reference_engine,
+        settle,
         side_by_side,
         warm_up,
     )
@@ -487,10 +493,12 @@ def _timing(
     try:
         ids = [engines["static"].encode(prompt) for prompt in prompts]
         warm_up(engines, ids[:4], max_new_tokens)  # adaptive k learns acceptance first
-        controller = engines["adapted_adaptive_k"].k_controller
+        adaptive_engine, plain = engines["adapted_adaptive_k"], engines["plain"]
+        settled = settle(adaptive_engine, plain, ids, max_new_tokens, params.settle)
+        controller = adaptive_engine.k_controller
         warm_by_k = controller.snapshot()["requests_by_k"]
-        totals = side_by_side(engines, ids, max_new_tokens, passes=passes)
-        adaptive = adaptive_report(warm_by_k, controller.snapshot())
+        totals = side_by_side(engines, ids, max_new_tokens, passes=params.timing_passes)
+        adaptive = adaptive_report(warm_by_k, controller.snapshot()) | {"settling": settled}
     finally:
         for engine in engines.values():
             engine.close()
@@ -573,9 +581,7 @@ def run_adaptation_bench(
             segment: [item["prompt"] for item in held_items if item["segment"] == segment]
             for segment in segments
         }
-        timed, adaptive = _timing(
-            loop, target_dir, units[new_segment], max_new_tokens, params.timing_passes
-        )
+        timed, adaptive = _timing(loop, target_dir, units[new_segment], max_new_tokens, params)
     result = _result(loop, counts, timed, segments, ks, units=units)
     result["accept_length_served"] = _lengths(served_counts, ks)
     result["retention_served"] = _retention(served_counts, loop, segments, ks)
@@ -593,6 +599,7 @@ def run_adaptation_bench(
         "ks": list(ks),
         "held_out_percent": held_out_percent,
         "timing_passes": params.timing_passes,
+        "settle_requests": params.settle,
         "train_steps_per_cycle": train.steps,
         "static_steps": static_steps,
         "labels": labels,

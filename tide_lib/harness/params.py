@@ -57,6 +57,13 @@ class TrainBenchParams(StrictModel):
     draft_vocab_size: int = Field(2048, ge=1, description="draft vocabulary (<= the target's)")
 
 
+SETTLE_HELP = (
+    "requests adaptive k serves beside plain decoding after the warm-up and before the "
+    "timed passes, while it learns what pays (their ratio is reported apart: the cost of "
+    "learning, which a serving engine pays once)"
+)
+
+
 class ServeBenchParams(StrictModel):
     """What ``tide bench serve`` runs; its flags."""
 
@@ -67,6 +74,7 @@ class ServeBenchParams(StrictModel):
     max_new_tokens: int = Field(48, ge=1, description="tokens generated per request")
     speculative_num_steps: int = Field(4, ge=1, description="k, and adaptive k's largest")
     warmup: int = Field(4, ge=0, description="untimed requests per engine before measuring")
+    settle: int = Field(12, ge=0, description=SETTLE_HELP)
     passes: int = Field(
         2, ge=1, description="timed passes over the prompts (each pass's ratio is reported)"
     )
@@ -85,6 +93,7 @@ class AdaptationBenchParams(StrictModel):
         description="timed passes over the new segment's held-out prompts "
         "(each pass's ratio to plain decoding is reported)",
     )
+    settle: int = Field(12, ge=0, description=SETTLE_HELP)
     labels: bool = Field(
         False,
         description="send each request's segment as a client label (custom_labels); "

@@ -46,6 +46,7 @@ __all__ = [
     "greedy_records",
     "pass_ratios",
     "run_serve_bench",
+    "settle",
 ]
 
 logger = logging.getLogger(__name__)
@@ -140,6 +141,25 @@ def pass_ratios(runs: Mapping[str, EngineRun], name: str, baseline: str) -> list
             runs[name].pass_tokens_per_s, runs[baseline].pass_tokens_per_s, strict=True
         )
     ]
+
+
+def settle(
+    adaptive: Engine, plain: Engine, prompts: list[list[int]], max_new_tokens: int, requests: int
+) -> dict[str, Any]:
+    """``requests`` requests (the prompts in turn) served by adaptive k beside plain
+    decoding while it learns which k pays, before the timed passes; what they cost:
+    adaptive k's tokens/s over plain decoding's, and the k's it served."""
+    if not requests or not prompts:
+        return {"requests": 0}
+    before = dict(adaptive.k_controller.snapshot()["requests_by_k"])
+    ids = (prompts * (requests // len(prompts) + 1))[:requests]
+    runs = side_by_side({"adaptive": adaptive, "plain": plain}, ids, max_new_tokens)
+    after = adaptive.k_controller.snapshot()["requests_by_k"]
+    return {
+        "requests": requests,
+        "adaptive_vs_plain": runs["adaptive"].tokens_per_s / runs["plain"].tokens_per_s,
+        "requests_by_k": {k: count - before.get(k, 0) for k, count in after.items()},
+    }
 
 
 def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> dict[str, Any]:
@@ -275,6 +295,7 @@ def run_serve_bench(
             warm = [capture_off.encode(prompt) for prompt in train_prompts[: max(warmup, 1)]]
             warm_up(engines, warm, max_new_tokens)
             capture = side_by_side({"on": capture_on, "off": capture_off}, ids, max_new_tokens)
+            settled = settle(adaptive, plain, ids, max_new_tokens, params.settle)
             warm_by_k = adaptive.k_controller.snapshot()["requests_by_k"]
             speculation = side_by_side(
                 {"spec": capture_off, "adaptive": adaptive, "plain": plain},
@@ -302,7 +323,7 @@ def run_serve_bench(
         "adaptive_vs_plain_by_pass": pass_ratios(speculation, "adaptive", "plain"),
         "spec_vs_plain_by_pass": pass_ratios(speculation, "spec", "plain"),
         "adaptive_k": chosen["chosen_k"],
-        "adaptive": adaptive_report(warm_by_k, chosen),
+        "adaptive": adaptive_report(warm_by_k, chosen) | {"settling": settled},
         "accept_length": spec.acceptance.accept_length,
         "swap_seconds": swap_seconds,
         "failed_requests": failed,
@@ -313,6 +334,7 @@ def run_serve_bench(
             "max_new_tokens": max_new_tokens,
             "speculative_num_steps": num_steps,
             "warmup_requests": max(warmup, 1),
+            "settle_requests": params.settle,
             "passes": params.passes,
             "temperature": 0.0,
             "target": str(target_dir),
