@@ -42,9 +42,10 @@ class DataDirs:
     REPLAY: Final = "replay"
     HELD_OUT: Final = "held_out"
     OLDER: Final = "older"
-    # each segment's share of the window's tokens, the gate's weights (JSON, at the root):
-    # the trainer keeps no step below its parent on the gate's window-weighted figure
-    WINDOW_SHARES: Final = "window_shares.json"
+    # how the gate figures the window (JSON, at the root): each segment's share of the
+    # window's tokens, its k and min_segment_tokens; the trainer keeps no step below its
+    # parent on that figure
+    GATE_FIGURE: Final = "gate_figure.json"
 
 
 class Tags:
@@ -57,6 +58,8 @@ class Tags:
     PARENT_VERSION: Final = "tide.parent_version"
     DRAFT_URI: Final = "tide.draft_uri"
     BEST_IS_PARENT: Final = "tide.best_is_parent"  # on a run: its best checkpoint was the parent
+    # on a run that kept its parent: its held-out gain per segment (JSON), what it learned
+    LEARNED_GAINS: Final = "tide.learned_gains"
     SPECFORGE_VERSION: Final = "tide.specforge_version"
     WINDOW_AFTER: Final = "tide.window.after"
     WINDOW_UNTIL: Final = "tide.window.until"

@@ -46,6 +46,8 @@ def test_serve_bench_writes_the_json_keys(
     settling = result["adaptive"]["settling"]
     assert settling["requests"] == 4 and sum(settling["requests_by_k"].values()) == 4
     assert settling["adaptive_vs_plain"] > 0
+    paired = result["adaptive_vs_plain_paired"]  # request by request, 3 prompts x 2 passes
+    assert paired["requests"] == 6 and paired["low"] <= paired["ratio"] <= paired["high"]
     by_pass = result["adaptive_vs_plain_by_pass"]
     assert len(by_pass) == 2 and all(ratio > 0 for ratio in by_pass)
     assert result["adaptive_vs_plain"] == pytest.approx(

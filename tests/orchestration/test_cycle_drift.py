@@ -207,6 +207,9 @@ def test_a_cycle_whose_best_checkpoint_is_its_parent_registers_nothing(
     assert cycle.train(config, snapshot) == trained  # a retry reads the outcome back
     run = registry.client.get_run(trained.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["tide.best_is_parent"] == "true"
+    # what its best step learned per segment, which settling reads: nothing worth keeping
+    learned = json.loads(run.data.tags["tide.learned_gains"])
+    assert all(gain < config.cycle.learning_gain for gain in learned.values())
     # Issue 15: the lake window it read is the run's MLflow dataset input.
     (dataset_input,) = run.inputs.dataset_inputs
     dataset = dataset_input.dataset

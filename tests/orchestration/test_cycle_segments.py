@@ -188,9 +188,11 @@ def test_export_separates_window_and_replay(
     older_judged = sorted((tmp_path / "data" / "held_out" / "older").glob("*.ckpt"))
     assert digests(older_judged) == gate - window_held  # scored in groups of their own
     assert digests(judged).isdisjoint(digests(window + replay))
-    # and the gate's weights, so the trainer keeps no step below its parent by them
-    shares = json.loads((tmp_path / "data" / "window_shares.json").read_text())
-    assert shares == pytest.approx(cycle.held_out_traffic(config, snapshot).window_shares)
+    # and how the gate figures the window, so the trainer keeps no step below its parent
+    figure = json.loads((tmp_path / "data" / "gate_figure.json").read_text())
+    shares = cycle.held_out_traffic(config, snapshot).window_shares
+    assert figure["shares"] == pytest.approx(shares) and figure["k"] == config.gate.k
+    assert figure["min_segment_tokens"] == config.gate.min_segment_tokens
 
 
 def test_the_replay_favours_the_segment_the_window_lost(

@@ -34,6 +34,7 @@ from tide_lib.training.selection import (
 )
 from tide_lib.training.trainer import (
     Eagle3Objective,
+    TrainResult,
     draw_counts,
     initial_draft,
     list_samples,
@@ -608,9 +609,9 @@ def test_held_out_groups_of_replayed_traffic_are_the_older_ones(tmp_path: Path) 
     assert held.output_tokens == {"new": 8, "mixed": 11, "old": 5}
 
 
-def _gate_held_out(tmp_path: Path, shares: dict[str, float] | None) -> HeldOut:
+def _gate_held_out(tmp_path: Path, shares: dict[str, float] | None, min_tokens: int = 8) -> HeldOut:
     """A cycle's export: law learned, chat kept (its window requests under
-    held_out/replay/), one older chat request, and the window's token shares."""
+    held_out/replay/), one older chat request, and how the gate figures the window."""
 
     def sample(segment: str, seed: int) -> dict[str, object]:
         ids = torch.arange(seed, seed + 12)
@@ -629,22 +630,30 @@ def _gate_held_out(tmp_path: Path, shares: dict[str, float] | None) -> HeldOut:
         tmp_path / "held_out" / "older" / "d.ckpt": sample("chat", 60),
     }
     if shares is not None:
-        (tmp_path / "window_shares.json").write_text(json.dumps(shares))
+        figure = {"shares": shares, "k": 3, "min_segment_tokens": min_tokens}
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "gate_figure.json").write_text(json.dumps(figure))
     return HeldOut(tmp_path, list(files), files.__getitem__, torch.nn.Identity(), 3)
 
 
 def test_held_out_figures_the_gates_window_weighted_acceptance(tmp_path: Path) -> None:
     """The gate's rule 4 figure on the requests it judges: each window segment on its
     window requests (older ones added where those are too thin), by the window's shares."""
-    held = _gate_held_out(tmp_path, {"law": 0.25, "chat": 0.75})
+    shares = {"law": 0.25, "chat": 0.75}
+    held = _gate_held_out(tmp_path / "a", shares)
     assert held.gate_window == {"law": [1], "chat": [0]}
     requests = {"law": [(8, 8), (16, 8)], "chat": [(24, 8)], "older/chat": [(8, 8)]}
     evaluation = Evaluation(10, 2.0, {}, requests)
     # law on its window request alone (2.0), not the validation one; chat 3.0
-    assert held.window_weighted(evaluation, min_tokens=8) == pytest.approx(0.25 * 2 + 0.75 * 3)
-    # chat's window request is too thin alone: pooled with its older request (2.0)
-    assert held.window_weighted(evaluation, min_tokens=16) == pytest.approx(2.0)
-    assert _gate_held_out(tmp_path / "script", None).window_weighted(evaluation, 8) is None
+    assert held.window_weighted(evaluation) == pytest.approx(0.25 * 2 + 0.75 * 3)
+    # the gate's min_segment_tokens 16: each window request is too thin alone, chat's is
+    # pooled with its older request (2.0)
+    thin = _gate_held_out(tmp_path / "b", shares, min_tokens=16)
+    assert thin.window_weighted(evaluation) == pytest.approx(2.0)
+    assert _gate_held_out(tmp_path / "c", None).window_weighted(evaluation) is None
+    # figures without every request (another code's checkpoint) are not the gate's
+    partial = Evaluation(10, 2.0, {}, {**requests, "law": [(8, 8)]})
+    assert held.window_weighted(partial) is None
 
 
 def test_a_step_below_its_parent_on_the_gates_window_weighted_figure_is_never_kept(
@@ -674,8 +683,38 @@ def test_a_step_below_its_parent_on_the_gates_window_weighted_figure_is_never_ke
     selection.begin(draft, parent, None)
     selection.evaluate(draft, 10)  # law 1.5 -> 2.0; chat 3.5 -> 3.0: 2.9 -> 2.7 weighted
     assert selection.best is not None and selection.best.step == 0
+    # what it learned is not thrown away: a next run on the same parent starts from it
+    kept_back = selection.continuation()
+    assert kept_back is not None and kept_back.step == 10
     selection.evaluate(draft, 20)  # law 2.5, chat 3.375: 3.11 weighted
     assert selection.best.step == 20
+
+
+def test_a_run_that_kept_its_parent_reports_what_its_best_step_learned() -> None:
+    """Its continuation's gain per segment it learns (older traffic aside): a segment it
+    gained on is not settled as one no draft serves better."""
+    evaluations = [
+        {"step": 0, "accept_length": 2.0, "groups": {"law": 1.5, "chat": 3.5, "older/en": 3.0}},
+        {"step": 10, "accept_length": 2.1, "groups": {"law": 2.0, "chat": 3.0, "older/en": 2.9}},
+        {"step": 20, "accept_length": 2.0, "groups": {"law": 1.6, "chat": 3.5, "older/en": 3.0}},
+    ]
+    result = TrainResult(
+        draft_dir=Path("d"),
+        steps=20,
+        resumed_from_step=None,
+        final_loss=1.0,
+        accuracy=[],
+        trained_tokens=1,
+        seconds=1.0,
+        loss_backend="torch",
+        best_step=0,
+        best_is_parent=True,
+        evaluations=evaluations,
+        continuation_step=10,
+    )
+    assert result.learned_gains() == pytest.approx({"law": 0.5, "chat": -0.5})
+    assert TrainResult.from_json(result.to_json()).learned_gains() == result.learned_gains()
+    assert dataclasses.replace(result, continuation_step=None).learned_gains() == {}
 
 
 def test_a_gain_over_the_parent_within_its_noise_keeps_the_parent() -> None:

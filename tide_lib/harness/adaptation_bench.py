@@ -621,7 +621,7 @@ def _result(
     *,
     units: Units,
 ) -> dict[str, Any]:
-    from tide_lib.harness.serve_bench import pass_ratios  # noqa: PLC0415
+    from tide_lib.harness.serve_bench import paired_ratio, pass_ratios  # noqa: PLC0415
 
     new_segment, final = segments[-1], loop.champion
     tokens_per_s = {name: run.tokens_per_s for name, run in timed.items()}
@@ -645,6 +645,8 @@ def _result(
         "tokens_per_s_by_pass": {name: run.pass_tokens_per_s for name, run in timed.items()},
         "adapted_vs_plain_by_pass": pass_ratios(timed, "adapted", "plain"),
         "adapted_adaptive_k_vs_plain_by_pass": pass_ratios(timed, "adapted_adaptive_k", "plain"),
+        "adapted_adaptive_k_vs_plain_paired": paired_ratio(timed, "adapted_adaptive_k", "plain"),
+        "adapted_vs_plain_paired": paired_ratio(timed, "adapted", "plain"),
         "threshold_to_serving_s": loop.threshold_to_serving,
         "final_adapted": final,
         "cycles": len(loop.cycles),

@@ -69,6 +69,7 @@ from tide_lib.orchestration.state import (
     markers_of,
     read_state,
     sample_reader,
+    segmenter_key,
     state_key,
     stored_segmenter,
     task_scratch,
@@ -324,8 +325,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     and the older traffic's (:func:`_older_held_out`, in ``held_out/older/``), which the
     trainer scores its steps on and never trains on: a step it keeps has not forgotten
     older traffic on the very requests the gate will measure, nor fallen below its
-    parent on the gate's window-weighted figure (the window's token shares by segment,
-    ``window_shares.json``).
+    parent on the gate's window-weighted figure (``gate_figure.json``).
 
     Traffic to keep is older requests, chosen by segment toward those the window lacks
     (:mod:`.replay`), and the window's requests of segments the drift check found the
@@ -369,8 +369,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         elif digest not in judged:
             save(sample, segment, window=True)
     window_requests = counts[WINDOW_DIR]
-    out.mkdir(parents=True, exist_ok=True)  # the gate's weights, for the trainer's guard
-    (out / DataDirs.WINDOW_SHARES).write_text(json.dumps(token_shares(window_tokens)))
+    _write_gate_figure(config, out, window_tokens)
 
     def relearned(sample: CapturedRecord, segment: str, digest: bytes) -> bool:
         if segment not in window_tokens or digest in carried:
@@ -412,6 +411,18 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} export")
     return TrainingSet(requests=counts, tokens=tokens)
+
+
+def _write_gate_figure(config: TideConfig, out: Path, window_tokens: dict[str, int]) -> None:
+    """How the gate figures the window (``gate_figure.json``): the trainer keeps no step
+    below its parent on it (:meth:`~tide_lib.training.selection.HeldOut.window_weighted`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    figure = {
+        "shares": token_shares(window_tokens),
+        "k": config.gate.k,
+        "min_segment_tokens": config.gate.min_segment_tokens,
+    }
+    (out / DataDirs.GATE_FIGURE).write_text(json.dumps(figure))
 
 
 def _window_to_learn(
@@ -650,11 +661,29 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
         raise
     registry.end_run(run_id)
     if not improved and parent_version is not None:  # no step beat it beyond the noise
-        # on a retry too (idempotent): the outcome may have been recorded before a crash
-        settle_tried_segments(config, registry, cycle_id, parent_version, gain=0.0)
+        # on a retry too (idempotent): the outcome may have been recorded before a crash;
+        # a segment its best step gained on (kept back by the gate's figure) is not settled
+        settle_tried_segments(
+            config,
+            registry,
+            cycle_id,
+            parent_version,
+            gain=0.0,
+            segment_gains=_learned_gains(registry.run_tags(run_id)),
+            gains_key=segmenter_key(config, cycle_id),
+        )
     return Trained(
         run_id=run_id, draft_uri=draft_uri, parent_version=parent_version, improved=improved
     )
+
+
+def _learned_gains(tags: dict[str, str]) -> dict[str, float]:
+    """The run's :data:`Tags.LEARNED_GAINS` (none when absent or unreadable)."""
+    try:
+        gains = json.loads(tags.get(Tags.LEARNED_GAINS) or "{}")
+    except ValueError:
+        return {}
+    return {str(s): float(g) for s, g in gains.items()} if isinstance(gains, dict) else {}
 
 
 def _log_window_dataset(
@@ -729,7 +758,13 @@ def _train_in_run(
                 **exported.as_params(),
             },
             # in order, the draft's URI last: it marks the outcome complete
-            tags={Tags.BEST_IS_PARENT: str(not improved).lower(), Tags.DRAFT_URI: draft_uri},
+            tags={
+                Tags.BEST_IS_PARENT: str(not improved).lower(),
+                Tags.LEARNED_GAINS: json.dumps(
+                    {} if improved else {s: round(g, 4) for s, g in result.learned_gains().items()}
+                ),
+                Tags.DRAFT_URI: draft_uri,
+            },
         )
         # once the outcome is recorded: a retry before it trains from the same start
         _hand_on(config, parent_version, job.start_dir, result.continuation_dir)

@@ -56,6 +56,7 @@ from tide_lib.names import DataDirs
 
 __all__ = [
     "JUDGED",
+    "OLDER_PREFIX",
     "BestDraft",
     "Evaluation",
     "HeldOut",
@@ -237,7 +238,7 @@ class HeldOut:
         # each group's positions of the window's requests the gate judges (held_out/,
         # not older/), and the window's token shares by segment: the gate's figure
         self.gate_window: dict[str, list[int]] = {}
-        self.window_shares = _window_shares(data_dir)
+        self.window_shares, self.gate_min_tokens = _gate_figure(data_dir, k)
         replay_tokens: dict[str, int] = {}
         seen: set[bytes] = set()
         for path in paths:
@@ -267,17 +268,21 @@ class HeldOut:
     def __len__(self) -> int:
         return sum(len(samples) for samples in self.groups.values())
 
-    def window_weighted(self, evaluation: Evaluation, min_tokens: int) -> float | None:
+    def window_weighted(self, evaluation: Evaluation) -> float | None:
         """The gate's window-weighted acceptance length (rule 4) on the held-out requests
-        it judges: each window segment's figure on its window requests, or, where those
-        hold fewer than ``min_tokens`` output tokens, on its older ones too, weighted by
-        the window's token shares. None without shares or such requests."""
+        it judges that were scored (``validation_max_samples`` caps them, the window's
+        first): each window segment's figure on its window requests, or, where those hold
+        fewer than the gate's ``min_segment_tokens`` output tokens, on its older ones too,
+        weighted by the window's token shares. None without shares or such requests, or
+        when the evaluation does not hold every request (a checkpoint of another code)."""
         figures: dict[str, float] = {}
         for segment, share in self.window_shares.items():
             requests = evaluation.requests.get(segment, [])
-            window = [requests[i] for i in self.gate_window.get(segment, []) if i < len(requests)]
+            if len(requests) != len(self.groups.get(segment, ())):
+                return None
+            window = [requests[i] for i in self.gate_window.get(segment, [])]
             count = AcceptanceCount.of(window)
-            if count.verify_steps < max(min_tokens, 1):
+            if count.verify_steps < max(self.gate_min_tokens, 1):
                 count = AcceptanceCount.of(
                     window + evaluation.requests.get(OLDER_PREFIX + segment, [])
                 )
@@ -407,6 +412,9 @@ class Selection:
         if forgot:
             logger.info("step %d is not kept: it forgot %s", step, forgot)
             return
+        score = self._score(evaluation)
+        if self.candidate is not None:  # what it learned, kept or not, is continued from
+            self.candidate.offer(evaluation, draft, score)
         below = self._below_the_parent_as_gated(evaluation)
         if below is not None:
             logger.info(
@@ -416,9 +424,6 @@ class Selection:
                 *below,
             )
             return
-        score = self._score(evaluation)
-        if self.candidate is not None:
-            self.candidate.offer(evaluation, draft, score)
         if self._within_noise_of_the_parent(evaluation):
             logger.info("step %d is not kept: above the parent within the noise", step)
         elif self.best.offer(evaluation, draft, score):
@@ -444,8 +449,7 @@ class Selection:
         figure = getattr(self.held_out, "window_weighted", None)
         if not self.warm or figure is None or not self.evaluations:
             return None
-        parent = figure(self.evaluations[0], self.forgetting_min_tokens)
-        now = figure(evaluation, self.forgetting_min_tokens)
+        parent, now = figure(self.evaluations[0]), figure(evaluation)
         if parent is None or now is None or now >= parent:
             return None
         return now, parent
@@ -570,7 +574,8 @@ class Selection:
 
     def continuation(self) -> BestDraft | None:
         """What a warm start that keeps its parent learned: its best trained step, above
-        the parent on held-out traffic but within the noise, forgetting nothing. A next
+        the parent on held-out traffic but within the noise, or below it on the gate's
+        window-weighted figure, forgetting nothing. A next
         run on the same parent starts from it (the parent stays its step 0 and its
         teacher): gains too small for one window's held-out requests add up instead of
         being thrown away (the oracle of a new segment needs more steps than one cycle
@@ -591,25 +596,36 @@ class Selection:
         return metrics
 
 
-def _window_shares(data_dir: Path) -> dict[str, float]:
-    """The window's token shares by segment the cycle exported (none: not a cycle's)."""
-    path = data_dir / DataDirs.WINDOW_SHARES
+def _gate_figure(data_dir: Path, k: int) -> tuple[dict[str, float], int]:
+    """How the gate figures the window, as the cycle exported it: the window's token
+    shares by segment and ``min_segment_tokens`` (none: not a cycle's data, no guard)."""
+    path = data_dir / DataDirs.GATE_FIGURE
     if not path.is_file():
-        return {}
+        logger.info("no %s: steps are not checked on the gate's figure", path.name)
+        return {}, 0
     try:
-        shares = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        logger.warning("%s is unreadable (%s): no window-weighted guard", path, error)
-        return {}
-    if not isinstance(shares, dict):
-        return {}
-    return {str(k): float(v) for k, v in shares.items() if isinstance(v, int | float)}
+        figure = json.loads(path.read_text())
+        shares = {str(s): float(v) for s, v in figure["shares"].items()}
+        min_tokens, gate_k = int(figure["min_segment_tokens"]), int(figure["k"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        logger.warning("%s is unreadable (%s): steps are not checked on it", path, error)
+        return {}, 0
+    if gate_k != k:
+        logger.warning(
+            "the gate judges at k=%d, the run scores at training.k=%d: steps are checked "
+            "on the gate's figure at k=%d (set both alike)",
+            gate_k,
+            k,
+            k,
+        )
+    return shares, min_tokens
 
 
 def _window_figure(evaluation: Evaluation, older: frozenset[str]) -> float:
     """The pooled acceptance length of the held-out requests of the window's groups (not
-    held out mostly from replay), as the gate's window-weighted figure; the whole
-    figure when the groups are not told apart or carry no requests."""
+    held out mostly from replay): what the run learns; the whole figure when the groups
+    are not told apart or carry no requests. (The gate's window-weighted figure weighs
+    the segments it keeps too: :meth:`HeldOut.window_weighted`.)"""
     count = AcceptanceCount(keep_requests=False)
     window = [
         r for group, requests in evaluation.requests.items() if group not in older for r in requests

@@ -64,6 +64,7 @@ from tide_lib.training.draft import (
 )
 from tide_lib.training.schedule import StepPlan, step_plan, warmup_cosine
 from tide_lib.training.selection import (
+    OLDER_PREFIX,
     REPLAY,
     BestDraft,
     HeldOut,
@@ -124,6 +125,7 @@ class TrainResult:
     # A run that kept its parent: its best trained step (above the parent within the
     # noise, forgetting nothing), for a next run on the same parent to start from.
     continuation_dir: Path | None = None
+    continuation_step: int | None = None
 
     @property
     def accept_length_before(self) -> float | None:
@@ -137,6 +139,19 @@ class TrainResult:
             if evaluation["step"] == self.best_step:
                 return float(evaluation["accept_length"])
         return None
+
+    def learned_gains(self) -> dict[str, float]:
+        """What a run that kept its parent learned: its continuation's held-out gain over
+        the parent per group of the traffic it learns (not ``older/``); none without one."""
+        by_step = {int(e["step"]): e["groups"] for e in self.evaluations}
+        start, learned = by_step.get(0), by_step.get(self.continuation_step or -1)
+        if start is None or learned is None or not self.continuation_step:
+            return {}
+        return {
+            group: learned[group] - start[group]
+            for group in learned
+            if group in start and not group.startswith(OLDER_PREFIX)
+        }
 
     @property
     def tokens_per_s(self) -> float:
@@ -695,6 +710,7 @@ def train_draft(
         learning_rate=plan.learning_rate,
         batch_size=plan.batch_size,
         continuation_dir=out_dir / CONTINUATION_DIR if continuation is not None else None,
+        continuation_step=continuation.step if continuation is not None else None,
         **_selected(selection, best, plan.steps, warm=parent is not None),
     )
 
