@@ -340,18 +340,10 @@ class RealizedRates:
         self._falling: set[int] = set()  # k's whose next pair may confirm a fall
         self._observed = 0
 
-    def observe(self, timings: RoundTimings, typical_per_round: float | None = None) -> None:
-        """Fold in one request. ``typical_per_round``: the tokens a round at its k emits at
-        the traffic's acceptance (:func:`expected_tokens_per_round`); a speculative
-        request's rate is read at it (scaled by it over the request's own tokens per
-        round), since prompts' acceptance varies far more than the machine's costs: the
-        demo's Korean prompts at k=4 read 0.92 of plain decoding request by request where
-        side by side they served 1.035-1.06 of it."""
+    def observe(self, timings: RoundTimings) -> None:
         if not timings.emitted or timings.decode_seconds <= 0:
             return
         seconds = (timings.decode_seconds + timings.draft_prefill_seconds) / timings.emitted
-        if timings.k and timings.rounds and typical_per_round:
-            seconds *= (timings.emitted / len(timings.rounds)) / typical_per_round
         k = timings.k
         count = self.requests.get(k, 0) + 1
         old = self.seconds_per_token.get(k)
@@ -727,8 +719,7 @@ class KController:
     def observe(self, timings: RoundTimings, segment: str | None = None) -> None:
         with self._lock:
             self.costs.observe(timings)
-            typical = expected_tokens_per_round(self._acceptance(segment), timings.k)
-            self.realized.observe(timings, typical if self._overall.rounds else None)
+            self.realized.observe(timings)
             estimates = [self._overall]
             if segment is not None:
                 estimate = self._segments.pop(segment, None) or AcceptanceEstimate(
