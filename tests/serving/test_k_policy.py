@@ -674,3 +674,22 @@ def test_the_k_that_pays_ranks_by_its_pairs() -> None:
         realized.observe(_request(1, 98.0))  # the spell: loaded, and nothing to pair with
     assert realized.relative(2) > realized.relative(1) > 1.0
     assert realized.veto(4) == 1
+
+
+def test_what_a_k_delivered_is_weighed_by_tokens_as_throughput_is() -> None:
+    """A short answer pays the draft's prefill over few tokens: at k=4, 5 tokens at 60
+    tokens/s, 50 tokens at 140; plain decoding 100 either way. Served, k=4 delivers 55
+    tokens in 0.44 s, 1.25x plain decoding; a figure per request, each counted once, read
+    it at 0.84x running and 0.92x paired (the fitted serve-bench draft's k=4 read 0.97x
+    where it served 1.19x side by side), and vetoed it."""
+
+    def request(k: int, tokens: int, tokens_per_s: float) -> RoundTimings:
+        return RoundTimings(k, [], decode_seconds=tokens / tokens_per_s, emitted=tokens)
+
+    realized = RealizedRates()
+    for _ in range(4):
+        for tokens, rate in ((5, 60.0), (50, 140.0)):
+            realized.observe(request(0, tokens, 100.0))
+            realized.observe(request(4, tokens, rate))
+    assert realized.tokens_per_s(4) == pytest.approx(125.0, rel=0.05)
+    assert realized.relative(4) > 1.2 and realized.veto(4) == 4
