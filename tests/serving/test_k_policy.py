@@ -680,7 +680,7 @@ def test_what_a_k_delivered_is_weighed_by_tokens_as_throughput_is() -> None:
     """A short answer pays the draft's prefill over few tokens: at k=4, 5 tokens at 60
     tokens/s, 50 tokens at 140; plain decoding 100 either way. Served, k=4 delivers 55
     tokens in 0.44 s, 1.25x plain decoding; a figure per request, each counted once, read
-    it at 0.84x running and 0.92x paired (the fitted serve-bench draft's k=4 read 0.97x
+    it at 0.86x running and 0.94x paired (the fitted serve-bench draft's k=4 read 0.97x
     where it served 1.19x side by side), and vetoed it."""
 
     def request(k: int, tokens: int, tokens_per_s: float) -> RoundTimings:

@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 # Labels come from clients: at most this many segments are tracked (least recent dropped).
 MAX_SEGMENTS = 64
-_COST_EMA = 0.2  # weight of a request in the draft, bookkeeping and realized-rate averages
+_COST_EMA = 0.2  # weight of a request (a mean-sized one in realized rates) in running averages
 # Weight of one target forward in its token count's running cost: a request's short last
 # verify is one noisy forward and moves the figure by 5 %, a request of 14 rounds by half.
 _FORWARD_EMA = 0.05
@@ -399,8 +399,10 @@ class RealizedRates:
     def _fold(self, k: int, log_ratio: float, earlier: _LastRequest, units: float) -> None:
         """One pair into k's running average; where the pair confirms a fall that
         :meth:`pair_now` saw coming (below the average by ``_CONFIRMED_FALL``), the average
-        so far is worth one pair (the traffic or the draft changed: a k at 2.9x plain
-        decoding that fell to 0.8x took 30 pairs to be vetoed, each pair worth a fifth)."""
+        so far is worth one mean-sized request's pair (the traffic or the draft changed: a
+        k at 2.9x plain decoding that fell to 0.8x took 30 pairs to be vetoed, each pair
+        worth a fifth). A pair weighs ``units``: its speculative request's tokens over
+        that k's running mean."""
         earlier.paired = True
         old = self.log_ratio.get(k)
         fell = k in self._falling and old is not None and log_ratio < old - _CONFIRMED_FALL
