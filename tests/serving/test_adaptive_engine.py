@@ -310,3 +310,23 @@ def test_the_decoding_thread_calibrates_and_a_failed_start_fails_the_engine(
         Engine(config)
     assert threads == [config.serve.decode_threads] == [1]
     assert calibrated_in == ["tide-engine"]
+
+
+def test_a_reference_request_decodes_plainly_unseen_by_adaptive_k(
+    adaptive: tuple[Engine, TestClient],
+) -> None:
+    """The benches time plain decoding on the adaptive engine itself (identical engines
+    differ by 2-4% here): such a request runs at k=0 and teaches the controller nothing."""
+    engine, _client = adaptive
+    ids = engine.encode(PROMPT)
+    before = engine.k_controller.snapshot()
+    reference = EngineRequest(ids, 12, 0.0, None, "reference", reference_plain=True)
+    result = engine.submit(reference).result(timeout=120)
+    served = engine.submit(EngineRequest(ids, 12, 0.0, None, "served")).result(timeout=120)
+    assert result.output_ids == served.output_ids  # greedy: the same answer
+    after = engine.k_controller.snapshot()
+    picked = {
+        k: after["requests_by_k"][k] - before["requests_by_k"][k] for k in after["requests_by_k"]
+    }
+    assert sum(picked.values()) == 1  # the served request alone
+    assert result.spec_verify_ct == 0

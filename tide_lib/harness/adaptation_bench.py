@@ -466,6 +466,8 @@ def _timing(
     side by side on the same prompts, ``timing_passes`` times, once adaptive k has settled
     (``settle`` requests beside plain decoding, reported apart); and what it did."""
     from tide_lib.harness.serve_bench import (  # noqa: PLC0415
+        PlainOn,
+        Submits,
         adaptive_report,
         reference_engine,
         settle,
@@ -497,7 +499,8 @@ def _timing(
         settled = settle(adaptive_engine, plain, ids, max_new_tokens, params.settle)
         controller = adaptive_engine.k_controller
         warm_by_k = controller.snapshot()["requests_by_k"]
-        totals = side_by_side(engines, ids, max_new_tokens, passes=params.timing_passes)
+        timed: dict[str, Submits] = {**engines, "plain_on_adaptive_k": PlainOn(adaptive_engine)}
+        totals = side_by_side(timed, ids, max_new_tokens, passes=params.timing_passes)
         adaptive = adaptive_report(warm_by_k, controller.snapshot()) | {"settling": settled}
     finally:
         for engine in engines.values():
@@ -647,6 +650,12 @@ def _result(
         "adapted_adaptive_k_vs_plain_by_pass": pass_ratios(timed, "adapted_adaptive_k", "plain"),
         "adapted_adaptive_k_vs_plain_paired": paired_ratio(timed, "adapted_adaptive_k", "plain"),
         "adapted_vs_plain_paired": paired_ratio(timed, "adapted", "plain"),
+        # plain decoding on the adaptive-k engine itself: the instance's speed cancels
+        "adapted_adaptive_k_vs_plain_same_engine": tokens_per_s["adapted_adaptive_k"]
+        / tokens_per_s["plain_on_adaptive_k"],
+        "adapted_adaptive_k_vs_plain_same_engine_paired": paired_ratio(
+            timed, "adapted_adaptive_k", "plain_on_adaptive_k"
+        ),
         "threshold_to_serving_s": loop.threshold_to_serving,
         "final_adapted": final,
         "cycles": len(loop.cycles),

@@ -81,6 +81,9 @@ class EngineRequest:
     rid: str
     ignore_eos: bool = False
     segment: str | None = None  # the client's traffic label: captured, and keys acceptance
+    # Decode plainly, unseen by adaptive k: a reference measured on this very engine
+    # beside what it serves (identical engines differ by 2-4% here; `tide bench`).
+    reference_plain: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,16 +274,18 @@ class Engine:
             torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         )
         version = self.weight_version
+        reference = request.reference_plain
         generation = self.decoder.generate(
             request.input_ids,
             request.max_new_tokens,
             temperature=request.temperature,
-            speculative=self.speculative,
+            speculative=self.speculative and not reference,
             generator=generator,
             ignore_eos=request.ignore_eos,
-            num_steps=self.k_controller.pick(request.segment),
+            num_steps=0 if reference else self.k_controller.pick(request.segment),
         )
-        self.k_controller.observe(generation.timings, request.segment)
+        if not reference:
+            self.k_controller.observe(generation.timings, request.segment)
         with self._lock:
             self.counters.requests += 1
             self.counters.prompt_tokens += len(request.input_ids)
