@@ -13,7 +13,9 @@ The draft exported is the one with the best figure on the traffic it learns (the
 groups not held out mostly from replay, near the gate's window-weighted gain) among
 those that forget nothing: a step whose score on any group (the replayed older
 traffic, a segment) fell more than ``forgetting_tolerance`` below the parent's is
-never kept, whatever it gains on the window, since the gate would reject it. Step 0
+never kept, whatever it gains on the window, since the gate would reject it; nor is
+one below the parent on the gate's own window-weighted figure (every window segment by
+its token share, as ``gate_figure.json`` says; :meth:`HeldOut.window_weighted`). Step 0
 is the parent, so a run that never beats its parent exports the parent's weights and
 says so; and beating it means beyond the noise of the held-out requests (paired,
 one-sided 95%): a gain within it registered drafts that the gate then measured below
