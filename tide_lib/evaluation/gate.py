@@ -71,6 +71,7 @@ __all__ = [
     "decision_tags",
     "protected_segments",
     "t95",
+    "weighted_figure",
 ]
 
 # One-sided 95% quantiles of Student's t by degrees of freedom (held-out requests - 1):
@@ -150,7 +151,9 @@ PooledFigures = Callable[[tuple[str, ...]], tuple[float, float, float]]
 requests pooled (both drafts replayed on the same ones)."""
 
 
-def _weighted(figures: dict[str, float], weights: dict[str, float]) -> float:
+def weighted_figure(figures: dict[str, float], weights: dict[str, float]) -> float:
+    """Segments' figures weighted by ``weights`` (their shares of the window's tokens):
+    the gate's window-weighted acceptance length; equal weights where none has one."""
     if not figures:
         return 0.0
     total = sum(weights.get(segment, 0.0) for segment in figures)
@@ -340,7 +343,7 @@ def decide(
     shares = dict(weights) if weights else dict.fromkeys(challenger, 1.0)
     older = dict(older_shares or {})
     on_window, champion_on_window = window_figures or ({}, {})
-    weighted_challenger = _weighted({**challenger, **on_window}, shares)
+    weighted_challenger = weighted_figure({**challenger, **on_window}, shares)
     shared = protected_segments(list(challenger), shares, older, config.min_segment_share)
     tokens = held_out_tokens
     protected, thin = _evidenced(shared, tokens, config.min_segment_tokens)
@@ -374,8 +377,8 @@ def decide(
         challenger, champion, on_window, champion_on_window
     )
     common = {s: v for s, v in gain_challenger.items() if s in gain_champion}
-    weighted_champion = _weighted({s: gain_champion[s] for s in common}, shares)
-    weighted_common = _weighted(common, shares)
+    weighted_champion = weighted_figure({s: gain_champion[s] for s in common}, shares)
+    weighted_common = weighted_figure(common, shares)
     forgotten = _forgotten(
         protected,
         challenger,

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tide_lib.config import TrainConfig
+from tide_lib.evaluation.gate import weighted_figure
 from tide_lib.evaluation.offline import (
     AcceptanceCount,
     ReplaySample,
@@ -290,10 +291,7 @@ class HeldOut:
                 )
             if share > 0 and count.verify_steps:
                 figures[segment] = count.accept_length
-        total = sum(self.window_shares[segment] for segment in figures)
-        if not total:
-            return None
-        return sum(self.window_shares[s] * value for s, value in figures.items()) / total
+        return weighted_figure(figures, self.window_shares) if figures else None
 
     def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
         """Replay every held-out sample with ``draft`` (on CPU; copied there if elsewhere)."""
