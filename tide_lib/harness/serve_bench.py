@@ -207,8 +207,13 @@ def settle(
     return {
         "requests": requests,
         "adaptive_vs_plain": runs["adaptive"].tokens_per_s / runs["plain"].tokens_per_s,
-        "requests_by_k": {k: count - before.get(k, 0) for k, count in after.items()},
+        "requests_by_k": _served_since(before, after),
     }
+
+
+def _served_since(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    """Requests served at each k between two of the controller's ``requests_by_k``."""
+    return {k: count - before.get(k, 0) for k, count in after.items()}
 
 
 def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> dict[str, Any]:
@@ -217,9 +222,7 @@ def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> 
     final snapshot (``chosen``) its modelled tokens/s, acceptance, costs and what each k
     delivered against plain decoding measured beside it."""
     return {
-        "timed_requests_by_k": {
-            k: count - warm_by_k.get(k, 0) for k, count in chosen["requests_by_k"].items()
-        },
+        "timed_requests_by_k": _served_since(warm_by_k, chosen["requests_by_k"]),
         "expected_tokens_per_s": chosen["expected_tokens_per_s"],
         "acceptance": chosen["acceptance"],
         "costs": chosen["costs"],
@@ -245,10 +248,8 @@ def side_by_side(
             for run in (totals[name], this_pass[name]):
                 run.seconds += seconds
                 run.tokens += result.completion_tokens
-            if seconds > 0:
-                totals[name].request_tokens_per_s.append(result.completion_tokens / seconds)
-            else:
-                totals[name].request_tokens_per_s.append(0.0)
+            rate = result.completion_tokens / seconds if seconds > 0 else 0.0
+            totals[name].request_tokens_per_s.append(rate)
             totals[name].acceptance.add_pooled(result.spec_accept_length, result.spec_verify_ct)
         if (index + 1) % len(prompts) == 0:
             for name in names:

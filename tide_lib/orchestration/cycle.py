@@ -760,8 +760,9 @@ def _train_in_run(
             # in order, the draft's URI last: it marks the outcome complete
             tags={
                 Tags.BEST_IS_PARENT: str(not improved).lower(),
+                # none when a step was exported: that run leaves no continuation
                 Tags.LEARNED_GAINS: json.dumps(
-                    {} if improved else {s: round(g, 4) for s, g in result.learned_gains().items()}
+                    {s: round(g, 4) for s, g in result.learned_gains().items()}
                 ),
                 Tags.DRAFT_URI: draft_uri,
             },

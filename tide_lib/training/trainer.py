@@ -143,9 +143,11 @@ class TrainResult:
     def learned_gains(self) -> dict[str, float]:
         """What a run that kept its parent learned: its continuation's held-out gain over
         the parent per group of the traffic it learns (not ``older/``); none without one."""
+        if not self.continuation_step:
+            return {}
         by_step = {int(e["step"]): e["groups"] for e in self.evaluations}
-        start, learned = by_step.get(0), by_step.get(self.continuation_step or -1)
-        if start is None or learned is None or not self.continuation_step:
+        start, learned = by_step.get(0), by_step.get(self.continuation_step)
+        if start is None or learned is None:
             return {}
         return {
             group: learned[group] - start[group]
