@@ -9,9 +9,20 @@ from typing import Any
 import pytest
 import torch
 
-from tide_lib.evaluation.drift import carried_gain, judge_drift, pooled_gain, still_learning
+from tide_lib.evaluation.drift import (
+    carried_gain,
+    judge_drift,
+    judge_window,
+    pooled_gain,
+    still_learning,
+)
 from tide_lib.evaluation.gate import GateDecision
-from tide_lib.evaluation.offline import acceptance_ceiling, length_margin, replay_request
+from tide_lib.evaluation.offline import (
+    acceptance_ceiling,
+    fall_below,
+    length_margin,
+    replay_request,
+)
 from tide_lib.serving.acceptance import AcceptanceCount
 
 
@@ -286,3 +297,49 @@ def test_the_pooled_gain_counts_every_held_out_request_together() -> None:
     assert still_learning(promotion, min_gain=0.25, min_share=0.1) == {}  # ko: not protected
     assert pooled_gain(dataclasses.replace(promotion, promote=False)) == 0.0
     assert pooled_gain(dataclasses.replace(promotion, weighted_champion=None)) == 0.0
+
+
+def _window_kwargs(margins: dict[str, float]) -> dict[str, Any]:
+    return {"tolerance": 0.15, "min_share": 0.1, "margins": margins}
+
+
+def test_a_fall_spread_over_segments_too_thin_alone_is_drift_of_the_window() -> None:
+    """A new language's first window, grouped by the old traffic's clusters: each cluster
+    fell within its wide margin (few requests), the window as a whole beyond it."""
+    requests = {
+        "c0": [(20, 5), (10, 5), (15, 6), (8, 5)],  # 2.52 (+/- 1.18) against 3.2
+        "c2": [(6, 6), (16, 8)],  # 1.57 (+/- 3.09) against 3.1
+    }
+    baseline = {"c0": 3.2, "c2": 3.1}
+    counts = {s: AcceptanceCount.of(pairs) for s, pairs in requests.items()}
+    measured = {s: count.accept_length for s, count in counts.items()}
+    margins = {s: length_margin(pairs) for s, pairs in requests.items()}
+    alone = judge_drift(measured, {"c0": 0.6, "c2": 0.4}, baseline, **_window_kwargs(margins))
+    assert not alone.drift  # each fall is within its own margin of error
+    whole = judge_window(requests, baseline, tolerance=0.15)
+    assert whole.drift and "the window as a whole fell" in whole.reason
+    assert set(whole.drifted) == {"c0", "c2"}
+    assert whole.drifted["c2"] > whole.drifted["c0"] > 0.15
+
+
+def test_the_window_as_a_whole_is_noise_on_few_requests_and_with_a_loose_baseline() -> None:
+    requests = {"c0": [(13, 5), (16, 6)], "c2": [(9, 7)]}
+    few = judge_window(requests, {"c0": 3.2, "c2": 3.1}, tolerance=0.15)
+    assert not few.drift and "+/-" in few.reason
+    tight = {"c0": [(16, 5)] * 20 + [(15, 5), (17, 5)]}  # 3.2 pooled, every request near it
+    assert judge_window(tight, {"c0": 3.6}, tolerance=0.15).drift
+    loose = judge_window(tight, {"c0": 3.6}, tolerance=0.15, reference_margins={"c0": 0.4})
+    assert not loose.drift  # the baseline was itself a sample: 0.4 - 0.4 < 0.15
+
+
+def test_segments_served_at_their_own_references_are_no_fall_and_no_noise() -> None:
+    """Requests of segments with different figures add evidence, not spread: each is held
+    to its own segment's reference, so a window served at its references is exact."""
+    requests = {"en": [(15, 5), (12, 4)], "law": [(6, 5), (12, 10)]}  # 3.0 and 1.2 exactly
+    fall, margin = fall_below([(3.0, requests["en"]), (1.2, requests["law"])])
+    assert fall == pytest.approx(0.0, abs=1e-12) and margin == pytest.approx(0.0, abs=1e-12)
+    verdict = judge_window(requests, {"en": 3.0, "law": 1.2, "docs": 2.0}, tolerance=0.15)
+    assert not verdict.drift and "fell 0.000" in verdict.reason
+    assert math.isinf(fall_below([(3.0, [(6, 3)])])[1])  # one request: no margin
+    unknown = judge_window({"new": [(5, 5), (6, 5)]}, {"en": 3.0}, tolerance=0.15)
+    assert not unknown.drift and unknown.reason == "no request to judge the window on"

@@ -18,7 +18,9 @@ import pytest
 
 from tests.orchestration.test_cycle_retries import _capture, _config
 from tide_lib.config import TideConfig
+from tide_lib.evaluation.drift import judge_drift
 from tide_lib.evaluation.gate import GateDecision, decision_tags
+from tide_lib.evaluation.offline import length_margin
 from tide_lib.names import Tags
 from tide_lib.orchestration import cycle, drift_check, state
 from tide_lib.orchestration.handoff import Drift
@@ -445,6 +447,35 @@ def test_a_segment_learned_in_vain_is_held_to_what_the_champion_serves_there(
     state.write_state(config, "cycles/c3/drift.json", fell.model_dump_json().encode())
     assert settle("c3", gain=0.0) == []
     assert baseline()["accept_length"] == stored["accept_length"]
+
+    # Each segment fell within its margin of error (four requests each), the window as a
+    # whole beyond it: drift (a new language's first window read "no drift" so).
+    requests = {
+        "chat": [(21, 5), (16, 5), (20, 5), (17, 5)],
+        "code": [(12, 5), (9, 5), (11, 5), (8, 5)],
+    }
+    spread = dataclasses.replace(
+        later,
+        measured={"chat": 3.7, "code": 2.0},
+        margins={s: length_margin(pairs) for s, pairs in requests.items()},
+        all_margins={s: length_margin(pairs) for s, pairs in requests.items()},
+        shares={"chat": 0.5, "code": 0.5},
+        per_request=requests,
+    )
+    alone = judge_drift(
+        spread.measured,
+        spread.shares,
+        known.accept_length,
+        tolerance=config.cycle.drift_tolerance,
+        min_share=config.gate.min_segment_share,
+        margins=spread.margins,
+        baseline_margins=known.margins,
+    )
+    assert not alone.drift
+    whole = drift_check._judged_against(config, champion, spread, known)
+    assert whole.drift and "the window as a whole fell 0.600" in whole.reason
+    assert whole.drifted == ["chat", "code"] and "by segment, no drift" in whole.reason
+    assert baseline()["accept_length"] == stored["accept_length"]  # drift grows no baseline
 
 
 def test_the_gate_judges_against_the_baseline_draft_on_the_same_requests(

@@ -26,8 +26,12 @@ training on it is spent in vain. The champion is
 measured on a sample of the window, so a fall counts only beyond its margin of
 error (``margins``, one-sided 95%, combined with the baseline's own when it was
 measured on a sample too): a segment of three requests that the champion serves
-at 2.0 against a baseline of 2.2 is noise, not drift. No drifted segment:
-the cycle records "no drift", moves the watermark and trains nothing.
+at 2.0 against a baseline of 2.2 is noise, not drift. Segments are judged alone,
+and the window as a whole too (:func:`judge_window`): every request held to its
+segment's reference, so a shift spread over segments too small to judge alone is
+seen (a new language's first window fell 0.57 and 1.70 on two clusters, each within
+its margin of 0.53 and 1.66, and read as "no drift"). No drift either way: the
+cycle records "no drift", moves the watermark and trains nothing.
 
 A champion that the gate promoted for a large gain is the exception
 (:func:`still_learning`): it was fitted on one window of traffic that is new to
@@ -42,8 +46,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
+
+from tide_lib.evaluation.offline import fall_below
 
 if TYPE_CHECKING:
     from tide_lib.evaluation.gate import GateDecision
@@ -53,6 +59,7 @@ __all__ = [
     "capped_reference",
     "carried_gain",
     "judge_drift",
+    "judge_window",
     "pooled_gain",
     "still_learning",
 ]
@@ -127,6 +134,42 @@ def judge_drift(
         )
     return DriftVerdict(
         False, f"no drift: every segment within {tolerance:.3f}; " + "; ".join(notes), {}
+    )
+
+
+def judge_window(
+    per_request: Mapping[str, Sequence[tuple[int, int]]],
+    references: Mapping[str, float],
+    *,
+    tolerance: float,
+    reference_margins: Mapping[str, float] | None = None,
+) -> DriftVerdict:
+    """Did the window as a whole fall? Each segment's requests (``(emitted, verify)``
+    each) held to its reference (the figure :func:`judge_drift` holds it to), pooled as
+    acceptance length is (:func:`~tide_lib.evaluation.offline.fall_below`): drift when
+    the fall exceeds ``tolerance`` beyond its margin of error, combined with the
+    references' own (``reference_margins``, weighted by each segment's verify steps).
+    The segments named are those that fell by more than ``tolerance`` (none: all of
+    them, the fall is spread). Segments without a reference are left out."""
+    held = {s: pairs for s, pairs in per_request.items() if s in references and pairs}
+    fall, margin = fall_below([(references[s], pairs) for s, pairs in held.items()])
+    verify = {s: sum(v for _, v in pairs) for s, pairs in held.items()}
+    total = sum(verify.values())
+    if not total:
+        return DriftVerdict(False, "no request to judge the window on", {})
+    weighted = [verify[s] / total * (reference_margins or {}).get(s, 0.0) for s in held]
+    margin = math.hypot(margin, *weighted)
+    falls = {s: references[s] - sum(e for e, _ in held[s]) / verify[s] for s in held if verify[s]}
+    moved = "fell" if fall >= 0 else "rose"
+    summary = f"the window as a whole {moved} {abs(fall):.3f} against its segments' references"
+    if fall - margin <= tolerance:
+        return DriftVerdict(False, f"{summary}{_plus_minus(margin)}", {})
+    drifted = {s: f for s, f in falls.items() if f > tolerance} or falls
+    return DriftVerdict(
+        True,
+        f"drift: {summary} (+/- {margin:.3f}), more than {tolerance:.3f} beyond the margin "
+        f"of error; fell most: {', '.join(sorted(drifted))}",
+        drifted,
     )
 
 

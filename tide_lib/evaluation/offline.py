@@ -41,6 +41,7 @@ __all__ = [
     "content_digest",
     "content_fraction",
     "drop_margin",
+    "fall_below",
     "length_margin",
     "offline_acceptance",
     "paired_drop",
@@ -129,6 +130,27 @@ def length_margin(per_request: Sequence[tuple[int, int]]) -> float:
     length = sum(e for e, _ in per_request) / verify
     residuals = [(e - length * v) / verify for e, v in per_request]
     return t95(len(per_request) - 1) * _delta_error(residuals)
+
+
+def fall_below(
+    requests: Sequence[tuple[float, Sequence[tuple[int, int]]]],
+) -> tuple[float, float]:
+    """``(fall, one-sided 95% margin of error)`` of requests' pooled acceptance length
+    below what each was held to: ``requests`` pairs a reference (its segment's) with the
+    ``(emitted, verify)`` of the requests held to it. The fall is the verify-weighted
+    reference less the pooled figure, as SGLang pools (a request weighs by its verify
+    steps); its error is the delta method's on the per-request residuals, so requests of
+    different segments add evidence without their segments' spread counting as noise.
+    With fewer than two requests there is no margin: it is infinite."""
+    rows = [(reference, e, v) for reference, pairs in requests for e, v in pairs]
+    verify = sum(v for _, _, v in rows)
+    if not verify:
+        return 0.0, math.inf
+    fall = sum(reference * v - e for reference, e, v in rows) / verify
+    if len(rows) < 2:
+        return fall, math.inf
+    residuals = [(reference * v - e - fall * v) / verify for reference, e, v in rows]
+    return fall, t95(len(rows) - 1) * _delta_error(residuals)
 
 
 def _delta_error(residuals: Sequence[float]) -> float:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from tide_lib.config import TideConfig
-from tide_lib.evaluation.drift import capped_reference, judge_drift
+from tide_lib.evaluation.drift import DriftVerdict, capped_reference, judge_drift, judge_window
 from tide_lib.evaluation.offline import (
     AcceptanceCount,
     acceptance_ceiling,
@@ -116,6 +116,8 @@ class _Window:
     segmenter_key: str
     # the most any draft reaches on each segment's requests (absent: not known)
     ceilings: dict[str, float] = dataclasses.field(default_factory=dict)
+    # each segment's requests as (emitted, verify steps): the window judged as a whole
+    per_request: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
     def held_to(self, segment: str, reference: float) -> float:
         """``reference``, or the segment's ceiling when that is lower."""
@@ -170,6 +172,8 @@ def _judged_against(config: TideConfig, version: str, window: _Window, known: Ba
         ceilings=window.ceilings,
     )
     average = statistics.fmean(known.accept_length.values())
+    if not verdict.drift:  # segments too thin to judge alone may have fallen together
+        verdict = _judged_whole(window, known, average, verdict, tolerance)
     fitting = _fitting(
         window, lambda s: known.accept_length.get(s, average), verdict.drifted, tolerance
     )
@@ -200,6 +204,25 @@ def _judged_against(config: TideConfig, version: str, window: _Window, known: Ba
         fitting=fitting,
         segmenter_key=window.segmenter_key,
     )
+
+
+def _judged_whole(
+    window: _Window, known: Baseline, average: float, alone: DriftVerdict, tolerance: float
+) -> DriftVerdict:
+    """The window judged as a whole (:func:`judge_window`), each segment held to what
+    :func:`judge_drift` held it to, when no segment fell alone (``alone``)."""
+    references = {
+        s: window.held_to(s, known.accept_length.get(s, average)) for s in window.measured
+    }
+    whole = judge_window(
+        window.per_request,
+        references,
+        tolerance=tolerance,
+        reference_margins=known.margins,
+    )
+    if whole.drift:
+        return dataclasses.replace(whole, reason=f"{whole.reason}; by segment, {alone.reason}")
+    return dataclasses.replace(alone, reason=f"{alone.reason}; {whole.reason}")
 
 
 def _trains_unconditionally(config: TideConfig, champion: Any) -> Drift | None:
@@ -247,6 +270,7 @@ def _measure_window(
             segment: acceptance_ceiling(records, config.gate.k, every_position=True)
             for segment, records in samples.items()
         },
+        per_request={segment: list(count.per_request) for segment, count in counts.items()},
     )
 
 
