@@ -76,6 +76,34 @@ def test_a_gain_below_the_margin_stays_on_plain_decoding() -> None:
     assert choose_k(*args, max_k=MAX_K, min_gain=0.05).k == 0
 
 
+def test_the_drafts_prefill_spread_over_a_requests_tokens_can_make_plain_win() -> None:
+    """A request at k > 0 also pays the draft's pass over its prompt: spread over the
+    tokens a request emits, a small gain per round is no gain per request."""
+    args = ([0.4] * MAX_K, 0.0014, _linear_verify(0.0068, 0.0))
+    ahead = choose_k(*args, max_k=MAX_K)
+    assert ahead.k == 1 and ahead.tokens_per_s[1] > 1.05 * ahead.tokens_per_s[0]
+    # 20 ms of draft prefill over 16 emitted tokens: 1.25 ms more per token
+    spread = choose_k(*args, max_k=MAX_K, draft_prefill_s_per_token=0.020 / 16)
+    assert spread.k == 0
+    assert spread.tokens_per_s[0] == ahead.tokens_per_s[0]  # plain decoding pays none
+    per_token = (0.0014 + 0.0068) / 1.4 + 0.020 / 16
+    assert spread.tokens_per_s[1] == pytest.approx(1 / per_token)
+
+
+def test_the_controller_spreads_the_measured_draft_prefill_over_emitted_tokens() -> None:
+    controller = KController(MAX_K, adaptive=True)
+    assert controller.costs.draft_prefill_per_token() == 0.0
+    spec = RoundTimings(1, [(1, 0)] * 10, draft_seconds=0.014, draft_forwards=10)
+    spec.target_forwards = [(2, 0.0068)] * 10
+    spec.decode_seconds, spec.emitted, spec.draft_prefill_seconds = 0.09, 16, 0.015
+    controller.observe(spec)
+    plain = RoundTimings(0, [], target_forwards=[(1, 0.0068)] * 16)
+    plain.decode_seconds, plain.emitted = 0.11, 16
+    controller.observe(plain)  # plain requests count towards the tokens a request emits
+    assert controller.costs.draft_prefill_per_token() == pytest.approx(0.015 / 16)
+    assert controller.snapshot()["costs"]["draft_prefill_s"] == pytest.approx(0.015)
+
+
 def test_choose_k_needs_every_cost() -> None:
     with pytest.raises(ValueError, match="verify costs"):
         choose_k([0.5] * MAX_K, 0.001, [0.01, 0.01], max_k=MAX_K)
@@ -96,10 +124,14 @@ class SyntheticServer:
         draft_prefill_s: float = 0.0,
         *,
         forward_s: list[float] | None = None,
+        stall_s: float = 0.0,
     ) -> None:
         self.draft_s, self.plain_s, self.per_token_s = draft_s, plain_s, per_token_s
         self.rates = rates
-        self.draft_prefill_s = draft_prefill_s  # a cost the model does not see
+        self.draft_prefill_s = draft_prefill_s  # the draft's pass over the prompt
+        # A cost the model does not see: one verify forward of each speculative request
+        # stalls this long (a forward's cost is the median of its request's).
+        self.stall_s = stall_s
         # Seconds of a target forward reading n tokens (index n - 1), when not linear.
         self.forward_s = forward_s
 
@@ -129,6 +161,8 @@ class SyntheticServer:
             timings.target_forwards.append((k + 1, self.forward(k + 1)))
             timings.draft_forwards += k
             timings.draft_seconds += k * self.draft_s
+        tokens, first = timings.target_forwards[0]
+        timings.target_forwards[0] = (tokens, first + self.stall_s)
         forwards = sum(seconds for _, seconds in timings.target_forwards)
         timings.decode_seconds = forwards + timings.draft_seconds
         timings.emitted = sum(accepted + 1 for _, accepted in timings.rounds)
@@ -290,9 +324,10 @@ def test_realized_rates_count_what_each_k_delivered_per_second() -> None:
 
 def test_a_k_that_serves_slower_than_plain_is_not_chosen_and_is_tried_again() -> None:
     controller = KController(MAX_K, adaptive=True)
-    # The draft pays per round, but its prefill (unseen by the cost model) eats the gain.
+    # The draft pays per round, but a stall each request (unseen by the cost model) eats
+    # the gain.
     server = SyntheticServer(
-        draft_s=0.0005, plain_s=0.01, per_token_s=0.0, rates=[0.95] * MAX_K, draft_prefill_s=1.0
+        draft_s=0.0005, plain_s=0.01, per_token_s=0.0, rates=[0.95] * MAX_K, stall_s=1.0
     )
     picked = _serve(controller, server, 60)
     snapshot = controller.snapshot()
@@ -300,9 +335,9 @@ def test_a_k_that_serves_slower_than_plain_is_not_chosen_and_is_tried_again() ->
     assert snapshot["chosen_k"] == 0 and snapshot["recommended_k"] == 0
     assert snapshot["realized_tokens_per_s"]["0"] == pytest.approx(100.0)
     assert picked[10:].count(0) >= 0.85 * len(picked[10:])  # exploration aside
-    # The prefill got cheap: exploration measures the model's k again now and then (at
+    # The stalls stopped: exploration measures the model's k again now and then (at
     # most one request in 128, every other exploration) and finds it out.
-    server.draft_prefill_s = 0.0
+    server.stall_s = 0.0
     _serve(controller, server, 800)
     assert controller.snapshot()["chosen_k"] == MAX_K
 
@@ -534,13 +569,13 @@ def test_pairs_count_once_as_many_requests_at_k_made_them() -> None:
 
 def test_a_served_k_whose_rate_fell_is_paired_with_plain_decoding_again() -> None:
     """Served alone, k's pairs come only from plain explorations, one in a few hundred
-    requests: after the draft's prefill grew (a cost the model does not see) and k=4 fell
-    from 2.9x to 0.8x plain decoding, it was served 150 more requests."""
+    requests: after the draft's prefill grew (a cost the model did not see then) and k=4
+    fell from 2.9x to 0.8x plain decoding, it was served 150 more requests."""
     server = SyntheticServer(draft_s=0.001, plain_s=0.01, per_token_s=0.0, rates=[0.9] * 4)
     controller = KController(4, adaptive=True)
     _serve(controller, server, 500)
     assert controller.snapshot()["chosen_k"] == 4
-    server.draft_prefill_s = 0.745
+    server.stall_s = 0.745
     picked = _serve(controller, server, 200)
     assert sum(1 for k in picked if k) <= 30
     assert controller.snapshot()["chosen_k"] == 0

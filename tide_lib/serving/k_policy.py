@@ -5,7 +5,8 @@ a draft step costs too much next to a target step (measured 0.87x-0.96x on CPU
 with a fitted draft). The engine therefore measures, with probe generations at
 every k before it serves (:meth:`KController.calibrate`) and then as it serves, the
 wall cost of a draft forward, of a target forward as a function of how many tokens it
-reads (a verify at k reads k + 1; plain decoding reads 1), and the draft's
+reads (a verify at k reads k + 1; plain decoding reads 1), of the draft's pass over a
+speculative request's prompt (spread over the tokens a request emits), and the draft's
 per-position conditional acceptance, and serves each request at the k in
 ``0..max_k`` with the most expected tokens per second; k = 0 is plain decoding.
 
@@ -110,13 +111,16 @@ def choose_k(
     *,
     max_k: int,
     min_gain: float = 0.0,
+    draft_prefill_s_per_token: float = 0.0,
 ) -> KChoice:
     """The k in ``0..max_k`` with the most expected tokens/s.
 
     ``verify_s[k]``: seconds of a step at k besides its draft forwards, i.e. a target forward
     reading k + 1 tokens and its bookkeeping (``verify_s[0]`` is a plain decode step);
     ``draft_step_s``: seconds of a draft forward; a round at k runs k
-    of them (k - 1 chained steps and the pass over the verified tokens). A k > 0 is chosen
+    of them (k - 1 chained steps and the pass over the verified tokens);
+    ``draft_prefill_s_per_token``: the draft's pass over a speculative request's prompt,
+    spread over the tokens a request emits. A k > 0 is chosen
     only when it beats plain decoding by more than ``min_gain`` (a share, 0.02 = 2 %); ties
     go to the smaller k.
     """
@@ -125,7 +129,8 @@ def choose_k(
     rates = [1.0 / verify_s[0]]
     for k in range(1, max_k + 1):
         seconds = k * draft_step_s + verify_s[k]
-        rates.append(expected_tokens_per_round(acceptance, k) / seconds)
+        per_token = seconds / expected_tokens_per_round(acceptance, k)
+        rates.append(1.0 / (per_token + draft_prefill_s_per_token))
     best = 0
     for k in range(1, max_k + 1):
         if rates[k] > rates[best] and rates[k] > rates[0] * (1.0 + min_gain):
@@ -188,7 +193,8 @@ class RoundTimings:
 
 
 class CostModel:
-    """Running wall costs: a draft forward, a target forward by tokens read, and bookkeeping.
+    """Running wall costs: a draft forward, a target forward by tokens read, bookkeeping,
+    and the draft's prefill per emitted token.
 
     Bookkeeping is what a step costs besides its forwards (sampling, acceptance checks,
     cache crops): on a small model it is a real share, and larger per speculative round
@@ -202,6 +208,9 @@ class CostModel:
         self.target_forwards: dict[int, int] = {}  # tokens read -> forwards measured
         self.round_overhead_s = 0.0  # per speculative round
         self.plain_overhead_s = 0.0  # per plain decode step
+        # a speculative request's draft prefill, and the tokens a request emits (running)
+        self.draft_prefill_s: float | None = None
+        self.emitted_per_request: float | None = None
 
     @staticmethod
     def blend(old: float | None, new: float) -> float:
@@ -211,6 +220,10 @@ class CostModel:
         if timings.draft_forwards:
             per_forward = timings.draft_seconds / timings.draft_forwards
             self.draft_step_s = self.blend(self.draft_step_s, per_forward)
+        if timings.k and timings.draft_prefill_seconds > 0:
+            self.draft_prefill_s = self.blend(self.draft_prefill_s, timings.draft_prefill_seconds)
+        if timings.emitted:
+            self.emitted_per_request = self.blend(self.emitted_per_request, timings.emitted)
         by_tokens: dict[int, list[float]] = {}
         for tokens, seconds in timings.target_forwards:
             by_tokens.setdefault(tokens, []).append(seconds)
@@ -265,10 +278,21 @@ class CostModel:
             for k in range(max_k + 1)
         ]
 
+    def draft_prefill_per_token(self) -> float:
+        """The draft's prefill spread over the tokens a request emits (0 before measured):
+        short answers (5 to 17 tokens of 48 in the serve bench) pay it over few tokens,
+        and without it the model expected a weak draft's k=1 to beat plain decoding by
+        25% where the realized rates read it at par."""
+        if self.draft_prefill_s is None or not self.emitted_per_request:
+            return 0.0
+        return self.draft_prefill_s / self.emitted_per_request
+
     def snapshot(self, max_k: int) -> dict[str, Any]:
         verify = self.verify_costs(max_k)
         return {
             "draft_step_s": self.draft_step_s,
+            "draft_prefill_s": self.draft_prefill_s,
+            "emitted_per_request": self.emitted_per_request,
             "verify_s": None if verify is None else {str(k): s for k, s in enumerate(verify)},
             "measured_target_tokens": sorted(self.target_s),
             "round_overhead_s": self.round_overhead_s,
@@ -630,7 +654,12 @@ class KController:
         if verify is None or draft is None:
             return None
         return choose_k(
-            self._acceptance(segment), draft, verify, max_k=self.max_k, min_gain=self.min_gain
+            self._acceptance(segment),
+            draft,
+            verify,
+            max_k=self.max_k,
+            min_gain=self.min_gain,
+            draft_prefill_s_per_token=self.costs.draft_prefill_per_token(),
         )
 
     # -- serving ---------------------------------------------------------------------------
