@@ -12,6 +12,7 @@ from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.harness import adaptation_bench
 from tide_lib.harness.adaptation_bench import (
     WorkloadError,
+    fresh_requests,
     held_out_indices,
     load_workload,
     run_adaptation_bench,
@@ -44,6 +45,22 @@ def test_copies_of_a_prompt_are_all_held_out_or_all_served() -> None:
     assert {requests[i]["segment"] for i in held} == {"chat", "law"}  # one per segment at least
     assert held == held_out_indices(list(requests), 20)  # the same on every run
     assert held_out_indices([{"prompt": "only", "segment": "one"}] * 5, 1) == []
+
+
+def test_fresh_requests_are_the_corpus_requests_a_workload_never_sent(tmp_path: Path) -> None:
+    workload = adaptation_bench.segments_workload(
+        tmp_path / "w.jsonl", [("english", 5), ("korean", 3)]
+    )
+    requests = load_workload(workload)
+    fresh = fresh_requests(
+        [*requests, {"prompt": "x", "segment": "mine"}], ["english", "mine"], 4, 16
+    )
+    assert [item["segment"] for item in fresh] == ["english"] * 4  # "mine" has no corpus
+    sent = {item["prompt"] for item in requests}
+    assert not sent & {item["prompt"] for item in fresh}
+    assert len({item["prompt"] for item in fresh}) == 4
+    assert {item["max_new_tokens"] for item in fresh} == {16}
+    assert fresh_requests(requests, ["english"], 0, 16) == []
 
 
 def test_a_ratio_of_drafts_carries_the_paired_noise_of_its_requests() -> None:
@@ -86,7 +103,7 @@ def test_adaptation_bench_on_a_generated_workload(
                 {"prompt": render_prompt(doc.turns[-1]), "segment": segment, "max_new_tokens": 12}
             )
             + "\n"
-            for segment, docs in (("old", english), ("new", korean))
+            for segment, docs in (("english", english), ("new", korean))
             for doc in docs
         )
     )
@@ -105,7 +122,12 @@ def test_adaptation_bench_on_a_generated_workload(
         workload,
         out,
         AdaptationBenchParams(
-            cycle_tokens=120, max_new_tokens=12, labels=True, timing_passes=2, settle=2
+            cycle_tokens=120,
+            max_new_tokens=12,
+            labels=True,
+            timing_passes=2,
+            settle=2,
+            fresh=3,
         ),
         target_dir=tiny_target,
         preset="tiny",
@@ -130,16 +152,20 @@ def test_adaptation_bench_on_a_generated_workload(
     by_pass = written["adapted_adaptive_k_vs_plain_by_pass"]
     assert len(by_pass) == 2 and all(ratio > 0 for ratio in by_pass)
     for figures in written["accept_length"].values():
-        assert set(figures) == {"old", "new"} and set(figures["new"]) == {"k3", "k5"}
+        assert set(figures) == {"english", "new"} and set(figures["new"]) == {"k3", "k5"}
     assert set(written["al_ratio_adapted_static"]) == {"k3", "k5"}
     assert written["tokens_per_s_static"] > 0 and written["tokens_per_s_adapted"] > 0
     assert written["threshold_to_serving_s"] and min(written["threshold_to_serving_s"]) > 0
     assert written["tokens_per_s_plain"] > 0
-    assert set(written["retention"]) == {"old"}  # every segment but the last
-    assert written["retention"]["old"]["before_draft"] in written["accept_length"]
-    assert set(written["retention"]["old"]["margin"]) == {"k3", "k5"}
-    assert set(written["retention_served"]) == {"old"}  # measured on what the drafts learned
-    assert set(written["accept_length_served"]["static"]) == {"old"}
+    assert set(written["retention"]) == {"english"}  # every segment but the last
+    assert written["retention"]["english"]["before_draft"] in written["accept_length"]
+    assert set(written["retention"]["english"]["margin"]) == {"k3", "k5"}
+    assert set(written["retention_served"]) == {"english"}  # what the drafts learned
+    assert set(written["accept_length_served"]["static"]) == {"english"}
+    # and on English chat turns the workload never sent (from the corpus)
+    assert written["requests"]["fresh_measured"] == {"english": 3}
+    assert set(written["retention_fresh"]) == {"english"}
+    assert written["accept_length_fresh"]["static"]["english"]["k3"] >= 1.0
     assert all(m is None or m >= 0 for m in written["al_ratio_adapted_static_margin"].values())
     held = written["held_out_requests"]
     assert held["new"] == written["requests"]["held_out_new_segment"]

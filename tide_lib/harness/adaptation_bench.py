@@ -20,7 +20,9 @@ so copies of a request are all held out or all served.
    did (traffic served after the last cycle waits for the next one in both).
 4. Every draft is evaluated offline on the held-out requests of each segment,
    for each k (and on a sample of the older segments' served requests, which the
-   drafts trained on: ``accept_length_served``, ``retention_served``); the static
+   drafts trained on: ``accept_length_served``, ``retention_served``; and on
+   ``fresh`` requests per older segment that the workload never sent, from the
+   packaged corpus: ``accept_length_fresh``, ``retention_fresh``); the static
    and the final adapted draft are also timed side by side on held-out new-traffic
    prompts.
 """
@@ -56,6 +58,7 @@ __all__ = [
     "AdaptationBenchParams",
     "WorkloadError",
     "demo_workload",
+    "fresh_requests",
     "held_out_indices",
     "load_workload",
     "run_adaptation_bench",
@@ -186,6 +189,32 @@ def _samples_by_segment(
     for sample, item in zip(greedy_records(target_dir, requests, name), items, strict=True):
         by_segment[item["segment"]].append(sample)
     return by_segment
+
+
+def fresh_requests(
+    requests: list[dict[str, Any]], segments: list[str], per_segment: int, max_new_tokens: int
+) -> list[dict[str, Any]]:
+    """Up to ``per_segment`` requests of each of ``segments`` that the workload never sent:
+    the next documents of the segment's packaged corpus (:data:`WORKLOAD_SEGMENTS`; other
+    segment names have none), asked as the workload asks them. Neither served nor held
+    out, they measure retention on more requests than the workload's held-out share."""
+    from tide_lib.target_model import load_corpus  # noqa: PLC0415
+
+    known = [segment for segment in segments if segment in WORKLOAD_SEGMENTS]
+    if not known or per_segment <= 0:
+        return []
+    corpus, sent = load_corpus(), {item["prompt"] for item in requests}
+    fresh: list[dict[str, Any]] = []
+    for segment in known:
+        prompts = dict.fromkeys(
+            _request_prompt(doc) for doc in corpus.domain(WORKLOAD_SEGMENTS[segment])
+        )
+        unseen = [prompt for prompt in prompts if prompt not in sent][:per_segment]
+        fresh += [
+            {"prompt": prompt, "segment": segment, "max_new_tokens": max_new_tokens}
+            for prompt in unseen
+        ]
+    return fresh
 
 
 def _served_sample(served: list[dict[str, Any]], segments: list[str]) -> list[dict[str, Any]]:
@@ -580,6 +609,9 @@ def run_adaptation_bench(
             target_dir, _served_sample(served, segments), max_new_tokens, "served", segments[:-1]
         )
         served_counts = _acceptance(loop.versions, target_dir, seen, ks)
+        unseen = fresh_requests(requests, segments[:-1], params.fresh, max_new_tokens)
+        fresh = _samples_by_segment(target_dir, unseen, max_new_tokens, "fresh", segments[:-1])
+        fresh_counts = _acceptance(loop.versions, target_dir, fresh, ks)
         units = {
             segment: [item["prompt"] for item in held_items if item["segment"] == segment]
             for segment in segments
@@ -588,6 +620,12 @@ def run_adaptation_bench(
     result = _result(loop, counts, timed, segments, ks, units=units)
     result["accept_length_served"] = _lengths(served_counts, ks)
     result["retention_served"] = _retention(served_counts, loop, segments, ks)
+    result["accept_length_fresh"] = _lengths(fresh_counts, ks)
+    result["retention_fresh"] = {  # segments the corpus had unseen requests of
+        segment: figures
+        for segment, figures in _retention(fresh_counts, loop, segments, ks).items()
+        if fresh[segment]
+    }
     result["adaptive_k"] = adaptive
     result["requests"] = {
         "served": len(served),
@@ -595,6 +633,7 @@ def run_adaptation_bench(
         "held_out_new_segment": len(units[new_segment]),  # the timed prompts
         "held_out_distinct_prompts": len({requests[i]["prompt"] for i in held}),
         "served_measured": {segment: len(samples) for segment, samples in seen.items()},
+        "fresh_measured": {segment: len(samples) for segment, samples in fresh.items()},
     }
     result["params"] = {
         "cycle_tokens": cycle_tokens,
@@ -605,6 +644,7 @@ def run_adaptation_bench(
         "settle_requests": params.settle,
         "train_steps_per_cycle": train.steps,
         "static_steps": static_steps,
+        "fresh_per_segment": params.fresh,
         "labels": labels,
         "workload": str(workload),
         "oracle_data": loop.oracle_data,

@@ -105,6 +105,13 @@ class AdaptationBenchParams(StrictModel):
         description="training steps of the static draft (0: 4 x training.steps, "
         "a draft fitted to its traffic as a deployed one is, not one a cycle still improves)",
     )
+    fresh: int = Field(
+        48,
+        ge=0,
+        description="requests the workload never sent, per older segment named english, "
+        "english-docs, korean or korean-law, drawn from the packaged corpus: retention is "
+        "measured on them too (a dozen held-out requests move it by tenths)",
+    )
 
 
 class DemoSettings(StrictModel):
