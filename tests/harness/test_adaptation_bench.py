@@ -103,7 +103,7 @@ def test_adaptation_bench_on_a_generated_workload(
                 {"prompt": render_prompt(doc.turns[-1]), "segment": segment, "max_new_tokens": 12}
             )
             + "\n"
-            for segment, docs in (("english", english), ("new", korean))
+            for segment, docs in (("english", english), ("korean", korean))
             for doc in docs
         )
     )
@@ -142,7 +142,7 @@ def test_adaptation_bench_on_a_generated_workload(
         ),
     )
     written = json.loads(out.read_text())
-    assert written["new_segment"] == "new" and written == json.loads(json.dumps(result))
+    assert written["new_segment"] == "korean" and written == json.loads(json.dumps(result))
     assert {"static", "oracle"} <= set(written["accept_length"])
     assert any(name.startswith("adapted-") for name in written["accept_length"])
     timed = written["adaptive_k"]["timed_requests_by_k"]  # every held-out prompt, twice
@@ -152,7 +152,7 @@ def test_adaptation_bench_on_a_generated_workload(
     by_pass = written["adapted_adaptive_k_vs_plain_by_pass"]
     assert len(by_pass) == 2 and all(ratio > 0 for ratio in by_pass)
     for figures in written["accept_length"].values():
-        assert set(figures) == {"english", "new"} and set(figures["new"]) == {"k3", "k5"}
+        assert set(figures) == {"english", "korean"} and set(figures["korean"]) == {"k3", "k5"}
     assert set(written["al_ratio_adapted_static"]) == {"k3", "k5"}
     assert written["tokens_per_s_static"] > 0 and written["tokens_per_s_adapted"] > 0
     assert written["threshold_to_serving_s"] and min(written["threshold_to_serving_s"]) > 0
@@ -163,12 +163,15 @@ def test_adaptation_bench_on_a_generated_workload(
     assert set(written["retention_served"]) == {"english"}  # what the drafts learned
     assert set(written["accept_length_served"]["static"]) == {"english"}
     # and on English chat turns the workload never sent (from the corpus)
-    assert written["requests"]["fresh_measured"] == {"english": 3}
-    assert set(written["retention_fresh"]) == {"english"}
+    assert written["requests"]["fresh_measured"] == {"english": 3, "korean": 3}
+    assert set(written["retention_fresh"]) == {"english"}  # older segments only
+    for name in ("static", "oracle"):  # the new segment's ratios on its fresh requests too
+        assert set(written[f"al_ratio_adapted_{name}_fresh"]) == {"k3", "k5"}
+        assert set(written[f"al_ratio_adapted_{name}_fresh_margin"]) == {"k3", "k5"}
     assert written["accept_length_fresh"]["static"]["english"]["k3"] >= 1.0
     assert all(m is None or m >= 0 for m in written["al_ratio_adapted_static_margin"].values())
     held = written["held_out_requests"]
-    assert held["new"] == written["requests"]["held_out_new_segment"]
+    assert held["korean"] == written["requests"]["held_out_new_segment"]
     assert sum(held.values()) == written["requests"]["held_out"]
     outcomes = [entry["outcome"] for entry in written["cycle_log"]]
     assert outcomes and set(outcomes) <= {"promoted", "rejected", "no-drift", "parent-best"}

@@ -21,8 +21,9 @@ so copies of a request are all held out or all served.
 4. Every draft is evaluated offline on the held-out requests of each segment,
    for each k (and on a sample of the older segments' served requests, which the
    drafts trained on: ``accept_length_served``, ``retention_served``; and on
-   ``fresh`` requests per older segment that the workload never sent, from the
-   packaged corpus: ``accept_length_fresh``, ``retention_fresh``); the static
+   ``fresh`` requests per segment that the workload never sent, from the packaged
+   corpus: ``accept_length_fresh``, ``retention_fresh``, the new segment's
+   ``al_ratio_adapted_*_fresh``); the static
    and the final adapted draft are also timed side by side on held-out new-traffic
    prompts.
 """
@@ -609,8 +610,8 @@ def run_adaptation_bench(
             target_dir, _served_sample(served, segments), max_new_tokens, "served", segments[:-1]
         )
         served_counts = _acceptance(loop.versions, target_dir, seen, ks)
-        unseen = fresh_requests(requests, segments[:-1], params.fresh, max_new_tokens)
-        fresh = _samples_by_segment(target_dir, unseen, max_new_tokens, "fresh", segments[:-1])
+        unseen = fresh_requests(requests, segments, params.fresh, max_new_tokens)
+        fresh = _samples_by_segment(target_dir, unseen, max_new_tokens, "fresh", segments)
         fresh_counts = _acceptance(loop.versions, target_dir, fresh, ks)
         units = {
             segment: [item["prompt"] for item in held_items if item["segment"] == segment]
@@ -626,6 +627,11 @@ def run_adaptation_bench(
         for segment, figures in _retention(fresh_counts, loop, segments, ks).items()
         if fresh[segment]
     }
+    if fresh[new_segment]:  # the new segment's ratios on fresh requests too
+        for name, over in (("static", "static"), ("oracle", "oracle")):
+            ratios, margins = _ratios(fresh_counts, loop.champion, over, new_segment, ks)
+            result[f"al_ratio_adapted_{name}_fresh"] = ratios
+            result[f"al_ratio_adapted_{name}_fresh_margin"] = margins
     result["adaptive_k"] = adaptive
     result["requests"] = {
         "served": len(served),

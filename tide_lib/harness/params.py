@@ -108,9 +108,10 @@ class AdaptationBenchParams(StrictModel):
     fresh: int = Field(
         48,
         ge=0,
-        description="requests the workload never sent, per older segment named english, "
-        "english-docs, korean or korean-law, drawn from the packaged corpus: retention is "
-        "measured on them too (a dozen held-out requests move it by tenths)",
+        description="requests the workload never sent, per segment named english, "
+        "english-docs, korean or korean-law, drawn from the packaged corpus: retention and "
+        "the new segment's ratios are measured on them too (a dozen held-out requests move "
+        "them by tenths)",
     )
 
 
