@@ -332,6 +332,21 @@ def test_the_window_as_a_whole_is_noise_on_few_requests_and_with_a_loose_baselin
     assert not loose.drift  # the baseline was itself a sample: 0.4 - 0.4 < 0.15
 
 
+def test_the_window_names_only_segments_measured_well_enough_to_relearn() -> None:
+    """A cycle relearns the older requests of every segment a drift names: one request's
+    fall is no reason to (an English cluster of 28 tokens relearned fell 2.83 -> 1.98)."""
+    requests = {"en": [(16, 5)] * 10 + [(15, 5), (17, 5)], "thin": [(27, 10)]}
+    references = {"en": 3.6, "thin": 3.5}
+    everything = judge_window(requests, references, tolerance=0.15)
+    assert everything.drift and set(everything.drifted) == {"en", "thin"}
+    named = judge_window(requests, references, tolerance=0.15, nameable={"en"})
+    assert named.drift and set(named.drifted) == {"en"}
+    unnamed = judge_window(requests, references, tolerance=0.15, nameable=set())
+    assert unnamed.drift and unnamed.drifted == {} and "none measured well" in unnamed.reason
+    nan = judge_window(requests, {"en": math.nan, "thin": 3.5}, tolerance=0.15)
+    assert not nan.drift  # a figure that is no number judges nothing
+
+
 def test_segments_served_at_their_own_references_are_no_fall_and_no_noise() -> None:
     """Requests of segments with different figures add evidence, not spread: each is held
     to its own segment's reference, so a window served at its references is exact."""

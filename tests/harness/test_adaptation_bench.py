@@ -59,7 +59,9 @@ def test_fresh_requests_are_the_corpus_requests_a_workload_never_sent(tmp_path: 
     sent = {item["prompt"] for item in requests}
     assert not sent & {item["prompt"] for item in fresh}
     assert len({item["prompt"] for item in fresh}) == 4
-    assert {item["max_new_tokens"] for item in fresh} == {16}
+    assert {item["max_new_tokens"] for item in fresh} == {48}  # as the workload asks
+    asked = [{**item, "max_new_tokens": 9} for item in requests]
+    assert {item["max_new_tokens"] for item in fresh_requests(asked, ["english"], 2, 16)} == {9}
     assert fresh_requests(requests, ["english"], 0, 16) == []
 
 

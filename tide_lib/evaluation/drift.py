@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from tide_lib.evaluation.offline import fall_below
@@ -143,14 +143,16 @@ def judge_window(
     *,
     tolerance: float,
     reference_margins: Mapping[str, float] | None = None,
+    nameable: Collection[str] | None = None,
 ) -> DriftVerdict:
     """Did the window as a whole fall? Each segment's requests (``(emitted, verify)``
     each) held to its reference (the figure :func:`judge_drift` holds it to), pooled as
     acceptance length is (:func:`~tide_lib.evaluation.offline.fall_below`): drift when
     the fall exceeds ``tolerance`` beyond its margin of error, combined with the
     references' own (``reference_margins``, weighted by each segment's verify steps).
-    The segments named are those that fell by more than ``tolerance`` (none: all of
-    them, the fall is spread). Segments without a reference are left out."""
+    The segments named are those of ``nameable`` (all when None) that fell by more than
+    ``tolerance``: a cycle relearns the older traffic of a segment named, and one
+    request's fall is no reason to. Segments without a reference are left out."""
     held = {s: pairs for s, pairs in per_request.items() if s in references and pairs}
     fall, margin = fall_below([(references[s], pairs) for s, pairs in held.items()])
     verify = {s: sum(v for _, v in pairs) for s, pairs in held.items()}
@@ -159,16 +161,19 @@ def judge_window(
         return DriftVerdict(False, "no request to judge the window on", {})
     weighted = [verify[s] / total * (reference_margins or {}).get(s, 0.0) for s in held]
     margin = math.hypot(margin, *weighted)
-    falls = {s: references[s] - sum(e for e, _ in held[s]) / verify[s] for s in held if verify[s]}
     moved = "fell" if fall >= 0 else "rose"
     summary = f"the window as a whole {moved} {abs(fall):.3f} against its segments' references"
-    if fall - margin <= tolerance:
+    if not fall - margin > tolerance:  # NaN included: nothing to judge is no drift
         return DriftVerdict(False, f"{summary}{_plus_minus(margin)}", {})
-    drifted = {s: f for s, f in falls.items() if f > tolerance} or falls
+    falls = {s: references[s] - sum(e for e, _ in held[s]) / verify[s] for s in held if verify[s]}
+    drifted = {
+        s: f for s, f in falls.items() if f > tolerance and (nameable is None or s in nameable)
+    }
+    named = ", ".join(sorted(drifted)) or "none measured well enough alone to name"
     return DriftVerdict(
         True,
         f"drift: {summary} (+/- {margin:.3f}), more than {tolerance:.3f} beyond the margin "
-        f"of error; fell most: {', '.join(sorted(drifted))}",
+        f"of error; fell by more than {tolerance:.3f}: {named}",
         drifted,
     )
 

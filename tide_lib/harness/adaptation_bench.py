@@ -197,8 +197,9 @@ def fresh_requests(
 ) -> list[dict[str, Any]]:
     """Up to ``per_segment`` requests of each of ``segments`` that the workload never sent:
     the next documents of the segment's packaged corpus (:data:`WORKLOAD_SEGMENTS`; other
-    segment names have none), asked as the workload asks them. Neither served nor held
-    out, they measure retention on more requests than the workload's held-out share."""
+    segment names have none), asked as the workload asks them (the segment's first
+    request's ``max_new_tokens``, else ``max_new_tokens``). Neither served nor held out,
+    they measure retention on more requests than the workload's held-out share."""
     from tide_lib.target_model import load_corpus  # noqa: PLC0415
 
     known = [segment for segment in segments if segment in WORKLOAD_SEGMENTS]
@@ -211,9 +212,16 @@ def fresh_requests(
             _request_prompt(doc) for doc in corpus.domain(WORKLOAD_SEGMENTS[segment])
         )
         unseen = [prompt for prompt in prompts if prompt not in sent][:per_segment]
+        asked = next(
+            (
+                int(item.get("max_new_tokens", max_new_tokens))
+                for item in requests
+                if item["segment"] == segment
+            ),
+            max_new_tokens,
+        )
         fresh += [
-            {"prompt": prompt, "segment": segment, "max_new_tokens": max_new_tokens}
-            for prompt in unseen
+            {"prompt": prompt, "segment": segment, "max_new_tokens": asked} for prompt in unseen
         ]
     return fresh
 
@@ -611,8 +619,11 @@ def run_adaptation_bench(
         )
         served_counts = _acceptance(loop.versions, target_dir, seen, ks)
         unseen = fresh_requests(requests, segments, params.fresh, max_new_tokens)
-        fresh = _samples_by_segment(target_dir, unseen, max_new_tokens, "fresh", segments)
-        fresh_counts = _acceptance(loop.versions, target_dir, fresh, ks)
+        fresh: dict[str, list[CapturedRecord]] = {segment: [] for segment in segments}
+        fresh_counts: Counts = {}
+        if unseen:  # else no target to load, no draft to replay
+            fresh = _samples_by_segment(target_dir, unseen, max_new_tokens, "fresh", segments)
+            fresh_counts = _acceptance(loop.versions, target_dir, fresh, ks)
         units = {
             segment: [item["prompt"] for item in held_items if item["segment"] == segment]
             for segment in segments
@@ -624,7 +635,9 @@ def run_adaptation_bench(
     result["accept_length_fresh"] = _lengths(fresh_counts, ks)
     result["retention_fresh"] = {  # segments the corpus had unseen requests of
         segment: figures
-        for segment, figures in _retention(fresh_counts, loop, segments, ks).items()
+        for segment, figures in (
+            _retention(fresh_counts, loop, segments, ks) if fresh_counts else {}
+        ).items()
         if fresh[segment]
     }
     if fresh[new_segment]:  # the new segment's ratios on fresh requests too

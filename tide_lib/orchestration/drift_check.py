@@ -173,7 +173,14 @@ def _judged_against(config: TideConfig, version: str, window: _Window, known: Ba
     )
     average = statistics.fmean(known.accept_length.values())
     if not verdict.drift:  # segments too thin to judge alone may have fallen together
-        verdict = _judged_whole(window, known, average, verdict, tolerance)
+        verdict = _judged_whole(
+            window,
+            known,
+            average,
+            verdict,
+            tolerance=tolerance,
+            min_share=config.gate.min_segment_share,
+        )
     fitting = _fitting(
         window, lambda s: known.accept_length.get(s, average), verdict.drifted, tolerance
     )
@@ -207,10 +214,19 @@ def _judged_against(config: TideConfig, version: str, window: _Window, known: Ba
 
 
 def _judged_whole(
-    window: _Window, known: Baseline, average: float, alone: DriftVerdict, tolerance: float
+    window: _Window,
+    known: Baseline,
+    average: float,
+    alone: DriftVerdict,
+    *,
+    tolerance: float,
+    min_share: float,
 ) -> DriftVerdict:
     """The window judged as a whole (:func:`judge_window`), each segment held to what
-    :func:`judge_drift` held it to, when no segment fell alone (``alone``)."""
+    :func:`judge_drift` held it to, when no segment fell alone (``alone``). A baseline's
+    margin counts where the segment is held to it (a ceiling is exact); segments named
+    are those :func:`judge_drift` could have named (two requests or more, ``min_share``
+    of the window)."""
     references = {
         s: window.held_to(s, known.accept_length.get(s, average)) for s in window.measured
     }
@@ -218,7 +234,12 @@ def _judged_whole(
         window.per_request,
         references,
         tolerance=tolerance,
-        reference_margins=known.margins,
+        reference_margins={
+            s: m
+            for s, m in known.margins.items()
+            if references.get(s) == known.accept_length.get(s)
+        },
+        nameable={s for s in window.margins if window.shares.get(s, 0.0) >= min_share},
     )
     if whole.drift:
         return dataclasses.replace(whole, reason=f"{whole.reason}; by segment, {alone.reason}")
