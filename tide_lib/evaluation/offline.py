@@ -123,13 +123,9 @@ def drop_margin(
 def length_margin(per_request: Sequence[tuple[int, int]]) -> float:
     """One-sided 95% margin of error of one pooled acceptance length (``(emitted,
     verify)`` per request): the delta-method standard error of a ratio of sums times
-    Student's t. What a figure measured on a sample of requests can be trusted to."""
-    verify = sum(v for _, v in per_request)
-    if len(per_request) < 2 or not verify:
-        return math.inf
-    length = sum(e for e, _ in per_request) / verify
-    residuals = [(e - length * v) / verify for e, v in per_request]
-    return t95(len(per_request) - 1) * _delta_error(residuals)
+    Student's t. What a figure measured on a sample of requests can be trusted to: the
+    margin of its fall below 0 (:func:`fall_below`)."""
+    return fall_below([(0.0, per_request)])[1]
 
 
 def fall_below(

@@ -633,18 +633,14 @@ def run_adaptation_bench(
     result["accept_length_served"] = _lengths(served_counts, ks)
     result["retention_served"] = _retention(served_counts, loop, segments, ks)
     result["accept_length_fresh"] = _lengths(fresh_counts, ks)
-    result["retention_fresh"] = {  # segments the corpus had unseen requests of
-        segment: figures
-        for segment, figures in (
-            _retention(fresh_counts, loop, segments, ks) if fresh_counts else {}
-        ).items()
-        if fresh[segment]
-    }
+    retention_fresh = _retention(fresh_counts, loop, segments, ks) if fresh_counts else {}
+    # segments the corpus had unseen requests of
+    result["retention_fresh"] = {s: f for s, f in retention_fresh.items() if fresh[s]}
     if fresh[new_segment]:  # the new segment's ratios on fresh requests too
-        for name, over in (("static", "static"), ("oracle", "oracle")):
+        for over in ("static", "oracle"):
             ratios, margins = _ratios(fresh_counts, loop.champion, over, new_segment, ks)
-            result[f"al_ratio_adapted_{name}_fresh"] = ratios
-            result[f"al_ratio_adapted_{name}_fresh_margin"] = margins
+            result[f"al_ratio_adapted_{over}_fresh"] = ratios
+            result[f"al_ratio_adapted_{over}_fresh_margin"] = margins
     result["adaptive_k"] = adaptive
     result["requests"] = {
         "served": len(served),

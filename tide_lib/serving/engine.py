@@ -279,7 +279,7 @@ class Engine:
             request.input_ids,
             request.max_new_tokens,
             temperature=request.temperature,
-            speculative=self.speculative and not reference,
+            speculative=self.speculative,
             generator=generator,
             ignore_eos=request.ignore_eos,
             num_steps=0 if reference else self.k_controller.pick(request.segment),
