@@ -41,6 +41,9 @@ _OFFSET = int(os.environ.get("TIDE_TEST_PORT_OFFSET", "0"))
 STACK_PORTS = 20000 + _OFFSET  # the session's stack
 DEMO_STACK_PORTS = 20100 + _OFFSET
 SPARE_PORTS = 20200 + _OFFSET
+OUTAGE_STACK_PORTS = 20300 + _OFFSET  # stacks of single tests, each started and stopped there
+TAKEN_PORT_STACK_PORTS = 20400 + _OFFSET
+STOPPED_STACK_PORTS = 20500 + _OFFSET
 ENGINE_PORTS = 21000 + _OFFSET  # + up to 1000 by pid: engine processes
 DEMO_ENGINE_PORTS = 22000 + _OFFSET
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_record, stack_config
+from tests.conftest import OUTAGE_STACK_PORTS, make_record, stack_config
 from tide_lib.config import LakeConfig
 from tide_lib.lake import LakeReader, LakeWriter, ObjectStore, target_slug
 from tide_lib.stack import SERVICES, StackManager
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_store_restart_mid_stream_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     # A private S3 server: the session stack's MLflow must not see this outage.
-    config = stack_config(tmp_path / "stack", port_base=46000)
+    config = stack_config(tmp_path / "stack", port_base=OUTAGE_STACK_PORTS)
     s3_only = StackManager(config, services=tuple(s for s in SERVICES if s.name == "seaweedfs"))
     s3_only.up()
     try:

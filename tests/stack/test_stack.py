@@ -8,7 +8,12 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from tests.conftest import SPARE_PORTS, stack_config
+from tests.conftest import (
+    SPARE_PORTS,
+    STOPPED_STACK_PORTS,
+    TAKEN_PORT_STACK_PORTS,
+    stack_config,
+)
 from tide_lib.config import TideConfig
 from tide_lib.lake import ObjectStore
 from tide_lib.stack import SERVICES, StackError, StackManager, free_ports
@@ -51,7 +56,7 @@ def test_mlflow_artifacts_land_in_the_s3_server(stack: TideConfig, tmp_path: Pat
 
 
 def test_taken_port_fails_with_a_clear_message(tmp_path: Path) -> None:
-    config = stack_config(tmp_path, port_base=47000)
+    config = stack_config(tmp_path, port_base=TAKEN_PORT_STACK_PORTS)
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", config.stack.mlflow_port))
         squatter.listen()
@@ -70,7 +75,8 @@ def test_missing_binary_names_the_fix() -> None:
 
 def test_down_stops_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    config = stack_config(Path("relative/state"), port_base=48000)  # as the default .tide/stack
+    # a relative state dir, as the default .tide/stack
+    config = stack_config(Path("relative/state"), port_base=STOPPED_STACK_PORTS)
     manager = StackManager(config, services=tuple(s for s in SERVICES if s.name == "seaweedfs"))
     manager.up()
     pid = manager.status()[0].pid
