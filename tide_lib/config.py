@@ -702,6 +702,16 @@ class CycleConfig(StrictModel):
     replay_share: float = Field(
         0.5, ge=0, le=4, description="older-traffic tokens mixed in, as a share of the window"
     )
+    replay_min_segment_share: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description=(
+            "each older segment the gate protects (gate.min_segment_share of the older "
+            "traffic) gets at least this share of the replay budget, whatever its volume: "
+            "traffic of short requests is replayed enough to be kept (0: by volume alone)"
+        ),
+    )
     held_out_percent: int = Field(
         20, ge=1, le=50, description="window requests kept for evaluation"
     )

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tide_lib.orchestration.replay import ReplayCandidate, choose_replay, replay_quotas
+from tide_lib.orchestration.replay import (
+    ReplayCandidate,
+    choose_replay,
+    floored_shares,
+    replay_quotas,
+)
 
 
 def test_a_segment_the_window_lost_gets_more_than_its_volume() -> None:
@@ -23,6 +28,38 @@ def test_without_shift_the_replay_follows_the_older_shares_and_a_wobble_moves_it
     assert wobble == pytest.approx({"a": 1000 * 0.5 / 1.01, "b": 1000 * 0.51 / 1.01})
     assert replay_quotas(500, {}, {"a": 10}) == {}
     assert replay_quotas(0, {"a": 10}, {}) == {"a": 0}
+
+
+def test_a_protected_segment_of_short_requests_gets_the_floor() -> None:
+    # English chat: 12% of the older tokens; docs and law the rest, the window all law.
+    older = {"english": 120, "docs": 300, "law": 600}
+    by_volume = replay_quotas(1000, older, {"law": 500})
+    quotas = replay_quotas(1000, older, {"law": 500}, floor=0.25, floor_from=0.10)
+    assert by_volume["english"] < 250
+    assert quotas["english"] == pytest.approx(250)
+    assert sum(quotas.values()) == pytest.approx(1000)
+    # the others keep their proportions
+    assert quotas["docs"] / quotas["law"] == pytest.approx(by_volume["docs"] / by_volume["law"])
+    # a segment below floor_from (a stray cluster) gets no floor
+    stray = replay_quotas(1000, {**older, "stray": 20}, {"law": 500}, floor=0.25, floor_from=0.10)
+    assert stray["stray"] < 50
+    assert stray["english"] == pytest.approx(250)
+
+
+def test_floored_shares_raise_in_turn_and_never_past_an_even_split() -> None:
+    shares = {"a": 0.70, "b": 0.20, "c": 0.10}
+    # raising c to 0.3 scales b to 0.2 x 0.7 / 0.9 < 0.3: b is raised too
+    assert floored_shares(shares, 0.3, {"a", "b", "c"}) == pytest.approx(
+        {"a": 0.4, "b": 0.3, "c": 0.3}
+    )
+    assert floored_shares(shares, 0.9, {"a", "b", "c"}) == pytest.approx(
+        {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}
+    )
+    assert floored_shares(shares, 0.0, {"a", "b", "c"}) == shares
+    assert floored_shares(shares, 0.3, set()) == shares
+    assert floored_shares(shares, 0.15, {"c", "zzz"}) == pytest.approx(
+        {"a": 0.70 * 0.85 / 0.9, "b": 0.20 * 0.85 / 0.9, "c": 0.15}
+    )
 
 
 def _chosen(pool: list[ReplayCandidate], quotas: dict[str, float], seed: str) -> set[str]:

@@ -539,7 +539,13 @@ def _choose_replay(
     for segment in {c.segment for c in learned} - {c.segment for c in candidates}:
         older_tokens.pop(segment)
     budget = config.cycle.replay_share * snapshot.window_tokens
-    quotas = replay_quotas(budget, older_tokens, window_tokens)
+    quotas = replay_quotas(
+        budget,
+        older_tokens,
+        window_tokens,
+        floor=config.cycle.replay_min_segment_share,
+        floor_from=config.gate.min_segment_share,
+    )
     logger.info(
         "cycle %s: replay budget %.0f tokens by segment %s (older traffic %s, window %s)",
         snapshot.cycle_id,
