@@ -295,9 +295,12 @@ def _forgotten_together(
         return _Together(drop=drop, measured=measured)
     figures = f"{', '.join(judged)} together {after:.3f} vs champion {before:.3f}"
     if drop - margin <= config.tolerance + _EPSILON:
-        return _Together(
-            judged, f"{figures}: no drop beyond the tolerance", drop=drop, measured=figures
+        within = (
+            f"{figures}: no drop beyond the tolerance"
+            if drop <= config.tolerance + _EPSILON
+            else f"{figures}: no drop beyond the tolerance + margin of error {margin:.3f}"
         )
+        return _Together(judged, within, drop=drop, measured=figures)
     return _Together(
         judged,
         figures,
