@@ -707,9 +707,10 @@ class CycleConfig(StrictModel):
         ge=0,
         le=1,
         description=(
-            "each older segment the gate protects (gate.min_segment_share of the older "
-            "traffic) gets at least this share of the replay budget, whatever its volume: "
-            "traffic of short requests is replayed enough to be kept (0: by volume alone)"
+            "each older segment the gate protects for its older traffic alone "
+            "(gate.min_segment_share of it, less of the window's) gets at least this share "
+            "of the replay budget, whatever its volume: traffic of short requests is "
+            "replayed enough to be kept (0: by volume alone)"
         ),
     )
     held_out_percent: int = Field(

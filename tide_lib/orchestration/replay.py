@@ -15,8 +15,8 @@ A budget a segment cannot fill (too few requests) goes to the other candidates.
 Volume undersells traffic of short requests: in the four-segment benchmark with Korean
 last, English chat (short answers next to long documents and law texts) held a small share
 of the older tokens, so a small share of the replay, and the Korean cycles forgot it (0.75-0.80
-of its acceptance length on fresh requests). So a segment the gate protects
-(``gate.min_segment_share`` of the older traffic) gets at least
+of its acceptance length on fresh requests). So a segment the gate protects for
+its older traffic alone (``gate.min_segment_share`` of it, less of the window's) gets at least
 ``cycle.replay_min_segment_share`` of the budget, the others' quotas shrinking in
 proportion (:func:`floored_shares`).
 
@@ -70,8 +70,9 @@ def replay_quotas(
 ) -> dict[str, float]:
     """Replay tokens per older segment: ``budget_tokens`` split by weight, a segment's
     share of older traffic plus the part of it the window lacks (never below 0); a
-    segment with at least ``floor_from`` of the older traffic gets at least ``floor`` of
-    the budget (:func:`floored_shares`)."""
+    segment with at least ``floor_from`` of the older traffic and less of the window's
+    (the gate protects it for its older traffic alone) gets at least ``floor`` of the
+    budget (:func:`floored_shares`)."""
     older, window = token_shares(older_tokens), token_shares(window_tokens)
     weights = {
         segment: share + max(share - window.get(segment, 0.0), 0.0)
@@ -80,7 +81,11 @@ def replay_quotas(
     total = sum(weights.values())
     if not total:
         return {}
-    floored = {segment for segment, share in older.items() if share >= floor_from}
+    floored = {
+        segment
+        for segment, share in older.items()
+        if share >= floor_from and window.get(segment, 0.0) < floor_from
+    }
     shares = floored_shares({s: w / total for s, w in weights.items()}, floor, floored)
     return {segment: budget_tokens * share for segment, share in shares.items()}
 
