@@ -703,14 +703,14 @@ class CycleConfig(StrictModel):
         0.5, ge=0, le=4, description="older-traffic tokens mixed in, as a share of the window"
     )
     replay_min_segment_share: float = Field(
-        0.25,
+        0.0,
         ge=0,
         le=1,
         description=(
             "each older segment the gate protects for its older traffic alone "
             "(gate.min_segment_share of it, less of the window's) gets at least this share "
             "of the replay budget, whatever its volume: traffic of short requests is "
-            "replayed enough to be kept (0: by volume alone)"
+            "replayed enough to be kept (0, the default: by volume alone)"
         ),
     )
     held_out_percent: int = Field(

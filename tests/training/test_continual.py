@@ -691,8 +691,8 @@ def test_a_step_below_its_parent_on_the_gates_window_weighted_figure_is_never_ke
 
 
 def test_a_run_that_kept_its_parent_reports_what_its_best_step_learned() -> None:
-    """Its continuation's gain per segment it learns (older traffic aside): a segment it
-    gained on is not settled as one no draft serves better."""
+    """Its continuation's gain per segment it learns (older traffic aside), else its last
+    step's: a segment it gained on is not settled as one no draft serves better."""
     evaluations = [
         {"step": 0, "accept_length": 2.0, "groups": {"law": 1.5, "chat": 3.5, "older/en": 3.0}},
         {"step": 10, "accept_length": 2.1, "groups": {"law": 2.0, "chat": 3.0, "older/en": 2.9}},
@@ -714,7 +714,11 @@ def test_a_run_that_kept_its_parent_reports_what_its_best_step_learned() -> None
     )
     assert result.learned_gains() == pytest.approx({"law": 0.5, "chat": -0.5})
     assert TrainResult.from_json(result.to_json()).learned_gains() == result.learned_gains()
-    assert dataclasses.replace(result, continuation_step=None).learned_gains() == {}
+    # No continuation (every step forgot older traffic): what its last step held.
+    vetoed = dataclasses.replace(result, continuation_step=None)
+    assert vetoed.learned_gains() == pytest.approx({"law": 0.1, "chat": 0.0})
+    assert dataclasses.replace(result, best_is_parent=False).learned_gains() == {}
+    assert dataclasses.replace(vetoed, evaluations=evaluations[:1]).learned_gains() == {}
 
 
 def test_a_gain_over_the_parent_within_its_noise_keeps_the_parent() -> None:

@@ -141,19 +141,19 @@ class TrainResult:
         return None
 
     def learned_gains(self) -> dict[str, float]:
-        """What a run that kept its parent learned: its continuation's held-out gain over
-        the parent per group of the traffic it learns (not ``older/``); none without one."""
-        if not self.continuation_step:
-            return {}
+        """What a run that kept its parent learned: held-out gain over the parent per group
+        of the traffic it learns (not ``older/``). With a continuation, the continuation's
+        (what the next run starts from); without one, its last evaluated step's. A run
+        whose every step forgot older traffic still learned: Korean 1.27 -> 2.37 in a run
+        vetoed for forgetting Korean law, which reported nothing and was settled as
+        learned in vain (held to the 1.345 its parent served there)."""
         by_step = {int(e["step"]): e["groups"] for e in self.evaluations}
-        start, learned = by_step.get(0), by_step.get(self.continuation_step)
-        if start is None or learned is None:
+        start = by_step.get(0)
+        last = max(by_step) if by_step else 0
+        learned = by_step.get(self.continuation_step or last)
+        if not self.best_is_parent or start is None or learned is None or not last:
             return {}
-        return {
-            group: learned[group] - start[group]
-            for group in learned
-            if group in start and not group.startswith(OLDER_PREFIX)
-        }
+        return _gains(start, learned)
 
     @property
     def tokens_per_s(self) -> float:
@@ -175,6 +175,15 @@ class TrainResult:
                 "continuation_dir": Path(continuation) if continuation else None,
             }
         )
+
+
+def _gains(start: dict[str, float], learned: dict[str, float]) -> dict[str, float]:
+    """``learned`` minus ``start`` per group both know, older traffic (``older/``) aside."""
+    return {
+        group: value - start[group]
+        for group, value in learned.items()
+        if group in start and not group.startswith(OLDER_PREFIX)
+    }
 
 
 def list_samples(data_dir: Path) -> list[Path]:
