@@ -243,6 +243,32 @@ def test_the_window_learns_every_segment_but_those_the_champion_still_fits(
     assert segments("replay") == ["english"]  # what it still fits is kept
 
 
+def test_a_window_without_the_segments_to_learn_is_learned_whole(
+    config: TideConfig, lake_store: ObjectStore, tmp_path: Path
+) -> None:
+    """Sent to go on learning Korean law (still learning after a promotion), a cycle
+    whose window holds English alone, which the champion fits, learns the English: kept
+    whole, it would train on replay alone and could never beat its parent."""
+    config = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"replay_share": 0.0})}
+    )
+    _write(lake_store, config, [_record(i, CENTERS[1], "korean law") for i in range(10)])
+    cycle.advance_watermark(config, cycle.snapshot_window(config, "c1"))
+    _write(lake_store, config, [_record(100 + i, CENTERS[0], "english") for i in range(10)])
+    snapshot = cycle.snapshot_window(config, "c2")
+    _store_drift(lake_store, config, {"english": 3.0}, drifted=["korean law"], fitting=["english"])
+    exported = cycle.export_training_data(config, snapshot, tmp_path / "data")
+    learned = {
+        torch.load(path, weights_only=True)["segment"]
+        for path in (tmp_path / "data" / "window").glob("*.ckpt")
+    }
+    assert learned == {"english"}
+    assert exported.requests["replay"] == 0
+    judged = tmp_path / "data" / cycle.JUDGED_DIR  # its held-out requests: scored as learned
+    assert list((judged / cycle.WINDOW_DIR).glob("*.ckpt"))
+    assert not list((judged / cycle.REPLAY_DIR).glob("*.ckpt"))
+
+
 @pytest.mark.parametrize("relearn", [True, False])
 def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
     config: TideConfig, lake_store: ObjectStore, tmp_path: Path, relearn: bool

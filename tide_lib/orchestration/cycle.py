@@ -336,6 +336,9 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     earlier requests of the segments it learns among the older traffic read: a segment
     arriving over several windows is learned from all of them, not one at a time.
 
+    A cycle left with nothing to learn learns the window it would keep
+    (:func:`_learn_kept_window`).
+
     Lake debris (a marker whose shard is gone, a corrupt shard, bad records) is
     quarantined or skipped, counted and logged; the cycle goes on without it.
     """
@@ -348,11 +351,16 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     def learned(sample: CapturedRecord) -> bool:
         return learns(segment_as_grouped(sample, drift_segmenter, segmenter))
 
+    kept = TrainingSet(requests={REPLAY_DIR: 0}, tokens={REPLAY_DIR: 0})  # window, replayed
+
     def save(sample: CapturedRecord, segment: str, window: bool) -> None:
         part = WINDOW_DIR if window and learned(sample) else REPLAY_DIR
         sample.save_specforge(out / part, counts[part], segment=segment)
         counts[part] += 1
         tokens[part] += int(sample.input_ids.numel())
+        if window and part == REPLAY_DIR:
+            kept.requests[part] += 1
+            kept.tokens[part] += int(sample.input_ids.numel())
 
     window_tokens: dict[str, int] = {}  # what the window carries, by segment
     judged: set[bytes] = set()  # the window's held-out requests: a copy is never trained on
@@ -393,6 +401,8 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         if found is not None:
             candidate, learn = found
             save(sample, candidate.segment, window=learn)
+    if not counts[WINDOW_DIR] and kept.total:
+        _learn_kept_window(out, kept, counts, tokens, snapshot.cycle_id)
     window_judged = len(judged)
     for held, sample in _older_held_out(config, snapshot, reader, judged):
         if held:  # older traffic the gate judges forgetting on: scored as traffic to keep
@@ -411,6 +421,37 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} export")
     return TrainingSet(requests=counts, tokens=tokens)
+
+
+def _learn_kept_window(
+    out: Path, kept: TrainingSet, counts: dict[str, int], tokens: dict[str, int], cycle_id: str
+) -> None:
+    """A cycle that learns nothing (every window segment fits, and the segments it was
+    sent to learn, still learning after a promotion, are not in this window nor among
+    the older traffic read) learns the window it would keep: on replay alone it could
+    not beat its parent (the demo's second cycle: 0 window samples, 59 replayed, then
+    "no drift" at 0.64 of the oracle). The window's kept requests were saved first, so
+    they are ``replay/``'s first files; its held-out ones are scored as learned."""
+    moved = kept.requests[REPLAY_DIR]
+    names = [f"data_{index:08d}.ckpt" for index in range(moved)]
+    _move(out / REPLAY_DIR, out / WINDOW_DIR, names)
+    judged = out / JUDGED_DIR / REPLAY_DIR  # the window's alone (older ones: OLDER)
+    _move(judged, out / JUDGED_DIR / WINDOW_DIR, sorted(p.name for p in judged.glob("*.ckpt")))
+    counts[WINDOW_DIR], counts[REPLAY_DIR] = moved, counts[REPLAY_DIR] - moved
+    tokens[WINDOW_DIR] = kept.tokens[REPLAY_DIR]
+    tokens[REPLAY_DIR] -= kept.tokens[REPLAY_DIR]
+    logger.info(
+        "cycle %s: nothing in the window or the older traffic read is to be learned: "
+        "learning the window's %d requests it would keep",
+        cycle_id,
+        moved,
+    )
+
+
+def _move(source: Path, target: Path, names: list[str]) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (source / name).rename(target / name)
 
 
 def _write_gate_figure(config: TideConfig, out: Path, window_tokens: dict[str, int]) -> None:
