@@ -33,8 +33,9 @@ os.environ.setdefault("MLFLOW_TRACKING_USERNAME", "admin")
 ADMIN_AUTH = {"Authorization": f"Bearer {os.environ['TIDE_SERVE__ADMIN_API_KEY']}"}
 
 _GRPC_OFFSET = 10000
-# Port bases stay below Linux's ephemeral range (32768-60999), gRPC twins included: an
-# outgoing connection can never take a port between its probe and its bind.
+# Port bases stay below Linux's ephemeral range (32768-60999), gRPC twins included (at
+# the default offset 0): an outgoing connection can never take a port between its probe
+# and its bind.
 # TIDE_TEST_PORT_OFFSET (a multiple of 3000, at most 9000) moves them all, so that two
 # pytest sessions on one machine never probe the same ports.
 _OFFSET = int(os.environ.get("TIDE_TEST_PORT_OFFSET", "0"))

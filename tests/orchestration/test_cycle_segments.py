@@ -248,22 +248,26 @@ def test_a_window_without_the_segments_to_learn_is_learned_whole(
 ) -> None:
     """Sent to go on learning Korean law (still learning after a promotion), a cycle
     whose window holds English alone, which the champion fits, learns the English: kept
-    whole, it would train on replay alone and could never beat its parent."""
-    config = config.model_copy(
-        update={"cycle": config.cycle.model_copy(update={"replay_share": 0.0})}
-    )
+    whole, it would train on replay alone and could never beat its parent. The older
+    Korean law it replays stays replay."""
     _write(lake_store, config, [_record(i, CENTERS[1], "korean law") for i in range(10)])
     cycle.advance_watermark(config, cycle.snapshot_window(config, "c1"))
     _write(lake_store, config, [_record(100 + i, CENTERS[0], "english") for i in range(10)])
     snapshot = cycle.snapshot_window(config, "c2")
     _store_drift(lake_store, config, {"english": 3.0}, drifted=["korean law"], fitting=["english"])
     exported = cycle.export_training_data(config, snapshot, tmp_path / "data")
-    learned = {
-        torch.load(path, weights_only=True)["segment"]
-        for path in (tmp_path / "data" / "window").glob("*.ckpt")
-    }
-    assert learned == {"english"}
-    assert exported.requests["replay"] == 0
+
+    def segments(part: Path) -> list[str]:
+        return sorted(torch.load(path, weights_only=True)["segment"] for path in part.glob("*"))
+
+    learned, replayed = (
+        segments(tmp_path / "data" / "window"),
+        segments(tmp_path / "data" / "replay"),
+    )
+    assert learned and set(learned) == {"english"}
+    assert replayed and set(replayed) == {"korean law"}  # older traffic: replayed (share 4.0)
+    assert exported.requests == {"window": len(learned), "replay": len(replayed)}
+    assert exported.tokens == {"window": 12 * len(learned), "replay": 12 * len(replayed)}
     judged = tmp_path / "data" / cycle.JUDGED_DIR  # its held-out requests: scored as learned
     assert list((judged / cycle.WINDOW_DIR).glob("*.ckpt"))
     assert not list((judged / cycle.REPLAY_DIR).glob("*.ckpt"))

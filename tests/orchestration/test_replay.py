@@ -41,8 +41,9 @@ def test_a_protected_segment_of_short_requests_gets_the_floor() -> None:
     # the others keep their proportions
     assert quotas["docs"] / quotas["law"] == pytest.approx(by_volume["docs"] / by_volume["law"])
     # a segment the window still carries gets no floor: it is learned, not only kept
-    carried = replay_quotas(1000, {"english": 500, "law": 150}, {"law": 500}, floor=0.25)
-    assert carried == pytest.approx(replay_quotas(1000, {"english": 500, "law": 150}, {"law": 500}))
+    older_law = {"english": 500, "law": 150}  # law 23% of older traffic, all the window
+    carried = replay_quotas(1000, older_law, {"law": 500}, floor=0.25, floor_from=0.10)
+    assert carried == pytest.approx(replay_quotas(1000, older_law, {"law": 500}))
     assert carried["law"] < 250
     # a segment below floor_from (a stray cluster) gets no floor
     stray = replay_quotas(1000, {**older, "stray": 20}, {"law": 500}, floor=0.25, floor_from=0.10)

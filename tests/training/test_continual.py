@@ -714,9 +714,13 @@ def test_a_run_that_kept_its_parent_reports_what_its_best_step_learned() -> None
     )
     assert result.learned_gains() == pytest.approx({"law": 0.5, "chat": -0.5})
     assert TrainResult.from_json(result.to_json()).learned_gains() == result.learned_gains()
-    # No continuation (every step forgot older traffic): what its last step held.
+    # No continuation (every step forgot older traffic): the least it held over the
+    # second half of its steps (step 20 here), not one noisy evaluation.
     vetoed = dataclasses.replace(result, continuation_step=None)
     assert vetoed.learned_gains() == pytest.approx({"law": 0.1, "chat": 0.0})
+    longer = [*evaluations, {"step": 30, "accept_length": 2.0, "groups": {"law": 2.5, "chat": 3.5}}]
+    held = dataclasses.replace(vetoed, evaluations=longer).learned_gains()
+    assert held == pytest.approx({"law": 0.1, "chat": 0.0})  # steps 20 and 30: law 1.6, 2.5
     assert dataclasses.replace(result, best_is_parent=False).learned_gains() == {}
     assert dataclasses.replace(vetoed, evaluations=evaluations[:1]).learned_gains() == {}
 

@@ -351,16 +351,11 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     def learned(sample: CapturedRecord) -> bool:
         return learns(segment_as_grouped(sample, drift_segmenter, segmenter))
 
-    kept = TrainingSet(requests={REPLAY_DIR: 0}, tokens={REPLAY_DIR: 0})  # window, replayed
-
     def save(sample: CapturedRecord, segment: str, window: bool) -> None:
         part = WINDOW_DIR if window and learned(sample) else REPLAY_DIR
         sample.save_specforge(out / part, counts[part], segment=segment)
         counts[part] += 1
         tokens[part] += int(sample.input_ids.numel())
-        if window and part == REPLAY_DIR:
-            kept.requests[part] += 1
-            kept.tokens[part] += int(sample.input_ids.numel())
 
     window_tokens: dict[str, int] = {}  # what the window carries, by segment
     judged: set[bytes] = set()  # the window's held-out requests: a copy is never trained on
@@ -377,6 +372,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         elif digest not in judged:
             save(sample, segment, window=True)
     window_requests = counts[WINDOW_DIR]
+    kept = TrainingSet(requests=dict(counts), tokens=dict(tokens))  # replay/: the window's
     _write_gate_figure(config, out, window_tokens)
 
     def relearned(sample: CapturedRecord, segment: str, digest: bytes) -> bool:
@@ -401,8 +397,8 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         if found is not None:
             candidate, learn = found
             save(sample, candidate.segment, window=learn)
-    if not counts[WINDOW_DIR] and kept.total:
-        _learn_kept_window(out, kept, counts, tokens, snapshot.cycle_id)
+    if not counts[WINDOW_DIR] and not _any_file(out / JUDGED_DIR / WINDOW_DIR):
+        window_requests = _learn_kept_window(out, kept, counts, tokens, snapshot.cycle_id)
     window_judged = len(judged)
     for held, sample in _older_held_out(config, snapshot, reader, judged):
         if held:  # older traffic the gate judges forgetting on: scored as traffic to keep
@@ -423,16 +419,23 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     return TrainingSet(requests=counts, tokens=tokens)
 
 
+def _any_file(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
 def _learn_kept_window(
     out: Path, kept: TrainingSet, counts: dict[str, int], tokens: dict[str, int], cycle_id: str
-) -> None:
+) -> int:
     """A cycle that learns nothing (every window segment fits, and the segments it was
     sent to learn, still learning after a promotion, are not in this window nor among
     the older traffic read) learns the window it would keep: on replay alone it could
     not beat its parent (the demo's second cycle: 0 window samples, 59 replayed, then
     "no drift" at 0.64 of the oracle). The window's kept requests were saved first, so
-    they are ``replay/``'s first files; its held-out ones are scored as learned."""
+    they are ``replay/``'s first files (``kept``: the counts after them); its held-out
+    ones are scored as learned. Returns how many requests it moved."""
     moved = kept.requests[REPLAY_DIR]
+    if not moved:
+        return 0
     names = [f"data_{index:08d}.ckpt" for index in range(moved)]
     _move(out / REPLAY_DIR, out / WINDOW_DIR, names)
     judged = out / JUDGED_DIR / REPLAY_DIR  # the window's alone (older ones: OLDER)
@@ -446,6 +449,7 @@ def _learn_kept_window(
         cycle_id,
         moved,
     )
+    return moved
 
 
 def _move(source: Path, target: Path, names: list[str]) -> None:
