@@ -48,6 +48,7 @@ __all__ = [
     "records_to_table",
     "reserved_segment",
     "segment_problem",
+    "specforge_file_name",
     "target_limits",
     "validate_record",
     "values_problem",
@@ -177,7 +178,7 @@ class CapturedRecord:
         import torch  # noqa: PLC0415
 
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"data_{index:08d}.ckpt"
+        path = folder / specforge_file_name(index)
         torch.save({**self.to_specforge(), **extra}, path)
         return path
 
@@ -364,6 +365,12 @@ def _all_finite(value: Any) -> bool:
 
         return bool(torch.isfinite(value).all())
     return bool(np.isfinite(np.asarray(value)).all())
+
+
+def specforge_file_name(index: int) -> str:
+    """The name of the ``index``-th file of a folder :meth:`CapturedRecord.save_specforge`
+    writes: SpecForge's ``data_<index>.ckpt``."""
+    return f"data_{index:08d}.ckpt"
 
 
 def record_nbytes(record: CapturedRecord) -> int:

@@ -39,7 +39,7 @@ from tide_lib.evaluation.segments import Segmenter, segment_as_grouped, segment_
 from tide_lib.lake import LakeReader, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_stamp_key, commit_time
 from tide_lib.lake.reader import watermark
-from tide_lib.lake.schema import CapturedRecord
+from tide_lib.lake.schema import CapturedRecord, specforge_file_name
 from tide_lib.names import DataDirs, Tags
 from tide_lib.orchestration.continuation import (
     drop_continuation,
@@ -436,7 +436,7 @@ def _learn_kept_window(
     moved = kept.requests[REPLAY_DIR]
     if not moved:
         return 0
-    names = [f"data_{index:08d}.ckpt" for index in range(moved)]
+    names = [specforge_file_name(index) for index in range(moved)]
     _move(out / REPLAY_DIR, out / WINDOW_DIR, names)
     judged = out / JUDGED_DIR / REPLAY_DIR  # the window's alone (older ones: OLDER)
     _move(judged, out / JUDGED_DIR / WINDOW_DIR, sorted(p.name for p in judged.glob("*.ckpt")))
