@@ -691,8 +691,9 @@ def test_a_step_below_its_parent_on_the_gates_window_weighted_figure_is_never_ke
 
 
 def test_a_run_that_kept_its_parent_reports_what_its_best_step_learned() -> None:
-    """Its continuation's gain per segment it learns (older traffic aside), else its last
-    step's: a segment it gained on is not settled as one no draft serves better."""
+    """Its continuation's gain per segment it learns (older traffic aside), else the least
+    it held over its second half of steps: a segment it gained on is not settled as one
+    no draft serves better."""
     evaluations = [
         {"step": 0, "accept_length": 2.0, "groups": {"law": 1.5, "chat": 3.5, "older/en": 3.0}},
         {"step": 10, "accept_length": 2.1, "groups": {"law": 2.0, "chat": 3.0, "older/en": 2.9}},

@@ -372,7 +372,8 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         elif digest not in judged:
             save(sample, segment, window=True)
     window_requests = counts[WINDOW_DIR]
-    kept = TrainingSet(requests=dict(counts), tokens=dict(tokens))  # replay/: the window's
+    # replay/ so far: the window's requests it keeps (its first files)
+    kept_requests, kept_tokens = counts[REPLAY_DIR], tokens[REPLAY_DIR]
     _write_gate_figure(config, out, window_tokens)
 
     def relearned(sample: CapturedRecord, segment: str, digest: bytes) -> bool:
@@ -398,7 +399,9 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
             candidate, learn = found
             save(sample, candidate.segment, window=learn)
     if not counts[WINDOW_DIR] and not _any_file(out / JUDGED_DIR / WINDOW_DIR):
-        window_requests = _learn_kept_window(out, kept, counts, tokens, snapshot.cycle_id)
+        window_requests = _learn_kept_window(
+            out, (kept_requests, kept_tokens), counts, tokens, snapshot.cycle_id
+        )
     window_judged = len(judged)
     for held, sample in _older_held_out(config, snapshot, reader, judged):
         if held:  # older traffic the gate judges forgetting on: scored as traffic to keep
@@ -424,16 +427,20 @@ def _any_file(folder: Path) -> bool:
 
 
 def _learn_kept_window(
-    out: Path, kept: TrainingSet, counts: dict[str, int], tokens: dict[str, int], cycle_id: str
+    out: Path,
+    kept: tuple[int, int],
+    counts: dict[str, int],
+    tokens: dict[str, int],
+    cycle_id: str,
 ) -> int:
     """A cycle that learns nothing (every window segment fits, and the segments it was
     sent to learn, still learning after a promotion, are not in this window nor among
     the older traffic read) learns the window it would keep: on replay alone it could
     not beat its parent (the demo's second cycle: 0 window samples, 59 replayed, then
     "no drift" at 0.64 of the oracle). The window's kept requests were saved first, so
-    they are ``replay/``'s first files (``kept``: the counts after them); its held-out
-    ones are scored as learned. Returns how many requests it moved."""
-    moved = kept.requests[REPLAY_DIR]
+    they are ``replay/``'s first files (``kept``: their requests and tokens); its
+    held-out ones are scored as learned. Returns how many requests it moved."""
+    moved, moved_tokens = kept
     if not moved:
         return 0
     names = [specforge_file_name(index) for index in range(moved)]
@@ -441,8 +448,7 @@ def _learn_kept_window(
     judged = out / JUDGED_DIR / REPLAY_DIR  # the window's alone (older ones: OLDER)
     _move(judged, out / JUDGED_DIR / WINDOW_DIR, sorted(p.name for p in judged.glob("*.ckpt")))
     counts[WINDOW_DIR], counts[REPLAY_DIR] = moved, counts[REPLAY_DIR] - moved
-    tokens[WINDOW_DIR] = kept.tokens[REPLAY_DIR]
-    tokens[REPLAY_DIR] -= kept.tokens[REPLAY_DIR]
+    tokens[WINDOW_DIR], tokens[REPLAY_DIR] = moved_tokens, tokens[REPLAY_DIR] - moved_tokens
     logger.info(
         "cycle %s: nothing in the window or the older traffic read is to be learned: "
         "learning the window's %d requests it would keep",
