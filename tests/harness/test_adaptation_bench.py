@@ -175,6 +175,15 @@ def test_adaptation_bench_on_a_generated_workload(
     held = written["held_out_requests"]
     assert held["korean"] == written["requests"]["held_out_new_segment"]
     assert sum(held.values()) == written["requests"]["held_out"]
+    for entry in written["cycle_log"]:  # each window ends at the request that crossed
+        # cycle_tokens, counted as soon as it was flushed (not a second later, by timing)
+        assert (
+            entry["window_tokens"]
+            >= 120
+            > entry["window_tokens"] - entry["crossing_request_tokens"]
+        ), entry
+    served = [entry["requests_served"] for entry in written["cycle_log"]]
+    assert served == sorted(set(served))
     outcomes = [entry["outcome"] for entry in written["cycle_log"]]
     assert outcomes and set(outcomes) <= {"promoted", "rejected", "no-drift", "parent-best"}
     assert written["cycles_trained"] == len(outcomes)  # the drift check was off

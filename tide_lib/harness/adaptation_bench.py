@@ -271,6 +271,11 @@ def _run_config(
                     "spool_dir": work / "spool",
                     "shard_max_age_s": 0.5,
                     "commit_settle_s": 0.0,  # one writer, flushed before each read
+                    # and its stamps are this host's clock, the reader's: trusting them
+                    # (not the store's whole-second Last-Modified + 1 s) counts a request
+                    # as soon as it is flushed, so the cycles cut the same windows in
+                    # every run, whatever the timing
+                    "max_clock_skew_s": 0.0,
                 }
             ),
             "cycle": config.cycle.model_copy(
@@ -286,16 +291,21 @@ def _run_config(
     )
 
 
-def _run_cycle(loop: _Loop, engine: Engine, segment: str) -> None:
-    """One cycle through the DAG's functions; the engine swaps a new champion in."""
+def _run_cycle(loop: _Loop, engine: Engine, segment: str, cut: dict[str, int]) -> None:
+    """One cycle through the DAG's functions; the engine swaps a new champion in.
+
+    ``cut`` says where the window ends: the workload requests served by then, and the
+    tokens of the last one (the request that crossed ``cycle_tokens``).
+    """
     from tide_lib.orchestration import cycle  # noqa: PLC0415
     from tide_lib.registry import CHAMPION  # noqa: PLC0415
 
     config, crossed = loop.config, time.perf_counter()
     cycle_id = f"cycle-{len(loop.cycles) + 1}"
-    entry: dict[str, Any] = {"cycle_id": cycle_id, "segment": segment}
+    entry: dict[str, Any] = {"cycle_id": cycle_id, "segment": segment, **cut}
     loop.cycles.append(entry)
     snapshot = cycle.snapshot_window(config, cycle_id)
+    entry["window_tokens"] = snapshot.window_tokens
     drift = cycle.check_drift(config, snapshot)
     entry["drift"] = drift.reason
     if not drift.drift:
@@ -337,7 +347,7 @@ def _serve_workload(
 
     assert engine.writer is not None
     for index, item in enumerate(tqdm(served, desc="workload", unit="req")):
-        engine.submit(
+        result = engine.submit(
             EngineRequest(
                 engine.encode(item["prompt"]),
                 int(item.get("max_new_tokens", max_new_tokens)),
@@ -349,7 +359,9 @@ def _serve_workload(
         ).result()
         engine.writer.flush(timeout=60)
         if cycle.new_tokens(loop.config) >= loop.config.cycle.min_new_tokens:
-            _run_cycle(loop, engine, item["segment"])
+            crossing = result.prompt_tokens + result.completion_tokens
+            cut = {"requests_served": index + 1, "crossing_request_tokens": crossing}
+            _run_cycle(loop, engine, item["segment"], cut)
             loop.consumed = index + 1
         following = served[index + 1]["segment"] if index + 1 < len(served) else None
         if following != item["segment"]:
