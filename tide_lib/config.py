@@ -326,7 +326,14 @@ class TrainConfig(StrictModel):
         ),
     )
     warm_lr_scale: float = Field(
-        1.0, gt=0, le=1, description="warm starts fine-tune at learning_rate x this"
+        0.5,
+        gt=0,
+        le=1,
+        description=(
+            "warm starts fine-tune at learning_rate x this: a fitted draft's first steps "
+            "under a fresh AdamW at the full rate knock it back (a Korean cycle's held-out "
+            "figure fell 2.65 -> 2.22 in 20 steps, and older traffic with it)"
+        ),
     )
     warm_epochs: float = Field(
         10.0,
