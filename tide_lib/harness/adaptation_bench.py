@@ -273,8 +273,8 @@ def _run_config(
                     "commit_settle_s": 0.0,  # one writer, flushed before each read
                     # and its stamps are this host's clock, the reader's: trusting them
                     # (not the store's whole-second Last-Modified + 1 s) counts a request
-                    # as soon as it is flushed, so the cycles cut the same windows in
-                    # every run, whatever the timing
+                    # as soon as it is flushed, so timing never moves a cut (runs serving
+                    # the same drafts cut at the same requests)
                     "max_clock_skew_s": 0.0,
                 }
             ),
@@ -670,6 +670,7 @@ def run_adaptation_bench(
         "timing_passes": params.timing_passes,
         "settle_requests": params.settle,
         "train_steps_per_cycle": train.steps,
+        "warm_lr_scale": train.warm_lr_scale,
         "static_steps": static_steps,
         "fresh_per_segment": params.fresh,
         "labels": labels,
