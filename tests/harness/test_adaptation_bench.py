@@ -182,8 +182,6 @@ def test_adaptation_bench_on_a_generated_workload(
             >= 120
             > entry["window_tokens"] - entry["crossing_request_tokens"]
         ), entry
-    served = [entry["requests_served"] for entry in written["cycle_log"]]
-    assert served == sorted(set(served))
     outcomes = [entry["outcome"] for entry in written["cycle_log"]]
     assert outcomes and set(outcomes) <= {"promoted", "rejected", "no-drift", "parent-best"}
     assert written["cycles_trained"] == len(outcomes)  # the drift check was off
