@@ -219,14 +219,15 @@ def _served_since(before: Mapping[str, int], after: Mapping[str, int]) -> dict[s
 def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> dict[str, Any]:
     """What adaptive k did while timed: requests served at each k after the warm-up
     (``warm_by_k``, the controller's ``requests_by_k`` then), and from the controller's
-    final snapshot (``chosen``) its modelled tokens/s, acceptance, costs and what each k
-    delivered against plain decoding measured beside it."""
+    final snapshot (``chosen``) its modelled tokens/s, acceptance, costs, what each k
+    delivered against plain decoding measured beside it and the model's error."""
     return {
         "timed_requests_by_k": _served_since(warm_by_k, chosen["requests_by_k"]),
         "expected_tokens_per_s": chosen["expected_tokens_per_s"],
         "acceptance": chosen["acceptance"],
         "costs": chosen["costs"],
         "realized_vs_plain": chosen["realized_vs_plain"],
+        "model_error": chosen["model_error"],
     }
 
 

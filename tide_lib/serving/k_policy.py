@@ -28,11 +28,13 @@ The cost model is a model: on CPU it misjudged speculation by several per cent
 (k=4 expected 5% above plain decoding, served 8% below it). So the throughput each
 k really delivered (output tokens per second of decoding and the draft's prefill) has the
 last word: a k that did not beat plain decoding is not served; the best realized k that
-did is, else plain. "Beat" is read both from running rates and pair by pair against plain
-decoding measured beside it (:class:`RealizedRates`), since the machine's load moves only
-the served k's figures; nothing speculates before a plain request has measured the rate
-to beat as it is now (a calibration probe's may be stale); and a choice that moved serves
-the old choice again soon, under the same load.
+did is, else plain. A k not served yet is judged by the model corrected by its error on
+the k's that were (a cost it does not see misleads it alike at every k). "Beat" is read
+both from running rates and pair by pair against plain decoding measured beside it
+(:class:`RealizedRates`), since the machine's load moves only the served k's figures;
+nothing speculates before a plain request has measured the rate to beat as it is now (a
+calibration probe's may be stale); and a choice that moved serves the old choice again
+soon, under the same load.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import math
 import statistics
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -488,17 +490,20 @@ class RealizedRates:
             return None
         return math.exp(self.log_ratio[k])
 
-    def veto(self, k: int) -> int:
-        """``k`` unless it was served and did not beat plain decoding (:meth:`relative`);
-        then the best measured k that did, else 0. (The model's choice already had to beat
-        plain decoding by ``min_gain``; what was served has only to beat it: per-request
-        rates are noisy, and a veto of a k that pays costs as much as serving one that
-        does not.)"""
+    def veto(self, k: int, expected: Mapping[int, float] | None = None) -> int:
+        """``k`` unless it did not beat plain decoding: as served (:meth:`relative`), or
+        where it has no figure of its own yet, as ``expected`` (k -> ratio to plain
+        decoding) says; then the best measured k that did, else 0. (The model's choice
+        already had to beat plain decoding by ``min_gain``; what was served has only to
+        beat it: per-request rates are noisy, and a veto of a k that pays costs as much
+        as serving one that does not.)"""
         if k == 0 or self.tokens_per_s(0) is None:
             return k
 
         def pays(candidate: int) -> bool:
             ratio = self.relative(candidate)
+            if ratio is None and expected is not None:
+                ratio = expected.get(candidate)
             return ratio is None or ratio > 1.0
 
         if pays(k):
@@ -621,6 +626,9 @@ class KController:
         self._exploring: dict[str | None, _Countdown] = {}  # per segment (None: unlabelled)
         self.requests_by_k = [0] * (max_k + 1)
         self.realized = RealizedRates()
+        # k -> what the model expected of the requests served at k: a running average of
+        # log(k's rate / plain decoding's), beside what they delivered (realized)
+        self._modelled: dict[int, float] = {}
         self.calibrated = False
 
     def calibrate(self, probes: Iterable[RoundTimings]) -> None:
@@ -661,6 +669,53 @@ class KController:
             draft_prefill_s_per_token=self.costs.draft_prefill_per_token(),
         )
 
+    def _served_choice(self, segment: str | None) -> tuple[KChoice | None, int, int]:
+        """The model's choice, its k (the largest k before costs are measured) and the k
+        served for it: the model's k unless it did not pay as served or, with no figure
+        of its own yet, as the model expects it once corrected by its error on the k's
+        that were served (:meth:`_model_error`). Uncorrected, the demo's adapted draft
+        served k=4 at 0.81x plain decoding where the model expected 1.19x; the model then
+        expected k=2 and k=3 to pay 1.29x and 1.15x, and each was served until it had
+        figures of its own (0.94x, 0.83x): 18 of 54 timed requests, 0.95x plain in all."""
+        choice = self._choice(segment)
+        modelled = choice.k if choice is not None else self.max_k
+        return choice, modelled, self.realized.veto(modelled, self._corrected(choice))
+
+    def _corrected(self, choice: KChoice | None) -> dict[int, float] | None:
+        """Each k's expected rate over plain decoding's, times the model's error."""
+        error = self._model_error()
+        if choice is None or error is None:
+            return None
+        plain = choice.tokens_per_s[0]
+        return {k: rate / plain * error for k, rate in enumerate(choice.tokens_per_s) if k}
+
+    def _model_error(self) -> float | None:
+        """What the served k's delivered over what the model expected of them, as one
+        factor: the mean of their log-ratios, each k weighed by its requests; None before
+        a k has a realized figure. The model misses costs it does not see (a request's
+        last round cut short by its end, the first verify), much alike at every k."""
+        total, weight = 0.0, 0
+        for k, expected in self._modelled.items():
+            ratio = self.realized.relative(k)
+            if ratio is not None and ratio > 0:
+                requests = self.realized.requests[k]
+                total += requests * (math.log(ratio) - expected)
+                weight += requests
+        return math.exp(total / weight) if weight else None
+
+    def _expect(self, timings: RoundTimings, segment: str | None) -> None:
+        """Folds what the model expects of the request's k into ``_modelled``, counted as
+        :class:`RealizedRates` counts what the request delivered."""
+        if not timings.k or not timings.emitted or timings.decode_seconds <= 0:
+            return
+        choice = self._choice(segment)
+        if choice is None:
+            return
+        log_ratio = math.log(choice.tokens_per_s[timings.k] / choice.tokens_per_s[0])
+        count = self.realized.requests.get(timings.k, 0) + 1
+        old = self._modelled.get(timings.k)
+        self._modelled[timings.k] = _running_average(old, log_ratio, count)
+
     # -- serving ---------------------------------------------------------------------------
 
     def pick(self, segment: str | None = None) -> int:
@@ -678,9 +733,7 @@ class KController:
         measuring = self._measuring()
         if measuring is not None:
             return measuring
-        choice = self._choice(segment)
-        modelled = choice.k if choice is not None else self.max_k
-        chosen = self.realized.veto(modelled)
+        choice, modelled, chosen = self._served_choice(segment)
         explored = self._explored(segment, chosen, modelled)
         if explored is None and chosen and self.realized.pair_now(chosen):
             explored = 0  # the served k needs a pair with plain decoding
@@ -761,6 +814,7 @@ class KController:
 
     def observe(self, timings: RoundTimings, segment: str | None = None) -> None:
         with self._lock:
+            self._expect(timings, segment)  # before this request's costs move the model
             self.costs.observe(timings)
             self.realized.observe(timings)
             estimates = [self._overall]
@@ -791,6 +845,7 @@ class KController:
             self._segments.clear()
             self._exploring.clear()  # explore at the first pace again
             self.realized.forget_speculation()
+            self._modelled.clear()
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -807,22 +862,22 @@ class KController:
                 "costs": self.costs.snapshot(self.max_k),
                 "realized_tokens_per_s": self.realized.snapshot(),
                 "realized_vs_plain": self.realized.relative_snapshot(),
+                "model_error": self._model_error(),
                 "requests_by_k": {str(k): n for k, n in enumerate(self.requests_by_k)},
                 "segments": segments,
             }
 
     def _describe(self, segment: str | None) -> dict[str, Any]:
         """What the segment is served at now, exploration aside (as :meth:`_pick`), and why."""
-        choice = self._choice(segment)
-        recommended = None if choice is None else self.realized.veto(choice.k)
+        choice, _, served = self._served_choice(segment)
+        recommended = None if choice is None else served
         if not self.speculative:
             serving = 0
         elif not self.adaptive:
             serving = self.max_k
         else:
             measuring = self._measuring()
-            vetoed = recommended if recommended is not None else self.realized.veto(self.max_k)
-            serving = vetoed if measuring is None else measuring
+            serving = served if measuring is None else measuring
         return {
             "chosen_k": serving,
             "recommended_k": recommended,
