@@ -138,7 +138,9 @@ def test_server_info_and_metrics_show_the_choice(adaptive: tuple[Engine, TestCli
     assert metric_value(metrics, "tide:spec_draft_step_seconds", **model) > 0
     for k, ratio in speculation["realized_vs_plain"].items():  # measured k's only
         assert metric_value(metrics, "tide:spec_realized_vs_plain", **model, k=k) == ratio
-    if speculation["model_error"] is not None:  # once a k has a realized figure
+    if speculation["model_error"] is None:  # before a k has a realized figure: no sample
+        assert "tide:spec_model_error{" not in metrics
+    else:
         error = metric_value(metrics, "tide:spec_model_error", **model)
         assert error == pytest.approx(speculation["model_error"])
 

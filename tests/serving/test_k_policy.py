@@ -756,11 +756,36 @@ def test_the_models_error_on_the_served_k_carries_to_the_ks_it_has_not_served() 
     assert picked[15] == 3  # vetoed, the model's k is what exploration serves
 
 
-def test_without_a_served_k_the_model_is_trusted() -> None:
-    """Before any k has a realized figure there is no error to correct by: the model's k
-    is served (and so measured)."""
+def test_without_a_realized_figure_the_model_is_trusted() -> None:
+    """Costs and plain decoding measured, but no k served on ``MIN_REALIZED`` requests:
+    there is no error to correct by, and the model's k is served (and so measured)."""
     server = SyntheticServer(draft_s=0.0005, plain_s=0.01, per_token_s=0.0, rates=[0.95] * 4)
     controller = KController(4, adaptive=True)
+    controller.observe(server.run(4))
     controller.observe(server.run(0))
-    assert controller.snapshot()["model_error"] is None
-    assert controller.pick() == 4
+    snapshot = controller.snapshot()
+    assert snapshot["model_error"] is None
+    assert snapshot["modelled_k"] == 4 == controller.pick()
+
+
+def test_a_model_that_fits_has_no_error() -> None:
+    """Costs the model sees in full: what the served k's delivered is what it expected.
+    The first request after calibration is served before acceptance is measured (every
+    position reads 1.0): what the model expected of it then is left out."""
+    server = SyntheticServer(draft_s=0.001, plain_s=0.01, per_token_s=0.0, rates=[0.8] * 4)
+    controller = KController(4, adaptive=True)
+    controller.calibrate(server.run(k) for k in range(5))
+    picked = _serve(controller, server, 6)
+    assert picked.count(4) == MIN_REALIZED  # the first of them before acceptance was known
+    assert controller.snapshot()["model_error"] == pytest.approx(1.0, abs=0.03)
+
+
+def test_the_veto_reads_expectations_only_for_a_k_without_a_figure() -> None:
+    realized = RealizedRates()
+    for _ in range(MIN_REALIZED):
+        realized.observe(_request(0, 100.0))
+        realized.observe(_request(2, 120.0))
+    assert realized.veto(2, {2: 0.5}) == 2  # its own figure, 1.2x, decides
+    assert realized.veto(3, {3: 0.9}) == 2  # expected to lose: the best k that paid
+    assert realized.veto(3, {3: 1.1}) == 3
+    assert realized.veto(3) == 3  # no expectation: untried k's are tried

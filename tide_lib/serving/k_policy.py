@@ -28,9 +28,9 @@ The cost model is a model: on CPU it misjudged speculation by several per cent
 (k=4 expected 5% above plain decoding, served 8% below it). So the throughput each
 k really delivered (output tokens per second of decoding and the draft's prefill) has the
 last word: a k that did not beat plain decoding is not served; the best realized k that
-did is, else plain. A k not served yet is judged by the model corrected by its error on
-the k's that were (a cost it does not see misleads it alike at every k). "Beat" is read
-both from running rates and pair by pair against plain decoding measured beside it
+did is, else plain. A k with no figure of its own yet is judged by the model corrected by
+its error on the k's that have one (a cost it does not see weighs on every k). "Beat" is
+read both from running rates and pair by pair against plain decoding measured beside it
 (:class:`RealizedRates`), since the machine's load moves only the served k's figures;
 nothing speculates before a plain request has measured the rate to beat as it is now (a
 calibration probe's may be stale); and a choice that moved serves the old choice again
@@ -477,13 +477,13 @@ class RealizedRates:
         next exploration."""
         if k == 0:
             return 1.0
-        readings = [] if (paired := self._paired(k)) is None else [paired]
+        readings = [] if (paired := self.paired(k)) is None else [paired]
         rate, plain = self.tokens_per_s(k), self.tokens_per_s(0)
         if rate is not None and plain is not None:
             readings.append(rate / plain)
         return min(readings, default=None)
 
-    def _paired(self, k: int) -> float | None:
+    def paired(self, k: int) -> float | None:
         """k's rate over plain decoding's from its pairs, once ``MIN_REALIZED`` requests at
         k made as many; else None."""
         if min(self.pairs.get(k, 0), self.requests.get(k, 0)) < MIN_REALIZED:
@@ -515,7 +515,7 @@ class RealizedRates:
         """How the k's that pay rank: by their pairs where they have enough (a k served
         through a busy spell kept a loaded running rate, and a worse k measured before it
         was served for hundreds of requests in its place), else by :meth:`relative`."""
-        paired = self._paired(k)
+        paired = self.paired(k)
         return paired if paired is not None else self.relative(k) or 0.0
 
     def forget_speculation(self) -> None:
@@ -672,11 +672,12 @@ class KController:
     def _served_choice(self, segment: str | None) -> tuple[KChoice | None, int, int]:
         """The model's choice, its k (the largest k before costs are measured) and the k
         served for it: the model's k unless it did not pay as served or, with no figure
-        of its own yet, as the model expects it once corrected by its error on the k's
-        that were served (:meth:`_model_error`). Uncorrected, the demo's adapted draft
-        served k=4 at 0.81x plain decoding where the model expected 1.19x; the model then
-        expected k=2 and k=3 to pay 1.29x and 1.15x, and each was served until it had
-        figures of its own (0.94x, 0.83x): 18 of 54 timed requests, 0.95x plain in all."""
+        of its own yet (fewer than ``MIN_REALIZED`` requests), as the model expects it once
+        corrected by its error on the k's that have one (:meth:`_model_error`).
+        Uncorrected, the demo's adapted draft served k=4 at 0.81x plain decoding where the
+        model expected 1.19x; the model then expected k=2 and k=3 to pay 1.29x and 1.15x,
+        and each was served until it had figures of its own (0.94x, 0.83x): 18 of 54 timed
+        requests, 0.95x plain in all."""
         choice = self._choice(segment)
         modelled = choice.k if choice is not None else self.max_k
         return choice, modelled, self.realized.veto(modelled, self._corrected(choice))
@@ -692,11 +693,16 @@ class KController:
     def _model_error(self) -> float | None:
         """What the served k's delivered over what the model expected of them, as one
         factor: the mean of their log-ratios, each k weighed by its requests; None before
-        a k has a realized figure. The model misses costs it does not see (a request's
-        last round cut short by its end, the first verify), much alike at every k."""
+        a k has a realized figure. What a k delivered is read from its pairs with plain
+        decoding where it has enough (the machine's load cancels in them), else as the
+        veto reads it (:meth:`RealizedRates.relative`, the lower of two readings: in one
+        serve bench it read a fitted draft's k=4 at 0.80x plain decoding, where the timed
+        pass served mostly at k=4 measured 1.15x, and the error at 0.64). The
+        model misses costs it does not see (a request's last round cut short by its end,
+        the first verify), which weigh on every k, if not exactly alike."""
         total, weight = 0.0, 0
         for k, expected in self._modelled.items():
-            ratio = self.realized.relative(k)
+            ratio = self.realized.paired(k) or self.realized.relative(k)
             if ratio is not None and ratio > 0:
                 requests = self.realized.requests[k]
                 total += requests * (math.log(ratio) - expected)
@@ -704,9 +710,14 @@ class KController:
         return math.exp(total / weight) if weight else None
 
     def _expect(self, timings: RoundTimings, segment: str | None) -> None:
-        """Folds what the model expects of the request's k into ``_modelled``, counted as
-        :class:`RealizedRates` counts what the request delivered."""
+        """Folds what the model expects of the request's k into ``_modelled`` (a running
+        average over the requests :class:`RealizedRates` counts, by request where it
+        weighs by tokens). Not while acceptance is unmeasured (the first request after
+        calibration or a swap): every position then reads 1.0, and the demo draft's k=4
+        would have been expected at 1.80x plain decoding instead of 1.10x."""
         if not timings.k or not timings.emitted or timings.decode_seconds <= 0:
+            return
+        if not self._overall.rounds:
             return
         choice = self._choice(segment)
         if choice is None:
