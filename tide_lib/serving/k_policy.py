@@ -27,8 +27,8 @@ forgets acceptance.
 The cost model is a model: on CPU it misjudged speculation by several per cent
 (k=4 expected 5% above plain decoding, served 8% below it). So the throughput each
 k really delivered (output tokens per second of decoding and the draft's prefill) has the
-last word: of the k's that beat plain decoding as served, the one that delivered most is
-served, else plain. A k with no figure of its own yet is judged by the model corrected by
+last word: a k that did not beat plain decoding is not served; the best realized k that
+did is, else plain. A k with no figure of its own yet is judged by the model corrected by
 its error on the k's that have one (a cost it does not see weighs on every k). "Beat" is
 read both from running rates and pair by pair against plain decoding measured beside it
 (:class:`RealizedRates`), since the machine's load moves only the served k's figures;
@@ -491,15 +491,12 @@ class RealizedRates:
         return math.exp(self.log_ratio[k])
 
     def veto(self, k: int, expected: Mapping[int, float] | None = None) -> int:
-        """The k to serve for the model's ``k``: of the k's whose own figures beat plain
-        decoding (:meth:`relative`), the one that delivered most (:meth:`_ranking`; the
-        model's k among them only if it is that one: on the demo's adapted draft the
-        model expected k=1..4 within 6% of each other, and its moving choice served k=3
-        at 0.90x beside a k=1 at 1.19x); ``k`` itself where it has no figure yet, unless
-        ``expected`` (k -> ratio to plain decoding) says it beats neither plain decoding
-        nor that best k; else 0. (The model's choice already had to beat plain decoding
-        by ``min_gain``; what was served has only to beat it: per-request rates are
-        noisy, and a veto of a k that pays costs as much as serving one that does not.)"""
+        """``k`` unless it did not beat plain decoding: as served (:meth:`relative`), or
+        where it has no figure of its own yet, as ``expected`` (k -> ratio to plain
+        decoding) says; then the best measured k that did, else 0. (The model's choice
+        already had to beat plain decoding by ``min_gain``; what was served has only to
+        beat it: per-request rates are noisy, and a veto of a k that pays costs as much
+        as serving one that does not.)"""
         if k == 0 or self.tokens_per_s(0) is None:
             return k
 
@@ -509,14 +506,10 @@ class RealizedRates:
                 ratio = expected.get(candidate)
             return ratio is None or ratio > 1.0
 
-        measured = [c for c in self.seconds_per_token if c and self.relative(c) and pays(c)]
-        best = max(measured, key=self._ranking, default=0)
-        if self.relative(k) is not None:
-            return best
-        ratio = None if expected is None else expected.get(k)
-        if ratio is None or ratio > max(1.0, self._ranking(best) if best else 1.0):
+        if pays(k):
             return k
-        return best
+        measured = [c for c in self.seconds_per_token if c and self.relative(c) and pays(c)]
+        return max(measured, key=self._ranking, default=0)
 
     def _ranking(self, k: int) -> float:
         """How the k's that pay rank: by their pairs where they have enough (a k served
