@@ -374,8 +374,13 @@ class RealizedRates:
         self._falling: set[int] = set()  # k's whose next pair may confirm a fall
         self._observed = 0
 
+    @staticmethod
+    def counts(timings: RoundTimings) -> bool:
+        """Does the request count in the rates: did decoding emit tokens in measured time?"""
+        return bool(timings.emitted) and timings.decode_seconds > 0
+
     def observe(self, timings: RoundTimings) -> None:
-        if not timings.emitted or timings.decode_seconds <= 0:
+        if not self.counts(timings):
             return
         seconds = timings.decode_seconds + timings.draft_prefill_seconds
         k = timings.k
@@ -715,9 +720,7 @@ class KController:
         weighs by tokens). Not while acceptance is unmeasured (the first request after
         calibration or a swap): every position then reads 1.0, and the demo draft's k=4
         would have been expected at 1.80x plain decoding instead of 1.10x."""
-        if not timings.k or not timings.emitted or timings.decode_seconds <= 0:
-            return
-        if not self._overall.rounds:
+        if not timings.k or not self.realized.counts(timings) or not self._overall.rounds:
             return
         choice = self._choice(segment)
         if choice is None:
