@@ -21,6 +21,7 @@ from tide_lib.evaluation.offline import (
     acceptance_ceiling,
     fall_below,
     length_margin,
+    no_room_to_gain,
     replay_request,
 )
 from tide_lib.serving.acceptance import AcceptanceCount
@@ -198,6 +199,26 @@ def test_the_ceiling_is_what_replay_measures_for_a_draft_that_is_never_wrong(
     ceiling = acceptance_ceiling([answered], k, every_position=every_position)
     assert count.accept_length == ceiling
     assert wrong[0] == wrong[1]  # never right: the bonus token of each verify, no more
+
+
+@pytest.mark.parametrize("output", [1, 5, 14])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_a_draft_that_is_never_wrong_leaves_no_room_to_gain(output: int, k: int) -> None:
+    """Replayed from every output position, a request's counts tell its ceiling: a draft
+    at it leaves no room; one always wrong (1.0) leaves the ceiling less 1.0."""
+    vocab = 32
+    truth, record = _record(4, output, vocab)
+
+    def replay(runner: _Oracle) -> tuple[int, int]:
+        return replay_request(runner, torch.nn.Identity(), record, k, every_position=True)  # type: ignore[arg-type]
+
+    perfect, wrong = replay(_Oracle(truth, vocab)), replay(_Oracle(truth, vocab, True))
+    room = acceptance_ceiling([_Answered(4, output)], k, every_position=True) - 1.0
+    assert no_room_to_gain([perfect], k, 0.0)
+    assert no_room_to_gain([perfect, wrong], k, room)  # pooled: half the room of one
+    assert not no_room_to_gain([wrong], k, room - 0.01)
+    assert no_room_to_gain([wrong], k, room)
+    assert no_room_to_gain([], k, 0.0)  # nothing to verify: nothing to gain
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

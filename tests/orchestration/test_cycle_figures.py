@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from tests.conftest import make_record
+from tide_lib.config import GateConfig
 from tide_lib.orchestration import cycle
 from tide_lib.serving.acceptance import AcceptanceCount
 
@@ -46,3 +47,21 @@ def test_a_request_answered_with_no_token_is_never_held_out() -> None:
     assert held  # about half of the answered ones
     silent = [dataclasses.replace(r, loss_mask=torch.zeros_like(r.loss_mask)) for r in held]
     assert not any(cycle._held_out(record, 50) for record in silent)
+
+
+def test_a_window_that_leaves_the_champion_no_room_is_judged_with_its_older_requests() -> None:
+    """Short answers the champion already serves at their ceiling cannot show a gain: the
+    gate measures that segment's gain on all its held-out requests, older ones too."""
+    gate = GateConfig(margin=0.05)
+    # 8 output tokens replayed from every position at k=3: at most 29 emitted in 8 rounds
+    full = AcceptanceCount.of([(29, 8), (29, 8), (16, 8)])  # two window requests, one older
+    room = AcceptanceCount.of([(20, 8), (29, 8), (16, 8)])
+    window = {"ko": 2, "en": 2}
+    assert cycle._window_with_room({"ko": full, "en": room}, window, 3, gate) == {"ko": 0, "en": 2}
+    # 0.0625 below the ceiling: beyond a margin of 0.05, within one of 0.1
+    near = AcceptanceCount.of([(28, 8), (29, 8), (16, 8)])
+    assert cycle._window_with_room({"ko": near}, window, 3, gate) == window
+    wide = GateConfig(margin=0.1)
+    assert cycle._window_with_room({"ko": near}, window, 3, wide) == {"ko": 0, "en": 2}
+    # no champion (a first cycle): nothing to judge the room by
+    assert cycle._window_with_room({}, window, 3, gate) == window

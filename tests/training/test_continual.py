@@ -925,3 +925,60 @@ def test_a_run_continues_from_the_start_it_is_given_and_still_judges_against_its
     )
     assert torch.allclose(exported[fc], start[fc], atol=1e-6)
     assert not torch.allclose(exported[fc], champion[fc], atol=1e-3)
+
+
+def _full_window_held_out(tmp_path: Path) -> HeldOut:
+    """A cycle's export learning Korean: a validation request and one the gate judges
+    from the window, one older Korean request the gate judges too; the gate asks 0.05."""
+
+    def sample(seed: int) -> dict[str, object]:
+        ids = torch.arange(seed, seed + 12)
+        return {
+            "input_ids": ids,
+            "loss_mask": torch.tensor([0] * 4 + [1] * 8),
+            "hidden_state": torch.zeros(len(ids), 2),
+            "aux_hidden_state": torch.zeros(len(ids), 6),
+            "segment": "ko",
+        }
+
+    files = {
+        tmp_path / "window" / "a.ckpt": sample(0),
+        tmp_path / "held_out" / "window" / "b.ckpt": sample(20),
+        tmp_path / "held_out" / "older" / "c.ckpt": sample(40),
+    }
+    figure = {"shares": {"ko": 1.0}, "k": 3, "min_segment_tokens": 8, "margin": 0.05}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "gate_figure.json").write_text(json.dumps(figure))
+    return HeldOut(tmp_path, list(files), files.__getitem__, torch.nn.Identity(), 3)
+
+
+@pytest.mark.parametrize("window_at_ceiling", [True, False])
+def test_a_window_at_its_ceiling_is_judged_with_the_segments_older_requests(
+    tmp_path: Path, window_at_ceiling: bool
+) -> None:
+    """Short answers the parent already drafts perfectly (8 output tokens at k=3: 29
+    emitted in 8 rounds, 3.625) cannot show a gain: the run judges that segment on its
+    older held-out requests too, in its score and on the gate's figure. Judged on its
+    window alone, a Korean cycle kept its parent (3.333 at every step) while the older
+    Korean rose 2.89 -> 3.04. Where the window has room, its older requests stay what
+    the run keeps (judged for forgetting), not what it is scored on."""
+    held = _full_window_held_out(tmp_path)
+    window = [(29, 8), (29, 8)] if window_at_ceiling else [(20, 8), (20, 8)]
+    at_step = {0: {"ko": window, "older/ko": [(16, 8)]}, 10: {"ko": window, "older/ko": [(26, 8)]}}
+
+    def score(draft: torch.nn.Module, step: int) -> Evaluation:
+        requests = at_step[step]
+        lengths = {g: sum(e for e, _ in r) / sum(v for _, v in r) for g, r in requests.items()}
+        return Evaluation(step, 0.0, lengths, requests)
+
+    held.score = score  # type: ignore[method-assign]
+    draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    selection = Selection(held, forgetting_tolerance=0.5, gain_beyond_noise=False)
+    selection.begin(draft, parent, None)
+    selection.evaluate(draft, 10)
+    assert selection.best is not None
+    assert selection.best.step == (10 if window_at_ceiling else 0)
+    parent_figure = held.window_weighted(score(parent, 0), score(parent, 0))
+    step_figure = held.window_weighted(score(draft, 10), score(parent, 0))
+    assert parent_figure is not None and step_figure is not None
+    assert (step_figure > parent_figure) is window_at_ceiling

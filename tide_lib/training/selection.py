@@ -52,6 +52,7 @@ from tide_lib.evaluation.offline import (
     acceptance_counts,
     content_digest,
     content_fraction,
+    no_room_to_gain,
     replay_sample,
     significant_drop,
 )
@@ -241,7 +242,7 @@ class HeldOut:
         # each group's positions of the window's requests the gate judges (held_out/,
         # not older/), and the window's token shares by segment: the gate's figure
         self.gate_window: dict[str, list[int]] = {}
-        self.window_shares, self.gate_min_tokens = _gate_figure(data_dir, k)
+        self.window_shares, self.gate_min_tokens, self.gate_margin = _gate_figure(data_dir, k)
         replay_tokens: dict[str, int] = {}
         seen: set[bytes] = set()
         for path in paths:
@@ -271,11 +272,20 @@ class HeldOut:
     def __len__(self) -> int:
         return sum(len(samples) for samples in self.groups.values())
 
-    def window_weighted(self, evaluation: Evaluation) -> float | None:
+    def without_room(self, requests: list[tuple[int, int]]) -> bool:
+        """Do ``requests`` (a reference draft's, replayed at ``k``) leave it no more room
+        below their ceiling than the gain the gate asks for (``gate.margin``)? Short
+        answers served perfectly: no draft can show a gain on them."""
+        return no_room_to_gain(requests, self.k, self.gate_margin)
+
+    def window_weighted(
+        self, evaluation: Evaluation, reference: Evaluation | None = None
+    ) -> float | None:
         """The gate's window-weighted acceptance length (rule 4) on the held-out requests
         it judges that were scored (``validation_max_samples`` caps them, the window's
         first): each window segment's figure on its window requests, or, where those hold
-        fewer than the gate's ``min_segment_tokens`` output tokens, on its older ones too,
+        fewer than the gate's ``min_segment_tokens`` output tokens or leave ``reference``
+        (the parent) no room to gain (:meth:`without_room`), on its older ones too,
         weighted by the window's token shares. None without shares or such requests, or
         when the evaluation does not hold every request (a checkpoint of another code)."""
         figures: dict[str, float] = {}
@@ -285,13 +295,20 @@ class HeldOut:
                 return None
             window = [requests[i] for i in self.gate_window.get(segment, [])]
             count = AcceptanceCount.of(window)
-            if count.verify_steps < max(self.gate_min_tokens, 1):
+            if count.verify_steps < max(self.gate_min_tokens, 1) or self._full(reference, segment):
                 count = AcceptanceCount.of(
                     window + evaluation.requests.get(OLDER_PREFIX + segment, [])
                 )
             if share > 0 and count.verify_steps:
                 figures[segment] = count.accept_length
         return weighted_figure(figures, self.window_shares) if figures else None
+
+    def _full(self, reference: Evaluation | None, segment: str) -> bool:
+        """Does ``reference`` leave the window's judged requests of ``segment`` no room?"""
+        requests = reference.requests.get(segment) if reference is not None else None
+        if not requests or len(requests) != len(self.groups.get(segment, ())):
+            return False
+        return self.without_room([requests[i] for i in self.gate_window.get(segment, [])])
 
     def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
         """Replay every held-out sample with ``draft`` (on CPU; copied there if elsewhere)."""
@@ -435,8 +452,25 @@ class Selection:
         from replay, pooled), near what the gate's window-weighted gain judges; older
         traffic is what :meth:`_forgotten` keeps. Pooled with it, the window's few held-out
         requests drown: a Korean-law cycle scored 3.6 overall at its parent, carried by
-        older Korean chat, and no step's gain on law could show."""
-        return _window_figure(evaluation, self._older_groups())
+        older Korean chat, and no step's gain on law could show. A learned group whose
+        requests leave the parent no room pools its older ones (:meth:`_gain_groups`)."""
+        return _window_figure(evaluation, self._gain_groups())
+
+    def _gain_groups(self) -> frozenset[str]:
+        """The groups a gain is judged on: those not held out mostly from replay (the
+        traffic the run learns), and the older held-out requests of each one whose
+        requests leave the parent no room to gain (:meth:`HeldOut.without_room`), its
+        ``older/<segment>``: the same traffic, sent earlier. On its window alone, a
+        Korean cycle whose 7 held-out requests were short answers at their ceiling
+        (3.333 at every step) kept its parent while the older Korean rose 2.89 -> 3.04."""
+        start = self.evaluations[0] if self.evaluations else None
+        older = self._older_groups()
+        learned = frozenset(g for g in (start.requests if start else {}) if g not in older)
+        without_room = getattr(self.held_out, "without_room", None)
+        if start is None or without_room is None:
+            return learned
+        full = {group for group in learned if without_room(start.requests[group])}
+        return learned | {OLDER_PREFIX + g for g in full if OLDER_PREFIX + g in start.requests}
 
     def _below_the_parent_as_gated(self, evaluation: Evaluation) -> tuple[float, float] | None:
         """``(step, parent)`` when a warm start's step is below its parent on the gate's
@@ -449,7 +483,8 @@ class Selection:
         figure = getattr(self.held_out, "window_weighted", None)
         if not self.warm or figure is None or not self.evaluations:
             return None
-        parent, now = figure(self.evaluations[0]), figure(evaluation)
+        start = self.evaluations[0]
+        parent, now = figure(start, start), figure(evaluation, start)
         if parent is None or now is None or now >= parent:
             return None
         return now, parent
@@ -476,8 +511,7 @@ class Selection:
         if self._score(evaluation) <= self.best.accept_length:
             return False  # not better at all: offer() refuses it anyway
         parent = self.evaluations[0]
-        older = self._older_groups()
-        groups = sorted(g for g in parent.requests if g not in older) or sorted(parent.requests)
+        groups = sorted(self._gain_groups()) or sorted(parent.requests)
         paired = all(len(parent.requests[g]) == len(evaluation.requests.get(g, ())) for g in groups)
         if not groups or not paired:
             return False  # figures without their requests (a script, an old checkpoint)
@@ -534,7 +568,8 @@ class Selection:
         is not judged again."""
         older = self._older_groups()
         start = self.evaluations[0]
-        served_well = _window_figure(start, older) + self.forgetting_tolerance
+        learned = frozenset(group for group in start.requests if group not in older)
+        served_well = _window_figure(start, learned) + self.forgetting_tolerance
         pooled = [
             group
             for group in evaluation.groups
@@ -596,20 +631,22 @@ class Selection:
         return metrics
 
 
-def _gate_figure(data_dir: Path, k: int) -> tuple[dict[str, float], int]:
+def _gate_figure(data_dir: Path, k: int) -> tuple[dict[str, float], int, float]:
     """How the gate figures the window, as the cycle exported it: the window's token
-    shares by segment and ``min_segment_tokens`` (none: not a cycle's data, no guard)."""
+    shares by segment, ``min_segment_tokens`` and the gain it asks for, ``margin`` (none:
+    not a cycle's data, no guard; no margin: an older cycle's, 0)."""
     path = data_dir / DataDirs.GATE_FIGURE
     if not path.is_file():
         logger.info("no %s: steps are not checked on the gate's figure", path.name)
-        return {}, 0
+        return {}, 0, 0.0
     try:
         figure = json.loads(path.read_text())
         shares = {str(s): float(v) for s, v in figure["shares"].items()}
         min_tokens, gate_k = int(figure["min_segment_tokens"]), int(figure["k"])
+        margin = float(figure.get("margin", 0.0))
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
         logger.warning("%s is unreadable (%s): steps are not checked on it", path, error)
-        return {}, 0
+        return {}, 0, 0.0
     if gate_k != k:
         logger.warning(
             "the gate judges at k=%d, the run scores at training.k=%d: steps are checked "
@@ -618,17 +655,17 @@ def _gate_figure(data_dir: Path, k: int) -> tuple[dict[str, float], int]:
             k,
             k,
         )
-    return shares, min_tokens
+    return shares, min_tokens, margin
 
 
-def _window_figure(evaluation: Evaluation, older: frozenset[str]) -> float:
-    """The pooled acceptance length of the held-out requests of the window's groups (not
-    held out mostly from replay): what the run learns; the whole figure when the groups
-    are not told apart or carry no requests. (The gate's window-weighted figure weighs
-    the segments it keeps too: :meth:`HeldOut.window_weighted`.)"""
+def _window_figure(evaluation: Evaluation, groups: frozenset[str]) -> float:
+    """The pooled acceptance length of the held-out requests of ``groups`` (the traffic
+    the run learns); the whole figure when the groups are not told apart or carry no
+    requests. (The gate's window-weighted figure weighs the segments it keeps too:
+    :meth:`HeldOut.window_weighted`.)"""
     count = AcceptanceCount(keep_requests=False)
     window = [
-        r for group, requests in evaluation.requests.items() if group not in older for r in requests
+        r for group, requests in evaluation.requests.items() if group in groups for r in requests
     ]
     for emitted, verify_steps in window:
         count.add(emitted, verify_steps)
