@@ -1035,13 +1035,20 @@ def _window_with_room(
     answers at their ceiling): that segment's gain is measured on its older held-out
     requests too, as the trainer's selection measures it. On its window alone, a
     Korean cycle could show no gain while the older Korean rose 2.89 -> 3.04."""
-    return {
-        segment: 0
+    full = {
+        segment
+        for segment, count in window.items()
         if segment in champion
         and no_room_to_gain(champion[segment].per_request[:count], k, gate.margin)
-        else count
-        for segment, count in window.items()
     }
+    if full:
+        logger.info(
+            "the champion serves the window's held-out requests of %s within gate.margin "
+            "%.3f of their ceiling: their gain is measured on their older ones too",
+            sorted(full),
+            gate.margin,
+        )
+    return {segment: 0 if segment in full else count for segment, count in window.items()}
 
 
 def _drop_margins(

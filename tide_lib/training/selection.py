@@ -413,6 +413,14 @@ class Selection:
             return
         first = self.held_out.score(parent if parent is not None else draft, 0)
         self._record(first)
+        pooled = sorted(g for g in self._gain_groups() if g.startswith(OLDER_PREFIX))
+        if pooled:
+            logger.info(
+                "the start leaves no room to gain (within gate.margin of the ceiling) on the "
+                "held-out requests of %s: their older ones (%s) are scored as learned too",
+                [g.removeprefix(OLDER_PREFIX) for g in pooled],
+                pooled,
+            )
         if parent is not None:  # the parent's weights stay on disk: nothing to copy
             self.best = BestDraft(0, self._score(first))
             self.candidate = BestDraft(0, self._score(first))
