@@ -205,7 +205,8 @@ def test_the_ceiling_is_what_replay_measures_for_a_draft_that_is_never_wrong(
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_a_draft_that_is_never_wrong_leaves_no_room_to_gain(output: int, k: int) -> None:
     """Replayed from every output position, a request's counts tell its ceiling: a draft
-    at it leaves no room; one always wrong (1.0) leaves the ceiling less 1.0."""
+    at it leaves no room; one always wrong (1.0) leaves the ceiling less 1.0, and a gain
+    of exactly that can still be shown."""
     vocab = 32
     truth, record = _record(4, output, vocab)
 
@@ -214,10 +215,12 @@ def test_a_draft_that_is_never_wrong_leaves_no_room_to_gain(output: int, k: int)
 
     perfect, wrong = replay(_Oracle(truth, vocab)), replay(_Oracle(truth, vocab, True))
     room = acceptance_ceiling([_Answered(4, output)], k, every_position=True) - 1.0
-    assert no_room_to_gain([perfect], k, 0.0)
-    assert no_room_to_gain([perfect, wrong], k, room)  # pooled: half the room of one
-    assert not no_room_to_gain([wrong], k, room - 0.01)
-    assert no_room_to_gain([wrong], k, room)
+    assert no_room_to_gain([perfect], k, 0.0) and no_room_to_gain([perfect], k, 0.05)
+    assert not no_room_to_gain([wrong], k, room)
+    assert no_room_to_gain([wrong], k, room + 0.01)
+    # pooled, the two leave half the room of the one always wrong
+    assert not no_room_to_gain([perfect, wrong], k, room / 2)
+    assert no_room_to_gain([perfect, wrong], k, room / 2 + 0.01)
     assert no_room_to_gain([], k, 0.0)  # nothing to verify: nothing to gain
 
 

@@ -58,9 +58,11 @@ def test_a_window_that_leaves_the_champion_no_room_is_judged_with_its_older_requ
     room = AcceptanceCount.of([(20, 8), (29, 8), (16, 8)])
     window = {"ko": 2, "en": 2}
     assert cycle._window_with_room({"ko": full, "en": room}, window, 3, gate) == {"ko": 0, "en": 2}
-    # 0.0625 below the ceiling: beyond a margin of 0.05, within one of 0.1
+    # 0.0625 below the ceiling: room for a gain of 0.05 (or of exactly 0.0625), not of 0.1
     near = AcceptanceCount.of([(28, 8), (29, 8), (16, 8)])
     assert cycle._window_with_room({"ko": near}, window, 3, gate) == window
+    exact = GateConfig(margin=0.0625)
+    assert cycle._window_with_room({"ko": near}, window, 3, exact) == window
     wide = GateConfig(margin=0.1)
     assert cycle._window_with_room({"ko": near}, window, 3, wide) == {"ko": 0, "en": 2}
     # no champion (a first cycle): nothing to judge the room by

@@ -724,6 +724,13 @@ def test_a_run_that_kept_its_parent_reports_what_its_best_step_learned() -> None
     assert held == pytest.approx({"law": 0.1, "chat": 0.0})  # steps 20 and 30: law 1.6, 2.5
     assert dataclasses.replace(result, best_is_parent=False).learned_gains() == {}
     assert dataclasses.replace(vetoed, evaluations=evaluations[:1]).learned_gains() == {}
+    # chat's window left the parent no room: what its older requests gained counts
+    full = [
+        {**e, "groups": {**e["groups"], "older/chat": 3.0 + e["step"] / 100}} for e in evaluations
+    ]
+    pooled = dataclasses.replace(result, evaluations=full, judged_with_older=["chat"])
+    assert pooled.learned_gains() == pytest.approx({"law": 0.5, "chat": 0.1})
+    assert TrainResult.from_json(pooled.to_json()).learned_gains() == pooled.learned_gains()
 
 
 def test_a_gain_over_the_parent_within_its_noise_keeps_the_parent() -> None:
@@ -929,7 +936,7 @@ def test_a_run_continues_from_the_start_it_is_given_and_still_judges_against_its
 
 def _full_window_held_out(tmp_path: Path) -> HeldOut:
     """A cycle's export learning Korean: a validation request and one the gate judges
-    from the window, one older Korean request the gate judges too; the gate asks 0.05."""
+    from the window, three older Korean requests the gate judges too; the gate asks 0.05."""
 
     def sample(seed: int) -> dict[str, object]:
         ids = torch.arange(seed, seed + 12)
@@ -944,7 +951,7 @@ def _full_window_held_out(tmp_path: Path) -> HeldOut:
     files = {
         tmp_path / "window" / "a.ckpt": sample(0),
         tmp_path / "held_out" / "window" / "b.ckpt": sample(20),
-        tmp_path / "held_out" / "older" / "c.ckpt": sample(40),
+        **{tmp_path / "held_out" / "older" / f"{seed}.ckpt": sample(seed) for seed in (40, 60, 80)},
     }
     figure = {"shares": {"ko": 1.0}, "k": 3, "min_segment_tokens": 8, "margin": 0.05}
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -963,8 +970,10 @@ def test_a_window_at_its_ceiling_is_judged_with_the_segments_older_requests(
     Korean rose 2.89 -> 3.04. Where the window has room, its older requests stay what
     the run keeps (judged for forgetting), not what it is scored on."""
     held = _full_window_held_out(tmp_path)
-    window = [(29, 8), (29, 8)] if window_at_ceiling else [(20, 8), (20, 8)]
-    at_step = {0: {"ko": window, "older/ko": [(16, 8)]}, 10: {"ko": window, "older/ko": [(26, 8)]}}
+    # the validation request (first) has room; the gate's window request decides
+    window = [(20, 8), (29, 8)] if window_at_ceiling else [(29, 8), (20, 8)]
+    older = {0: [(16, 8)] * 3, 10: [(26, 8)] * 3}
+    at_step = {step: {"ko": window, "older/ko": older[step]} for step in (0, 10)}
 
     def score(draft: torch.nn.Module, step: int) -> Evaluation:
         requests = at_step[step]
@@ -973,8 +982,9 @@ def test_a_window_at_its_ceiling_is_judged_with_the_segments_older_requests(
 
     held.score = score  # type: ignore[method-assign]
     draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    selection = Selection(held, forgetting_tolerance=0.5, gain_beyond_noise=False)
+    selection = Selection(held, forgetting_tolerance=0.5)  # and a gain beyond the noise
     selection.begin(draft, parent, None)
+    assert selection.judged_with_older == (["ko"] if window_at_ceiling else [])
     selection.evaluate(draft, 10)
     assert selection.best is not None
     assert selection.best.step == (10 if window_at_ceiling else 0)

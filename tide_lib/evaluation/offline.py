@@ -220,17 +220,20 @@ def acceptance_ceiling(
 
 
 def no_room_to_gain(pairs: Iterable[tuple[int, int]], num_steps: int, gain: float) -> bool:
-    """Can no draft beat, by more than ``gain``, the pooled acceptance length of requests
-    replayed from every output position (a draft's ``(emitted, verify steps)`` at
-    ``num_steps``)? True where it is within ``gain`` of their ceiling
-    (:func:`acceptance_ceiling`): short answers served perfectly, or nothing to verify.
-    A round starts at each output position but the first, so a request's verify steps
-    tell its output length."""
+    """Can no draft beat by ``gain`` the pooled acceptance length of requests replayed
+    from every output position (a draft's ``(emitted, verify steps)`` at ``num_steps``)?
+    True where it is less than ``gain`` below their ceiling (:func:`acceptance_ceiling`),
+    or at it: short answers served perfectly, or nothing to verify. A round starts at
+    each output position but the first, so a request's verify steps tell its output
+    length."""
     emitted = verify_steps = perfect = 0
     for request_emitted, request_steps in pairs:
         emitted, verify_steps = emitted + request_emitted, verify_steps + request_steps
         perfect += _perfect_replay(request_steps + 1, num_steps, every_position=True)[0]
-    return not verify_steps or (perfect - emitted) / verify_steps <= gain + 1e-9
+    if not verify_steps:
+        return True
+    room = (perfect - emitted) / verify_steps
+    return room <= 1e-9 or room < gain - 1e-9
 
 
 @torch.no_grad()

@@ -272,11 +272,18 @@ class HeldOut:
     def __len__(self) -> int:
         return sum(len(samples) for samples in self.groups.values())
 
-    def without_room(self, requests: list[tuple[int, int]]) -> bool:
-        """Do ``requests`` (a reference draft's, replayed at ``k``) leave it no more room
-        below their ceiling than the gain the gate asks for (``gate.margin``)? Short
-        answers served perfectly: no draft can show a gain on them."""
-        return no_room_to_gain(requests, self.k, self.gate_margin)
+    def leaves_no_room(self, reference: Evaluation, group: str) -> bool:
+        """Does ``reference`` (the parent) leave the window's requests of ``group`` that the
+        gate judges (all of the group's where it judges none) less room below their
+        ceiling than the gain the gate asks for (``gate.margin``)? Short answers served
+        perfectly: no draft can show a gain on them. False for an evaluation that does
+        not hold every request of the group."""
+        requests = reference.requests.get(group)
+        if not requests or len(requests) != len(self.groups.get(group, ())):
+            return False
+        window = self.gate_window.get(group)
+        judged = [requests[i] for i in window] if window else requests
+        return no_room_to_gain(judged, self.k, self.gate_margin)
 
     def window_weighted(
         self, evaluation: Evaluation, reference: Evaluation | None = None
@@ -285,7 +292,7 @@ class HeldOut:
         it judges that were scored (``validation_max_samples`` caps them, the window's
         first): each window segment's figure on its window requests, or, where those hold
         fewer than the gate's ``min_segment_tokens`` output tokens or leave ``reference``
-        (the parent) no room to gain (:meth:`without_room`), on its older ones too,
+        (the parent) no room to gain (:meth:`leaves_no_room`), on its older ones too,
         weighted by the window's token shares. None without shares or such requests, or
         when the evaluation does not hold every request (a checkpoint of another code)."""
         figures: dict[str, float] = {}
@@ -295,20 +302,15 @@ class HeldOut:
                 return None
             window = [requests[i] for i in self.gate_window.get(segment, [])]
             count = AcceptanceCount.of(window)
-            if count.verify_steps < max(self.gate_min_tokens, 1) or self._full(reference, segment):
+            if count.verify_steps < max(self.gate_min_tokens, 1) or (
+                reference is not None and self.leaves_no_room(reference, segment)
+            ):
                 count = AcceptanceCount.of(
                     window + evaluation.requests.get(OLDER_PREFIX + segment, [])
                 )
             if share > 0 and count.verify_steps:
                 figures[segment] = count.accept_length
         return weighted_figure(figures, self.window_shares) if figures else None
-
-    def _full(self, reference: Evaluation | None, segment: str) -> bool:
-        """Does ``reference`` leave the window's judged requests of ``segment`` no room?"""
-        requests = reference.requests.get(segment) if reference is not None else None
-        if not requests or len(requests) != len(self.groups.get(segment, ())):
-            return False
-        return self.without_room([requests[i] for i in self.gate_window.get(segment, [])])
 
     def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
         """Replay every held-out sample with ``draft`` (on CPU; copied there if elsewhere)."""
@@ -413,13 +415,12 @@ class Selection:
             return
         first = self.held_out.score(parent if parent is not None else draft, 0)
         self._record(first)
-        pooled = sorted(g for g in self._gain_groups() if g.startswith(OLDER_PREFIX))
-        if pooled:
+        if self.judged_with_older:
             logger.info(
-                "the start leaves no room to gain (within gate.margin of the ceiling) on the "
-                "held-out requests of %s: their older ones (%s) are scored as learned too",
-                [g.removeprefix(OLDER_PREFIX) for g in pooled],
-                pooled,
+                "the start leaves no room to gain (less than gate.margin below the ceiling) "
+                "on the window's held-out requests of %s: their older ones are scored as "
+                "learned too",
+                self.judged_with_older,
             )
         if parent is not None:  # the parent's weights stay on disk: nothing to copy
             self.best = BestDraft(0, self._score(first))
@@ -464,20 +465,27 @@ class Selection:
         requests leave the parent no room pools its older ones (:meth:`_gain_groups`)."""
         return _window_figure(evaluation, self._gain_groups())
 
+    @property
+    def judged_with_older(self) -> list[str]:
+        """Learned groups whose gain is judged on their older held-out requests too
+        (:meth:`_gain_groups`)."""
+        older = (g for g in self._gain_groups() if g.startswith(OLDER_PREFIX))
+        return sorted(g.removeprefix(OLDER_PREFIX) for g in older)
+
     def _gain_groups(self) -> frozenset[str]:
         """The groups a gain is judged on: those not held out mostly from replay (the
         traffic the run learns), and the older held-out requests of each one whose
-        requests leave the parent no room to gain (:meth:`HeldOut.without_room`), its
+        requests leave the parent no room to gain (:meth:`HeldOut.leaves_no_room`), its
         ``older/<segment>``: the same traffic, sent earlier. On its window alone, a
         Korean cycle whose 7 held-out requests were short answers at their ceiling
         (3.333 at every step) kept its parent while the older Korean rose 2.89 -> 3.04."""
         start = self.evaluations[0] if self.evaluations else None
         older = self._older_groups()
         learned = frozenset(g for g in (start.requests if start else {}) if g not in older)
-        without_room = getattr(self.held_out, "without_room", None)
-        if start is None or without_room is None:
+        leaves_no_room = getattr(self.held_out, "leaves_no_room", None)
+        if start is None or leaves_no_room is None:
             return learned
-        full = {group for group in learned if without_room(start.requests[group])}
+        full = {group for group in learned if leaves_no_room(start, group)}
         return learned | {OLDER_PREFIX + g for g in full if OLDER_PREFIX + g in start.requests}
 
     def _below_the_parent_as_gated(self, evaluation: Evaluation) -> tuple[float, float] | None:

@@ -126,6 +126,9 @@ class TrainResult:
     # noise, forgetting nothing), for a next run on the same parent to start from.
     continuation_dir: Path | None = None
     continuation_step: int | None = None
+    # Learned groups judged on their older held-out requests too: the parent left their
+    # window's no room to gain (``Selection.judged_with_older``).
+    judged_with_older: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def accept_length_before(self) -> float | None:
@@ -154,9 +157,11 @@ class TrainResult:
             return {}
         if self.continuation_step:
             learned = by_step.get(self.continuation_step)
-            return _gains(start, [learned]) if learned is not None else {}
-        trained = [groups for step, groups in sorted(by_step.items()) if step > 0]
-        return _gains(start, trained[len(trained) // 2 :])
+            steps = [learned] if learned is not None else []
+        else:
+            trained = [groups for step, groups in sorted(by_step.items()) if step > 0]
+            steps = trained[len(trained) // 2 :]
+        return _gains(start, steps, self.judged_with_older)
 
     @property
     def tokens_per_s(self) -> float:
@@ -180,18 +185,31 @@ class TrainResult:
         )
 
 
-def _gains(start: dict[str, float], steps: list[dict[str, float]]) -> dict[str, float]:
+def _gains(
+    start: dict[str, float], steps: list[dict[str, float]], judged_with_older: list[str]
+) -> dict[str, float]:
     """Per group the parent (``start``) and every one of ``steps`` score, older traffic
-    (``older/``) aside: the smallest of the steps' figures minus the parent's."""
+    (``older/``) aside: the smallest of the steps' figures minus the parent's. A group
+    ``judged_with_older`` (its window left the parent no room to gain) gained what its
+    older requests show where that is more."""
     if not steps:
         return {}
-    return {
-        group: min(step[group] for step in steps) - start[group]
+
+    def gain(group: str) -> float | None:
+        if group not in start or not all(group in step for step in steps):
+            return None
+        return min(step[group] for step in steps) - start[group]
+
+    gains = {
+        group: value
         for group in steps[-1]
-        if group in start
-        and not group.startswith(OLDER_PREFIX)
-        and all(group in step for step in steps)
+        if not group.startswith(OLDER_PREFIX) and (value := gain(group)) is not None
     }
+    for group in set(judged_with_older) & set(gains):
+        older = gain(OLDER_PREFIX + group)
+        if older is not None:
+            gains[group] = max(gains[group], older)
+    return gains
 
 
 def list_samples(data_dir: Path) -> list[Path]:
@@ -780,6 +798,7 @@ def _selected(
         "best_step": best_step,
         "best_is_parent": warm and best_step == 0,
         "improved": None if best is None else best_step > 0,
+        "judged_with_older": selection.judged_with_older,
         "evaluations": [  # figures only: per-request counts stay in the checkpoint
             {k: v for k, v in dataclasses.asdict(entry).items() if k != "requests"}
             for entry in selection.evaluations
