@@ -609,20 +609,22 @@ def test_held_out_groups_of_replayed_traffic_are_the_older_ones(tmp_path: Path) 
     assert held.output_tokens == {"new": 8, "mixed": 11, "old": 5}
 
 
+def _answered_sample(segment: str, seed: int) -> dict[str, object]:
+    """A labelled sample: 4 prompt tokens, 8 output tokens (distinct by ``seed``)."""
+    ids = torch.arange(seed, seed + 12)
+    return {
+        "input_ids": ids,
+        "loss_mask": torch.tensor([0] * 4 + [1] * 8),
+        "hidden_state": torch.zeros(len(ids), 2),
+        "aux_hidden_state": torch.zeros(len(ids), 6),
+        "segment": segment,
+    }
+
+
 def _gate_held_out(tmp_path: Path, shares: dict[str, float] | None, min_tokens: int = 8) -> HeldOut:
     """A cycle's export: law learned, chat kept (its window requests under
     held_out/replay/), one older chat request, and how the gate figures the window."""
-
-    def sample(segment: str, seed: int) -> dict[str, object]:
-        ids = torch.arange(seed, seed + 12)
-        return {
-            "input_ids": ids,
-            "loss_mask": torch.tensor([0] * 4 + [1] * 8),
-            "hidden_state": torch.zeros(len(ids), 2),
-            "aux_hidden_state": torch.zeros(len(ids), 6),
-            "segment": segment,
-        }
-
+    sample = _answered_sample
     files = {
         tmp_path / "window" / "a.ckpt": sample("law", 0),  # validation: not the gate's
         tmp_path / "held_out" / "window" / "b.ckpt": sample("law", 20),
@@ -656,6 +658,17 @@ def test_held_out_figures_the_gates_window_weighted_acceptance(tmp_path: Path) -
     assert held.window_weighted(partial) is None
 
 
+def _script_scores(held: HeldOut, at_step: dict[int, dict[str, list[tuple[int, int]]]]) -> None:
+    """``held`` scores each step by the given per-request (emitted, verify steps) counts."""
+
+    def score(draft: torch.nn.Module, step: int) -> Evaluation:
+        requests = at_step[step]
+        lengths = {g: sum(e for e, _ in r) / sum(v for _, v in r) for g, r in requests.items()}
+        return Evaluation(step, 0.0, lengths, requests)
+
+    held.score = score  # type: ignore[method-assign]
+
+
 def test_a_step_below_its_parent_on_the_gates_window_weighted_figure_is_never_kept(
     tmp_path: Path,
 ) -> None:
@@ -671,13 +684,7 @@ def test_a_step_below_its_parent_on_the_gates_window_weighted_figure_is_never_ke
         10: {"law": [(16, 8), (16, 8)], "chat": [(24, 8)], "older/chat": [(28, 8)]},
         20: {"law": [(20, 8), (20, 8)], "chat": [(27, 8)], "older/chat": [(28, 8)]},
     }
-
-    def score(draft: torch.nn.Module, step: int) -> Evaluation:
-        requests = at_step[step]
-        lengths = {g: sum(e for e, _ in r) / sum(v for _, v in r) for g, r in requests.items()}
-        return Evaluation(step, 0.0, lengths, requests)
-
-    held.score = score  # type: ignore[method-assign]
+    _script_scores(held, at_step)
     draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     selection = Selection(held, forgetting_tolerance=0.6, gain_beyond_noise=False)
     selection.begin(draft, parent, None)
@@ -937,21 +944,11 @@ def test_a_run_continues_from_the_start_it_is_given_and_still_judges_against_its
 def _full_window_held_out(tmp_path: Path) -> HeldOut:
     """A cycle's export learning Korean: a validation request and one the gate judges
     from the window, three older Korean requests the gate judges too; the gate asks 0.05."""
-
-    def sample(seed: int) -> dict[str, object]:
-        ids = torch.arange(seed, seed + 12)
-        return {
-            "input_ids": ids,
-            "loss_mask": torch.tensor([0] * 4 + [1] * 8),
-            "hidden_state": torch.zeros(len(ids), 2),
-            "aux_hidden_state": torch.zeros(len(ids), 6),
-            "segment": "ko",
-        }
-
+    older = tmp_path / "held_out" / "older"
     files = {
-        tmp_path / "window" / "a.ckpt": sample(0),
-        tmp_path / "held_out" / "window" / "b.ckpt": sample(20),
-        **{tmp_path / "held_out" / "older" / f"{seed}.ckpt": sample(seed) for seed in (40, 60, 80)},
+        tmp_path / "window" / "a.ckpt": _answered_sample("ko", 0),
+        tmp_path / "held_out" / "window" / "b.ckpt": _answered_sample("ko", 20),
+        **{older / f"{seed}.ckpt": _answered_sample("ko", seed) for seed in (40, 60, 80)},
     }
     figure = {"shares": {"ko": 1.0}, "k": 3, "min_segment_tokens": 8, "margin": 0.05}
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -974,13 +971,7 @@ def test_a_window_at_its_ceiling_is_judged_with_the_segments_older_requests(
     window = [(20, 8), (29, 8)] if window_at_ceiling else [(29, 8), (20, 8)]
     older = {0: [(16, 8)] * 3, 10: [(26, 8)] * 3}
     at_step = {step: {"ko": window, "older/ko": older[step]} for step in (0, 10)}
-
-    def score(draft: torch.nn.Module, step: int) -> Evaluation:
-        requests = at_step[step]
-        lengths = {g: sum(e for e, _ in r) / sum(v for _, v in r) for g, r in requests.items()}
-        return Evaluation(step, 0.0, lengths, requests)
-
-    held.score = score  # type: ignore[method-assign]
+    _script_scores(held, at_step)
     draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     selection = Selection(held, forgetting_tolerance=0.5)  # and a gain beyond the noise
     selection.begin(draft, parent, None)
@@ -988,7 +979,10 @@ def test_a_window_at_its_ceiling_is_judged_with_the_segments_older_requests(
     selection.evaluate(draft, 10)
     assert selection.best is not None
     assert selection.best.step == (10 if window_at_ceiling else 0)
-    parent_figure = held.window_weighted(score(parent, 0), score(parent, 0))
-    step_figure = held.window_weighted(score(draft, 10), score(parent, 0))
+    start, step = selection.evaluations
+    parent_figure, step_figure = (
+        held.window_weighted(start, start),
+        held.window_weighted(step, start),
+    )
     assert parent_figure is not None and step_figure is not None
     assert (step_figure > parent_figure) is window_at_ceiling
