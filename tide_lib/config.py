@@ -511,6 +511,16 @@ class ServeConfig(StrictModel):
         ge=2,
         description="adaptive k: every Nth request runs at a k next to the chosen one",
     )
+    speculative_adaptive_probe_rounds: int = Field(
+        8,
+        ge=0,
+        description=(
+            "adaptive k: verify rounds an exploration at another k than the model's "
+            "speculates while plain decoding is served; the rest of the request is decoded "
+            "plainly (it measures acceptance and costs, not what its k delivers); 0: it "
+            "speculates the whole request"
+        ),
+    )
     speculative_adaptive_calibration_tokens: int = Field(
         24,
         ge=0,

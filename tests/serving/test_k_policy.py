@@ -13,6 +13,7 @@ from tide_lib.serving.k_policy import (
     MIN_REALIZED,
     RECHECK_AFTER,
     KController,
+    KPlan,
     RealizedRates,
     RoundTimings,
     choose_k,
@@ -789,3 +790,48 @@ def test_the_veto_reads_expectations_only_for_a_k_without_a_figure() -> None:
     assert realized.veto(3, {3: 0.9}) == 2  # expected to lose: the best k that paid
     assert realized.veto(3, {3: 1.1}) == 3
     assert realized.veto(3) == 3  # no expectation: untried k's are tried
+
+
+def _serve_plans(controller: KController, server: SyntheticServer, requests: int) -> list[KPlan]:
+    """As an engine serves: a probe runs its rounds alone and is marked one."""
+    plans = []
+    for _ in range(requests):
+        plan = controller.plan()
+        timings = server.run(plan.k, plan.probe_rounds or 20)
+        timings.probe = plan.probe_rounds is not None
+        controller.observe(timings)
+        plans.append(plan)
+    return plans
+
+
+def test_while_plain_decoding_is_served_an_exploration_is_a_probe() -> None:
+    """A draft that does not pay: its explorations speculate a few rounds (the rest of
+    the request decoded plainly), which measure acceptance and costs but not what the k
+    delivers; when the traffic comes to fit the draft, they still find it."""
+    controller = KController(MAX_K, adaptive=True, explore_every=4, probe_rounds=4)
+    costs = {"draft_s": 0.002, "plain_s": 0.01, "per_token_s": 0.0}
+    plans = _serve_plans(controller, SyntheticServer(**costs, rates=[0.05] * MAX_K), 40)
+    assert plans[0] == KPlan(MAX_K)  # measuring every position: served whole
+    explored = [plan for plan in plans[2:] if plan.k]
+    assert explored and all(plan == KPlan(1, 4) for plan in explored)
+    assert 1 not in controller.realized.requests  # a probe delivered no figure of its k
+    plans = _serve_plans(controller, SyntheticServer(**costs, rates=[0.95] * MAX_K), 120)
+    assert controller.snapshot()["chosen_k"] == MAX_K
+    assert all(plan.probe_rounds is None for plan in plans[-20:])  # speculating: none
+    off = KController(MAX_K, adaptive=True, explore_every=4, probe_rounds=0)
+    assert all(
+        plan.probe_rounds is None
+        for plan in _serve_plans(off, SyntheticServer(**costs, rates=[0.05] * MAX_K), 40)
+    )
+
+
+def test_probes_teach_costs_but_not_what_a_request_emits() -> None:
+    """A probe's few rounds would make requests look short: the draft's prefill is
+    spread over what whole requests emit."""
+    controller = KController(MAX_K, adaptive=True)
+    whole = RoundTimings(2, [(2, 1)] * 10, decode_seconds=0.1, emitted=20)
+    controller.observe(whole)
+    probe = RoundTimings(2, [(2, 1)] * 2, decode_seconds=0.02, emitted=4, probe=True)
+    controller.observe(probe)
+    assert controller.costs.emitted_per_request == 20
+    assert controller.realized.requests == {2: 1}

@@ -50,3 +50,24 @@ def test_a_drafted_end_of_output_is_the_last_token_drafted_and_verified() -> Non
     with_end = SpeculativeDecoder(target, draft, 4, end).generate(prompt, 12)
     plain = SpeculativeDecoder(target, None, 4, end).generate(prompt, 12, speculative=False)
     assert with_end.output_ids == plain.output_ids  # still exactly greedy decoding
+
+
+def test_a_probe_speculates_its_first_rounds_and_decodes_the_rest_plainly() -> None:
+    """Exactly greedy decoding still; its timings hold the probe's rounds alone, marked a
+    probe (what its k delivers is not measured); a request that ends within them is no
+    probe: all of it was served at its k."""
+    target, draft = _models()
+    prompt = list(range(3, 24))
+    decoder = SpeculativeDecoder(target, draft, 3, None)
+    plain = decoder.generate(prompt, 20, speculative=False)
+    probe = decoder.generate(prompt, 20, probe_rounds=2)
+    assert probe.output_ids == plain.output_ids
+    assert probe.verify_steps == len(probe.timings.rounds) == 2
+    assert probe.timings.probe and probe.timings.k == 3
+    assert 2 <= probe.timings.emitted <= 2 * 4 < len(probe.output_ids)
+    assert len(probe.timings.target_forwards) == 2  # the plain rest is not measured
+    # what capture stores: every position's states, as plain decoding has them
+    assert probe.final_states.shape == plain.final_states.shape
+    assert torch.allclose(probe.aux_states, plain.aux_states, atol=1e-4)
+    whole = decoder.generate(prompt, 3, probe_rounds=8)
+    assert not whole.timings.probe and whole.output_ids == plain.output_ids[:3]

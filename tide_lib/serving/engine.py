@@ -46,7 +46,7 @@ from tide_lib.registry.uris import DraftFetchError
 from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.capture import capture_wanted
 from tide_lib.serving.draft_sources import DraftCache, DraftSources, local_draft
-from tide_lib.serving.k_policy import KController
+from tide_lib.serving.k_policy import KController, KPlan
 from tide_lib.serving.metrics import EngineMetrics
 from tide_lib.serving.speculative import DraftRunner, Generation, SpeculativeDecoder
 from tide_lib.training.draft import DraftTarget, InvalidCheckpointError, load_draft
@@ -161,6 +161,7 @@ class Engine:
             speculative=self.speculative,
             explore_every=serve.speculative_adaptive_explore_every,
             min_gain=serve.speculative_adaptive_min_gain,
+            probe_rounds=serve.speculative_adaptive_probe_rounds,
         )
         self.writer = self._capture_writer(config) if serve.capture else None
         self.counters = EngineCounters()
@@ -275,6 +276,7 @@ class Engine:
         )
         version = self.weight_version
         reference = request.reference_plain
+        plan = KPlan(0) if reference else self.k_controller.plan(request.segment)
         generation = self.decoder.generate(
             request.input_ids,
             request.max_new_tokens,
@@ -282,7 +284,8 @@ class Engine:
             speculative=self.speculative,
             generator=generator,
             ignore_eos=request.ignore_eos,
-            num_steps=0 if reference else self.k_controller.pick(request.segment),
+            num_steps=plan.k,
+            probe_rounds=plan.probe_rounds,
         )
         if not reference:
             self.k_controller.observe(generation.timings, request.segment)

@@ -56,6 +56,7 @@ __all__ = [
     "CostModel",
     "KChoice",
     "KController",
+    "KPlan",
     "RealizedRates",
     "RoundTimings",
     "choose_k",
@@ -180,6 +181,15 @@ def recommend_k(
     return choose_k([rate] * limit, draft_cost_ratio, verify, max_k=limit, min_gain=min_gain)
 
 
+@dataclasses.dataclass(frozen=True)
+class KPlan:
+    """How to serve one request: at ``k``; a probe (``probe_rounds`` set) speculates that
+    many verify rounds and decodes the rest plainly."""
+
+    k: int
+    probe_rounds: int | None = None
+
+
 @dataclasses.dataclass
 class RoundTimings:
     """What one generation measured, for the controller (prefill excluded)."""
@@ -192,6 +202,9 @@ class RoundTimings:
     decode_seconds: float = 0.0  # all of decoding after the prefill, bookkeeping included
     emitted: int = 0  # output tokens decoding delivered (after the prefill's first)
     draft_prefill_seconds: float = 0.0  # the draft's pass over the prompt (speculation only)
+    # A probe speculated its first rounds only and decoded the rest plainly, unmeasured:
+    # what it measured is acceptance and costs, not what its k delivers.
+    probe: bool = False
 
 
 class CostModel:
@@ -224,7 +237,7 @@ class CostModel:
             self.draft_step_s = self.blend(self.draft_step_s, per_forward)
         if timings.k and timings.draft_prefill_seconds > 0:
             self.draft_prefill_s = self.blend(self.draft_prefill_s, timings.draft_prefill_seconds)
-        if timings.emitted:
+        if timings.emitted and not timings.probe:  # a probe measured part of its request
             self.emitted_per_request = self.blend(self.emitted_per_request, timings.emitted)
         by_tokens: dict[int, list[float]] = {}
         for tokens, seconds in timings.target_forwards:
@@ -376,8 +389,9 @@ class RealizedRates:
 
     @staticmethod
     def counts(timings: RoundTimings) -> bool:
-        """Does the request count in the rates: did decoding emit tokens in measured time?"""
-        return bool(timings.emitted) and timings.decode_seconds > 0
+        """Does the request count in the rates: did decoding emit tokens in measured time,
+        all of them at its k (not a probe)?"""
+        return bool(timings.emitted) and timings.decode_seconds > 0 and not timings.probe
 
     def observe(self, timings: RoundTimings) -> None:
         if not self.counts(timings):
@@ -617,6 +631,7 @@ class KController:
         explore_every: int = 16,
         min_gain: float = 0.02,
         decay: float = 0.995,
+        probe_rounds: int = 8,
     ) -> None:
         self.max_k = max_k
         self.adaptive = adaptive
@@ -624,6 +639,7 @@ class KController:
         self.explore_every = explore_every
         self.min_gain = min_gain
         self.decay = decay
+        self.probe_rounds = probe_rounds
         self.costs = CostModel()
         self._lock = threading.Lock()
         self._overall = AcceptanceEstimate(max_k, decay)
@@ -734,19 +750,29 @@ class KController:
 
     def pick(self, segment: str | None = None) -> int:
         """The k to serve the next request with (exploration included)."""
-        with self._lock:
-            k = self._pick(segment)
-            self.requests_by_k[k] += 1
-            return k
+        return self.plan(segment).k
 
-    def _pick(self, segment: str | None) -> int:
+    def plan(self, segment: str | None = None) -> KPlan:
+        """How to serve the next request: its k, and whether it is a probe. While plain
+        decoding is served, an exploration at another k than the model's speculates its
+        first ``probe_rounds`` rounds only: it measures acceptance and costs, which is
+        what it is for (the model's own k is served whole: what it delivers is measured
+        too). Served whole, a weak draft's two explorations at k=1 cost 2% of the serve
+        bench's 48 timed requests against plain decoding."""
+        with self._lock:
+            k, probe = self._pick(segment)
+            self.requests_by_k[k] += 1
+            return KPlan(k, self.probe_rounds if probe and self.probe_rounds else None)
+
+    def _pick(self, segment: str | None) -> tuple[int, bool]:
+        """``(k, whether the request is a probe)``."""
         if not self.speculative:
-            return 0
+            return 0, False
         if not self.adaptive:
-            return self.max_k
+            return self.max_k, False
         measuring = self._measuring()
         if measuring is not None:
-            return measuring
+            return measuring, False
         choice, modelled, chosen = self._served_choice(segment)
         explored = self._explored(segment, chosen, modelled)
         if explored is None and chosen and self.realized.pair_now(chosen):
@@ -762,7 +788,7 @@ class KController:
                 "exploring" if explored is not None else "not exploring",
                 None if choice is None else [round(rate, 1) for rate in choice.tokens_per_s],
             )
-        return k
+        return k, explored is not None and chosen == 0 and k not in (0, modelled)
 
     def _measuring(self) -> int | None:
         """The k every request runs at while what the choice rests on is measured, else

@@ -280,12 +280,15 @@ class SpeculativeDecoder:
         generator: torch.Generator | None = None,
         ignore_eos: bool = False,
         num_steps: int | None = None,
+        probe_rounds: int | None = None,
     ) -> Generation:
         """Generate with ``num_steps`` draft tokens per verify (default: the decoder's k).
 
         ``num_steps=0``, ``speculative=False`` or no draft: plain decoding, no draft step.
         The result's ``timings`` hold the wall cost of every draft and target forward
         after the prefill, and each verify round's (drafted, accepted).
+        ``probe_rounds``: speculate that many verify rounds, then decode the rest plainly;
+        ``timings`` then hold the speculative rounds alone, marked ``probe``.
         """
         k = self.num_steps if num_steps is None else num_steps
         if k < 0:
@@ -301,9 +304,9 @@ class SpeculativeDecoder:
         )
         run.timings.k = k if use_draft else 0
         if use_draft:
-            run.speculate(k)
+            run.speculate(k, probe_rounds)
         else:
-            run.plain()
+            run.plain(run.timings)
         return run.result()
 
 
@@ -343,20 +346,24 @@ class _Run:
     def running(self) -> bool:
         return len(self.output) < self.max_new_tokens and self.output[-1] != self.eos
 
-    def plain(self) -> None:
+    def plain(self, timings: RoundTimings) -> None:
+        """Decode plainly to the end, measured into ``timings``."""
         started, before = _clock(self.decoder.device), len(self.output)
         while self.running():
             logits, self.cache, finals, auxes = self.decoder._timed_forward(
-                self.output[-1:], self.cache, self.timings
+                self.output[-1:], self.cache, timings
             )
             self.final_chunks.append(finals)
             self.aux_chunks.append(auxes)
             self.output.append(self.sample(logits[-1]))
             self.position += 1
-        self.timings.decode_seconds = _clock(self.decoder.device) - started
-        self.timings.emitted = len(self.output) - before
+        timings.decode_seconds = _clock(self.decoder.device) - started
+        timings.emitted = len(self.output) - before
 
-    def speculate(self, k: int) -> None:
+    def speculate(self, k: int, probe_rounds: int | None = None) -> None:
+        """Speculate to the end, or for ``probe_rounds`` verify rounds and then decode the
+        rest plainly, outside the measured timings (a probe measures acceptance and
+        costs, at the price of a few rounds instead of a whole request)."""
         decoder, runner = self.decoder, self.decoder.runner
         assert runner is not None
         runner.reset()
@@ -365,7 +372,11 @@ class _Run:
         hidden, draft_logits = runner.step(tokens, runner.project(self.auxes))  # draft prefill
         started = _clock(decoder.device)
         self.timings.draft_prefill_seconds = started - prefill
-        while self.running():
+
+        def speculating() -> bool:
+            return self.running() and (probe_rounds is None or self.verify_steps < probe_rounds)
+
+        while speculating():
             budget = min(k, self.max_new_tokens - len(self.output))
             drafted, draft_probs = self._draft(hidden[-1:], draft_logits, budget)
             logits, self.cache, finals, auxes = decoder._timed_forward(
@@ -383,7 +394,7 @@ class _Run:
             self.output.extend(drafted[:accepted] + ([bonus] if bonus is not None else []))
             # Rebuild the draft's positions from the verified target features.
             runner.crop(self.position)
-            if self.running():
+            if speculating():
                 tokens = torch.tensor(self.output[-kept:])
                 hidden, draft_logits = decoder._timed_draft(
                     tokens, runner.project(auxes[:kept]), self.timings
@@ -391,6 +402,9 @@ class _Run:
             self.position += kept
         self.timings.decode_seconds = _clock(decoder.device) - started
         self.timings.emitted = len(self.output) - before
+        if self.running():  # a probe's rest, unmeasured: the request's k did not serve it
+            self.timings.probe = True
+            self.plain(RoundTimings(0, []))
 
     def _draft(
         self, last_hidden: torch.Tensor, last_logits: torch.Tensor, budget: int
