@@ -1,10 +1,13 @@
-"""The benches' paired reading of one engine's tokens/s against another's."""
+"""The benches' paired reading of one engine's tokens/s against another's, and the order
+they serve each prompt in."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from tide_lib.harness.serve_bench import EngineRun, paired_ratio
+from tide_lib.harness.serve_bench import EngineRun, paired_ratio, turn_order
 
 
 def _runs(mine: list[float], theirs: list[float]) -> dict[str, EngineRun]:
@@ -28,3 +31,15 @@ def test_a_steady_gain_is_told_from_parity_and_noise_is_not() -> None:
 
 def test_too_few_requests_give_no_reading() -> None:
     assert paired_ratio(_runs([100.0], [90.0]), "adaptive", "plain") == {}
+
+
+@pytest.mark.parametrize("engines", [2, 3, 4, 5])
+def test_no_engine_serves_twice_in_a_row_and_each_takes_every_place(engines: int) -> None:
+    names = [f"e{i}" for i in range(engines)]
+    served = [name for index in range(4 * engines) for name in turn_order(names, index)]
+    assert all(a != b for a, b in itertools.pairwise(served))
+    if engines > 2:
+        places = {
+            name: {turn_order(names, i).index(name) for i in range(engines)} for name in names
+        }
+        assert all(taken == set(range(engines)) for taken in places.values())

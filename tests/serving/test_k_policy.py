@@ -835,3 +835,17 @@ def test_probes_teach_costs_but_not_what_a_request_emits() -> None:
     controller.observe(probe)
     assert controller.costs.emitted_per_request == 20
     assert controller.realized.requests == {2: 1}
+
+
+def test_where_the_realized_rates_veto_the_model_explorations_are_served_whole() -> None:
+    """The veto falls back on a k that delivered a figure of its own: a probe never gives
+    one, so no exploration is a probe while the model's k is vetoed."""
+    controller = KController(MAX_K, adaptive=True, explore_every=4, probe_rounds=4)
+    server = SyntheticServer(
+        draft_s=0.0005, plain_s=0.01, per_token_s=0.0, rates=[0.95] * MAX_K, stall_s=1.0
+    )
+    plans = _serve_plans(controller, server, 80)
+    snapshot = controller.snapshot()
+    assert snapshot["modelled_k"] == MAX_K and snapshot["chosen_k"] == 0  # vetoed
+    assert any(plan.k for plan in plans[10:])  # it explores
+    assert all(plan.probe_rounds is None for plan in plans)

@@ -753,12 +753,12 @@ class KController:
         return self.plan(segment).k
 
     def plan(self, segment: str | None = None) -> KPlan:
-        """How to serve the next request: its k, and whether it is a probe. While plain
-        decoding is served, an exploration at another k than the model's speculates its
-        first ``probe_rounds`` rounds only: it measures acceptance and costs, which is
-        what it is for (the model's own k is served whole: what it delivers is measured
-        too). Served whole, a weak draft's two explorations at k=1 cost 2% of the serve
-        bench's 48 timed requests against plain decoding."""
+        """How to serve the next request: its k, and whether it is a probe. While the
+        model itself chooses plain decoding, an exploration speculates its first
+        ``probe_rounds`` rounds only: it measures acceptance and costs, which is what it
+        is for, at the price of a few rounds instead of a whole request. Where the
+        realized rates vetoed the model's k, explorations are served whole: the k the
+        veto falls back on must have delivered a figure of its own."""
         with self._lock:
             k, probe = self._pick(segment)
             self.requests_by_k[k] += 1
@@ -788,7 +788,9 @@ class KController:
                 "exploring" if explored is not None else "not exploring",
                 None if choice is None else [round(rate, 1) for rate in choice.tokens_per_s],
             )
-        return k, explored is not None and chosen == 0 and k not in (0, modelled)
+        # a probe only where nothing vetoed the model: a vetoed choice falls back on a k
+        # with a realized figure, which a probe never gives its k
+        return k, explored is not None and chosen == modelled == 0 and k != 0
 
     def _measuring(self) -> int | None:
         """The k every request runs at while what the choice rests on is measured, else

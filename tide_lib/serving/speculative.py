@@ -304,7 +304,7 @@ class SpeculativeDecoder:
         )
         run.timings.k = k if use_draft else 0
         if use_draft:
-            run.speculate(k, probe_rounds)
+            run.speculate(k, probe_rounds if probe_rounds and probe_rounds > 0 else None)
         else:
             run.plain(run.timings)
         return run.result()
