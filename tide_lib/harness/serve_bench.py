@@ -3,8 +3,8 @@
 Runs the reference engine in-process on the demo target, with a draft bootstrapped
 from the target's own greedy answers to English training prompts (or a given
 one), and measures on held-out English prompts, engines side by side in one
-run (each prompt on every engine, the order rotated every prompt, so machine
-noise hits all of them): output tokens/s with capture on and off;
+run (each prompt on every engine, in an order shuffled for each prompt, so
+machine noise hits all of them): output tokens/s with capture on and off;
 speculative decoding at the fixed k, with the adaptive k (the engine picks k in
 0..k per request from the costs and acceptance it measures, 0 = plain) and plain
 decoding, with the k the adaptive engine chose; the pooled acceptance length;
@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import math
+import random
 import statistics
 import tempfile
 import threading
@@ -53,7 +54,7 @@ __all__ = [
     "run_serve_bench",
     "settle",
     "side_by_side",
-    "turn_order",
+    "turn_orders",
 ]
 
 logger = logging.getLogger(__name__)
@@ -233,30 +234,36 @@ def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> 
     }
 
 
-def turn_order(names: list[str], index: int) -> list[str]:
-    """The order the engines serve prompt ``index`` in: rotated by one each prompt, so
-    each takes every place in turn and none serves twice in a row (two engines keep
-    their order: any other order repeats one). The order reversed every other prompt
-    served the first and the last engine twice in a row, from a warm cache, at every
-    other prompt: plain decoding on the adaptive engine, last, read 2-3% faster than
-    the adaptive requests served plainly on the same engine."""
-    if len(names) < 3:
-        return list(names)
-    shift = index % len(names)
-    return names[shift:] + names[:shift]
+def turn_orders(names: list[str], prompts: int, seed: int = 0) -> list[list[str]]:
+    """The order the engines serve each of ``prompts`` prompts in: shuffled (seeded) for
+    each prompt, so each engine follows every other about as often, and never one engine
+    twice in a row (a shuffle that would start with the last engine is rotated by one).
+    A fixed predecessor biases an engine's figure: rotated by one every prompt, the
+    adaptive engine followed the fixed-k engine (its draft's buffers through the caches)
+    three times in four and plain decoding on it followed the plain engine; flipped
+    every other prompt, the first and the last engine served twice in a row."""
+    rng = random.Random(seed)
+    orders: list[list[str]] = []
+    for _ in range(prompts):
+        order = rng.sample(names, len(names))
+        if orders and len(order) > 1 and order[0] == orders[-1][-1]:
+            order = order[1:] + order[:1]
+        orders.append(order)
+    return orders
 
 
 def side_by_side(
     engines: Mapping[str, Submits], prompts: list[list[int]], max_new_tokens: int, passes: int = 1
 ) -> dict[str, EngineRun]:
-    """Each prompt on every engine (:func:`turn_order`), ``passes`` times over the
+    """Each prompt on every engine (in :func:`turn_orders`), ``passes`` times over the
     prompts; each pass's tokens/s is kept apart."""
     totals = {name: EngineRun() for name in engines}
     names = list(engines)
+    orders = turn_orders(names, len(prompts) * passes)
     for index, ids in enumerate(tqdm(prompts * passes, desc=" vs ".join(names), unit="req")):
         if index % len(prompts) == 0:
             this_pass = {name: EngineRun() for name in names}
-        for name in turn_order(names, index):
+        for name in orders[index]:
             request = EngineRequest(ids, max_new_tokens, 0.0, None, f"bench-{name}-{index}")
             started = time.perf_counter()
             result = engines[name].submit(request).result()
