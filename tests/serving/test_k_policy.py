@@ -815,6 +815,7 @@ def test_while_plain_decoding_is_served_an_exploration_is_a_probe() -> None:
     explored = [plan for plan in plans[2:] if plan.k]
     assert explored and all(plan == KPlan(1, 4) for plan in explored)
     assert 1 not in controller.realized.requests  # a probe delivered no figure of its k
+    assert controller.snapshot()["probes"] == len(explored)
     plans = _serve_plans(controller, SyntheticServer(**costs, rates=[0.95] * MAX_K), 120)
     assert controller.snapshot()["chosen_k"] == MAX_K
     assert all(plan.probe_rounds is None for plan in plans[-20:])  # speculating: none

@@ -223,7 +223,8 @@ def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> 
     """What adaptive k did while timed: requests served at each k after the warm-up
     (``warm_by_k``, the controller's ``requests_by_k`` then), and from the controller's
     final snapshot (``chosen``) its modelled tokens/s, acceptance, costs, what each k
-    delivered against plain decoding measured beside it and the model's error."""
+    delivered against plain decoding measured beside it, the model's error and the
+    probes it served."""
     return {
         "timed_requests_by_k": _served_since(warm_by_k, chosen["requests_by_k"]),
         "expected_tokens_per_s": chosen["expected_tokens_per_s"],
@@ -231,6 +232,7 @@ def adaptive_report(warm_by_k: Mapping[str, int], chosen: Mapping[str, Any]) -> 
         "costs": chosen["costs"],
         "realized_vs_plain": chosen["realized_vs_plain"],
         "model_error": chosen["model_error"],
+        "probes": chosen.get("probes", 0),  # over the engine's life: explorations cut short
     }
 
 

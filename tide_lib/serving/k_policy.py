@@ -646,6 +646,7 @@ class KController:
         self._segments: OrderedDict[str, AcceptanceEstimate] = OrderedDict()
         self._exploring: dict[str | None, _Countdown] = {}  # per segment (None: unlabelled)
         self.requests_by_k = [0] * (max_k + 1)
+        self.probes = 0  # of those, requests speculated for probe_rounds rounds only
         self.realized = RealizedRates()
         # k -> what the model expected of the requests served at k: a running average of
         # log(k's rate / plain decoding's), beside what they delivered (realized)
@@ -762,7 +763,9 @@ class KController:
         with self._lock:
             k, probe = self._pick(segment)
             self.requests_by_k[k] += 1
-            return KPlan(k, self.probe_rounds if probe and self.probe_rounds else None)
+            probe = probe and self.probe_rounds > 0
+            self.probes += probe
+            return KPlan(k, self.probe_rounds if probe else None)
 
     def _pick(self, segment: str | None) -> tuple[int, bool]:
         """``(k, whether the request is a probe)``."""
@@ -906,6 +909,7 @@ class KController:
                 "realized_vs_plain": self.realized.relative_snapshot(),
                 "model_error": self._model_error(),
                 "requests_by_k": {str(k): n for k, n in enumerate(self.requests_by_k)},
+                "probes": self.probes,
                 "segments": segments,
             }
 
