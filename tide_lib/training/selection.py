@@ -480,8 +480,7 @@ class Selection:
         Korean cycle whose 7 held-out requests were short answers at their ceiling
         (3.333 at every step) kept its parent while the older Korean rose 2.89 -> 3.04."""
         start = self.evaluations[0] if self.evaluations else None
-        older = self._older_groups()
-        learned = frozenset(g for g in (start.requests if start else {}) if g not in older)
+        learned = self._learned_groups()
         leaves_no_room = getattr(self.held_out, "leaves_no_room", None)
         if start is None or leaves_no_room is None:
             return learned
@@ -584,8 +583,7 @@ class Selection:
         is not judged again."""
         older = self._older_groups()
         start = self.evaluations[0]
-        learned = frozenset(group for group in start.requests if group not in older)
-        served_well = _window_figure(start, learned) + self.forgetting_tolerance
+        served_well = _window_figure(start, self._learned_groups()) + self.forgetting_tolerance
         pooled = [
             group
             for group in evaluation.groups
@@ -603,6 +601,13 @@ class Selection:
         after = [r for group in pooled for r in evaluation.requests[group]]
         drop = significant_drop(before, after, self.forgetting_tolerance)
         return {} if drop is None else {"+".join(pooled): drop}
+
+    def _learned_groups(self) -> frozenset[str]:
+        """The groups of the start's evaluation not held out mostly from replay: the
+        traffic the run learns."""
+        start = self.evaluations[0] if self.evaluations else None
+        older = self._older_groups()
+        return frozenset(g for g in (start.requests if start else {}) if g not in older)
 
     def _older_groups(self) -> frozenset[str]:
         """Groups held out mostly from replayed older traffic (none for a held-out set
