@@ -54,9 +54,11 @@ def config(stack: TideConfig, lake_config: LakeConfig, tmp_path: Path) -> TideCo
     )
 
 
-def _record(index: int, center: np.ndarray, segment: str | None) -> CapturedRecord:
+def _record(
+    index: int, center: np.ndarray, segment: str | None, tokens: int = 12
+) -> CapturedRecord:
     """A request whose final states sit around ``center`` (the target's view of its kind)."""
-    record = make_record(index, target_id=TARGET, hidden=HIDDEN)
+    record = make_record(index, target_id=TARGET, hidden=HIDDEN, tokens=tokens)
     noise = np.random.default_rng(index).standard_normal(record.hidden_states.shape)
     states = (center[None] + 0.2 * noise).astype(np.float16)
     return dataclasses.replace(record, hidden_states=states, segment=segment)
@@ -193,6 +195,43 @@ def test_export_separates_window_and_replay(
     shares = cycle.held_out_traffic(config, snapshot).window_shares
     assert figure["shares"] == pytest.approx(shares) and figure["k"] == config.gate.k
     assert figure["min_segment_tokens"] == config.gate.min_segment_tokens
+
+
+def test_a_segment_of_short_requests_is_read_on_until_the_gate_can_judge_it(
+    config: TideConfig, lake_store: ObjectStore, tmp_path: Path
+) -> None:
+    # Older traffic: long documents (100 output tokens) between short chat requests (6).
+    older: list[CapturedRecord] = []
+    for i in range(40):
+        older += [_record(i, CENTERS[1], "docs", tokens=200), _record(500 + i, CENTERS[0], "chat")]
+    _write(lake_store, config, older)
+    cycle.advance_watermark(config, cycle.snapshot_window(config, "c1"))
+    _write(lake_store, config, [_record(900 + i, CENTERS[1], "docs") for i in range(4)])
+    small = config.model_copy(
+        update={
+            "cycle": config.cycle.model_copy(update={"held_out_older_tokens": 600}),
+            "gate": config.gate.model_copy(update={"min_segment_tokens": 40}),
+        }
+    )
+    snapshot = cycle.snapshot_window(small, "c2")
+    traffic = cycle.held_out_traffic(small, snapshot)
+    window = traffic.window_held_out
+
+    def judged(segment: str) -> list[CapturedRecord]:
+        return traffic.samples.get(segment, [])[window.get(segment, 0) :]
+
+    # Documents fill the budget (three of them, 600 tokens); chat, judged on a few
+    # requests by then, is read on until it holds the gate's minimum of output tokens.
+    docs = sum(int(sample.input_ids.numel()) for sample in judged("docs"))
+    assert 600 <= docs < 800
+    chat = [int(sample.loss_mask.sum()) for sample in judged("chat")]
+    assert sum(chat) >= 40 > sum(chat[:-1]), chat
+    # and the export scores the trainer's steps on the very same requests
+    cycle.export_training_data(small, snapshot, tmp_path / "data")
+    exported = (tmp_path / "data" / "held_out" / "older").glob("*.ckpt")
+    assert {
+        content_digest(torch.load(path, weights_only=True)["input_ids"]) for path in exported
+    } == {content_digest(sample.input_ids) for sample in judged("docs") + judged("chat")}
 
 
 def test_the_replay_favours_the_segment_the_window_lost(
