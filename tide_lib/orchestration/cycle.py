@@ -282,9 +282,9 @@ def _older_held_out(
     Once ``cycle.held_out_older_tokens`` tokens are judged, only requests of segments
     judged on fewer than ``gate.min_segment_tokens`` output tokens are: a segment of
     short requests beside long ones (English chat beside documents and law texts) is
-    read on until the gate can protect it alone, or the older commits drawn run out.
-    Without this, a four-segment benchmark judged English chat on too few tokens to
-    protect at every cycle, and it lost 0.16 of its acceptance length unseen.
+    read on until the gate can protect it alone, or the older commits drawn run out. A
+    budget in tokens fills with long requests: the short ones beside them would be too
+    thin to protect however much of the older traffic they are.
     """
     judged_tokens, budget = 0, config.cycle.held_out_older_tokens
     evidence: dict[str, int] = {}  # judged output tokens per segment
