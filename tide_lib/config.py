@@ -744,7 +744,11 @@ class CycleConfig(StrictModel):
     held_out_older_tokens: int = Field(
         4096,
         ge=0,
-        description="tokens of older held-out traffic the gate judges forgetting on",
+        description=(
+            "tokens of older held-out traffic the gate judges forgetting on; past them, up "
+            "to twice as many, requests of segments with fewer than gate.min_segment_tokens "
+            "held-out output tokens, so that short requests can be protected alone"
+        ),
     )
     segment_labels_max: int = Field(
         16,

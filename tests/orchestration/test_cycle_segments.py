@@ -24,6 +24,7 @@ from tide_lib.evaluation.segments import Segmenter
 from tide_lib.lake import LakeWriter, ObjectStore, target_slug
 from tide_lib.lake.schema import CapturedRecord
 from tide_lib.orchestration import cycle, drift_check
+from tide_lib.orchestration.cycle import HeldOutTraffic
 from tide_lib.orchestration.handoff import Drift
 
 pytestmark = pytest.mark.slow
@@ -206,32 +207,53 @@ def test_a_segment_of_short_requests_is_read_on_until_the_gate_can_judge_it(
         older += [_record(i, CENTERS[1], "docs", tokens=200), _record(500 + i, CENTERS[0], "chat")]
     _write(lake_store, config, older)
     cycle.advance_watermark(config, cycle.snapshot_window(config, "c1"))
-    _write(lake_store, config, [_record(900 + i, CENTERS[1], "docs") for i in range(4)])
+    window = [_record(900 + i, CENTERS[1], "docs") for i in range(4)]
+    _write(lake_store, config, window + [_record(950 + i, CENTERS[0], "chat") for i in range(6)])
+    snapshot = cycle.snapshot_window(config, "c2")
+    assert snapshot.older_listed == 1  # one older commit: drawn whole, in the order written
+
+    def judged(min_tokens: int) -> tuple[HeldOutTraffic, list[int], list[int]]:
+        """The gate's traffic with a budget of 600 tokens; the input tokens of the older
+        documents and the output tokens of the older chat requests judged, in order."""
+        gate = config.gate.model_copy(update={"min_segment_tokens": min_tokens})
+        budget = config.cycle.model_copy(update={"held_out_older_tokens": 600})
+        small = config.model_copy(update={"cycle": budget, "gate": gate})
+        traffic = cycle.held_out_traffic(small, snapshot)
+
+        def older(segment: str) -> list[CapturedRecord]:
+            return traffic.samples[segment][traffic.window_held_out.get(segment, 0) :]
+
+        docs = [int(sample.input_ids.numel()) for sample in older("docs")]
+        return traffic, docs, [int(sample.loss_mask.sum()) for sample in older("chat")]
+
+    # Documents fill the budget (three of them, 600 tokens), beside three chat requests.
+    traffic, docs, chat = judged(min_tokens=1)
+    assert sum(docs) == 600 and chat == [6, 6, 6]
+    assert traffic.older_tokens == {"docs": 40 * 200, "chat": 40 * 12}  # every request read
+    # Chat, judged on its window's requests and those three, is read on until it holds
+    # the gate's minimum of output tokens; documents are not.
+    in_window = traffic.output_tokens["chat"] - sum(chat)
+    traffic, docs, chat = judged(min_tokens=in_window + 40)
+    assert sum(docs) == 600 and sum(chat) >= 40 > sum(chat[:-1]), chat
+    # and the export scores the trainer's steps on the very same requests
     small = config.model_copy(
         update={
             "cycle": config.cycle.model_copy(update={"held_out_older_tokens": 600}),
-            "gate": config.gate.model_copy(update={"min_segment_tokens": 40}),
+            "gate": config.gate.model_copy(update={"min_segment_tokens": in_window + 40}),
         }
     )
-    snapshot = cycle.snapshot_window(small, "c2")
-    traffic = cycle.held_out_traffic(small, snapshot)
-    window = traffic.window_held_out
-
-    def judged(segment: str) -> list[CapturedRecord]:
-        return traffic.samples.get(segment, [])[window.get(segment, 0) :]
-
-    # Documents fill the budget (three of them, 600 tokens); chat, judged on a few
-    # requests by then, is read on until it holds the gate's minimum of output tokens.
-    docs = sum(int(sample.input_ids.numel()) for sample in judged("docs"))
-    assert 600 <= docs < 800
-    chat = [int(sample.loss_mask.sum()) for sample in judged("chat")]
-    assert sum(chat) >= 40 > sum(chat[:-1]), chat
-    # and the export scores the trainer's steps on the very same requests
     cycle.export_training_data(small, snapshot, tmp_path / "data")
     exported = (tmp_path / "data" / "held_out" / "older").glob("*.ckpt")
     assert {
         content_digest(torch.load(path, weights_only=True)["input_ids"]) for path in exported
-    } == {content_digest(sample.input_ids) for sample in judged("docs") + judged("chat")}
+    } == {
+        content_digest(sample.input_ids)
+        for segment, samples in traffic.samples.items()
+        for sample in samples[traffic.window_held_out.get(segment, 0) :]
+    }
+    # Reading on stops at twice the budget, however thin the segments still are.
+    _, docs, chat = judged(min_tokens=10_000)
+    assert 1200 <= sum(docs) + 12 * len(chat) < 1200 + 200
 
 
 def test_the_replay_favours_the_segment_the_window_lost(

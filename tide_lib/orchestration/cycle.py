@@ -272,7 +272,9 @@ def _older_held_out(
     snapshot: Snapshot,
     reader: LakeReader,
     seen: set[bytes],
+    *,
     segment: Callable[[CapturedRecord], str],
+    window_evidence: dict[str, int],
 ) -> Iterator[tuple[bool, str, CapturedRecord]]:
     """The older requests the gate reads for its held-out budget, in the snapshot's
     order of older commits, each with its ``segment`` and whether the gate judges it:
@@ -280,19 +282,25 @@ def _older_held_out(
     The cycle's export and the gate read the same ones.
 
     Once ``cycle.held_out_older_tokens`` tokens are judged, only requests of segments
-    judged on fewer than ``gate.min_segment_tokens`` output tokens are: a segment of
+    judged on fewer than ``gate.min_segment_tokens`` output tokens are (counting the
+    window's held-out ones, ``window_evidence``), up to twice the budget: a segment of
     short requests beside long ones (English chat beside documents and law texts) is
-    read on until the gate can protect it alone, or the older commits drawn run out. A
-    budget in tokens fills with long requests: the short ones beside them would be too
-    thin to protect however much of the older traffic they are.
+    read on until the gate can protect it alone. A budget in tokens fills with long
+    requests: the short ones beside them would be too thin to protect however much of
+    the older traffic they are.
     """
     judged_tokens, budget = 0, config.cycle.held_out_older_tokens
-    evidence: dict[str, int] = {}  # judged output tokens per segment
+    evidence = dict(window_evidence)  # judged output tokens per segment
+
+    def wanted(name: str) -> bool:
+        if judged_tokens < budget:
+            return True
+        thin = evidence.get(name, 0) < config.gate.min_segment_tokens
+        return thin and judged_tokens < 2 * budget
+
     for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
         name = segment(sample)
-        judged = _held_out(sample, config.cycle.held_out_percent) and (
-            judged_tokens < budget or evidence.get(name, 0) < config.gate.min_segment_tokens
-        )
+        judged = _held_out(sample, config.cycle.held_out_percent) and wanted(name)
         if judged:
             digest = content_digest(sample.input_ids)
             judged = digest not in seen
@@ -374,6 +382,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
 
     window_tokens: dict[str, int] = {}  # what the window carries, by segment
     judged: set[bytes] = set()  # the window's held-out requests: a copy is never trained on
+    evidence: dict[str, int] = {}  # and their output tokens, by segment
     carried: set[bytes] = set()  # the window's requests: an older copy is not learned again
     for held, sample in _window_split(config, snapshot, reader):
         segment, digest = segment_of(sample, segmenter), content_digest(sample.input_ids)
@@ -383,6 +392,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
             if digest not in judged:  # scored while training, never trained on
                 part = WINDOW_DIR if learned(sample) else REPLAY_DIR
                 sample.save_specforge(out / JUDGED_DIR / part, len(judged), segment=segment)
+                evidence[segment] = evidence.get(segment, 0) + int(sample.loss_mask.sum())
             judged.add(digest)
         elif digest not in judged:
             save(sample, segment, window=True)
@@ -419,7 +429,12 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         )
     window_judged = len(judged)
     older_held_out = _older_held_out(
-        config, snapshot, reader, judged, lambda sample: segment_of(sample, segmenter)
+        config,
+        snapshot,
+        reader,
+        judged,
+        segment=lambda sample: segment_of(sample, segmenter),
+        window_evidence=evidence,
     )
     for held, segment, sample in older_held_out:
         if held:  # older traffic the gate judges forgetting on: scored as traffic to keep
@@ -633,8 +648,9 @@ class HeldOutTraffic:
     ``window_tokens`` counts every request of the window (held out or not): the
     weights of the gate; ``window_held_out`` how many of each segment's samples (the
     first ones) are the window's: the gain the gate asks for is measured on them.
-    ``older_tokens`` counts the older requests read for the held-out budget (held out
-    or not): the share that keeps traffic which stopped arriving protected.
+    ``older_tokens`` counts the requests of the older commits drawn for the held-out
+    budget (held out or not): the share that keeps traffic which stopped arriving
+    protected.
     """
 
     samples: dict[str, list[CapturedRecord]]
@@ -685,8 +701,17 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
         if held:
             judge(segment, sample)
     window_held_out = {segment: len(judged) for segment, judged in samples.items()}
+    evidence = {
+        segment: sum(int(sample.loss_mask.sum()) for sample in judged)
+        for segment, judged in samples.items()
+    }
     older = _older_held_out(
-        config, snapshot, reader, seen, lambda sample: segment_of(sample, segmenter)
+        config,
+        snapshot,
+        reader,
+        seen,
+        segment=lambda sample: segment_of(sample, segmenter),
+        window_evidence=evidence,
     )
     for judged, segment, sample in older:
         older_tokens[segment] = older_tokens.get(segment, 0) + int(sample.input_ids.numel())
