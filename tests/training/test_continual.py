@@ -941,32 +941,37 @@ def test_a_run_continues_from_the_start_it_is_given_and_still_judges_against_its
     assert not torch.allclose(exported[fc], champion[fc], atol=1e-3)
 
 
-def _full_window_held_out(tmp_path: Path) -> HeldOut:
+def _full_window_held_out(tmp_path: Path, min_tokens: int = 8) -> HeldOut:
     """A cycle's export learning Korean: a validation request and one the gate judges
-    from the window, three older Korean requests the gate judges too; the gate asks 0.05."""
+    from the window (scored in 8 rounds), three older Korean requests the gate judges too;
+    the gate asks 0.05 and ``min_tokens`` output tokens of a segment."""
     older = tmp_path / "held_out" / "older"
     files = {
         tmp_path / "window" / "a.ckpt": _answered_sample("ko", 0),
         tmp_path / "held_out" / "window" / "b.ckpt": _answered_sample("ko", 20),
         **{older / f"{seed}.ckpt": _answered_sample("ko", seed) for seed in (40, 60, 80)},
     }
-    figure = {"shares": {"ko": 1.0}, "k": 3, "min_segment_tokens": 8, "margin": 0.05}
+    figure = {"shares": {"ko": 1.0}, "k": 3, "min_segment_tokens": min_tokens, "margin": 0.05}
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "gate_figure.json").write_text(json.dumps(figure))
     return HeldOut(tmp_path, list(files), files.__getitem__, torch.nn.Identity(), 3)
 
 
-@pytest.mark.parametrize("window_at_ceiling", [True, False])
+@pytest.mark.parametrize(("window_at_ceiling", "min_tokens"), [(True, 8), (False, 8), (False, 9)])
 def test_a_window_at_its_ceiling_is_judged_with_the_segments_older_requests(
-    tmp_path: Path, window_at_ceiling: bool
+    tmp_path: Path, window_at_ceiling: bool, min_tokens: int
 ) -> None:
     """Short answers the parent already drafts perfectly (8 output tokens at k=3: 29
     emitted in 8 rounds, 3.625) cannot show a gain: the run judges that segment on its
-    older held-out requests too, in its score and on the gate's figure. Judged on its
-    window alone, a Korean cycle kept its parent (3.333 at every step) while the older
-    Korean rose 2.89 -> 3.04. Where the window has room, its older requests stay what
-    the run keeps (judged for forgetting), not what it is scored on."""
-    held = _full_window_held_out(tmp_path)
+    older held-out requests too, in its score and on the gate's figure; so it does where
+    the window's requests are fewer than the gate's minimum of tokens (8 rounds against
+    9), as the gate does. Judged on its window alone, a Korean cycle whose
+    six held-out requests had one 7-token answer (3.333 at every step, room to 4.0) kept
+    its parent while the older Korean rose 2.89 -> 3.04. Where the window has room and
+    tokens enough, its older requests stay what the run keeps (judged for forgetting),
+    not what it is scored on."""
+    held = _full_window_held_out(tmp_path, min_tokens)
+    pooled = window_at_ceiling or min_tokens > 8
     # the validation request (first) has room; the gate's window request decides
     window = [(20, 8), (29, 8)] if window_at_ceiling else [(29, 8), (20, 8)]
     older = {0: [(16, 8)] * 3, 10: [(26, 8)] * 3}
@@ -975,14 +980,14 @@ def test_a_window_at_its_ceiling_is_judged_with_the_segments_older_requests(
     draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     selection = Selection(held, forgetting_tolerance=0.5)  # and a gain beyond the noise
     selection.begin(draft, parent, None)
-    assert selection.judged_with_older == (["ko"] if window_at_ceiling else [])
+    assert selection.judged_with_older == (["ko"] if pooled else [])
     selection.evaluate(draft, 10)
     assert selection.best is not None
-    assert selection.best.step == (10 if window_at_ceiling else 0)
+    assert selection.best.step == (10 if pooled else 0)
     start, step = selection.evaluations
     parent_figure, step_figure = (
         held.window_weighted(start, start),
         held.window_weighted(step, start),
     )
     assert parent_figure is not None and step_figure is not None
-    assert (step_figure > parent_figure) is window_at_ceiling
+    assert (step_figure > parent_figure) is pooled

@@ -272,6 +272,25 @@ class HeldOut:
     def __len__(self) -> int:
         return sum(len(samples) for samples in self.groups.values())
 
+    def pools_older(self, reference: Evaluation, group: str) -> bool:
+        """Is ``group``'s gain judged on its older held-out requests too, as the gate judges
+        it (rule 4)? Where the window's requests of it that the gate judges hold fewer than
+        the gate's ``min_segment_tokens`` output tokens, or leave ``reference`` (the
+        parent) no room to gain (:meth:`leaves_no_room`). A few short answers are noise:
+        in the demo, a Korean cycle's window held out six requests with one 7-token
+        answer, 3.333 at every step against a ceiling of 4.0, and kept its parent while
+        the older Korean rose 2.89 -> 3.04."""
+        requests = reference.requests.get(group, [])
+        if len(requests) != len(self.groups.get(group, ())):
+            return False
+        return self._thin_window(group, requests) or self.leaves_no_room(reference, group)
+
+    def _thin_window(self, group: str, requests: list[tuple[int, int]]) -> bool:
+        """Do ``requests`` (a group's, as scored) at the window positions the gate judges
+        hold fewer verify steps than the gate's ``min_segment_tokens``?"""
+        window = [requests[i] for i in self.gate_window.get(group, [])]
+        return AcceptanceCount.of(window).verify_steps < max(self.gate_min_tokens, 1)
+
     def leaves_no_room(self, reference: Evaluation, group: str) -> bool:
         """Does ``reference`` (the parent) leave the window's requests of ``group`` that the
         gate judges (all of the group's where it judges none) less room below their
@@ -302,7 +321,7 @@ class HeldOut:
                 return None
             window = [requests[i] for i in self.gate_window.get(segment, [])]
             count = AcceptanceCount.of(window)
-            if count.verify_steps < max(self.gate_min_tokens, 1) or (
+            if self._thin_window(segment, requests) or (
                 reference is not None and self.leaves_no_room(reference, segment)
             ):
                 count = AcceptanceCount.of(
@@ -417,9 +436,9 @@ class Selection:
         self._record(first)
         if self.judged_with_older:
             logger.info(
-                "the start leaves no room to gain (less than gate.margin below the ceiling) "
-                "on the window's held-out requests of %s: their older ones are scored as "
-                "learned too",
+                "the window's held-out requests of %s are too few for the gate "
+                "(gate.min_segment_tokens) or leave the start no room to gain (less than "
+                "gate.margin below their ceiling): their older ones are scored as learned too",
                 self.judged_with_older,
             )
         if parent is not None:  # the parent's weights stay on disk: nothing to copy
@@ -474,17 +493,15 @@ class Selection:
 
     def _gain_groups(self) -> frozenset[str]:
         """The groups a gain is judged on: those not held out mostly from replay (the
-        traffic the run learns), and the older held-out requests of each one whose
-        requests leave the parent no room to gain (:meth:`HeldOut.leaves_no_room`), its
-        ``older/<segment>``: the same traffic, sent earlier. On its window alone, a
-        Korean cycle whose 7 held-out requests were short answers at their ceiling
-        (3.333 at every step) kept its parent while the older Korean rose 2.89 -> 3.04."""
+        traffic the run learns), and the older held-out requests of each one the gate
+        judges with them (:meth:`HeldOut.pools_older`: too few window requests, or
+        none with room to gain), its ``older/<segment>``: the same traffic, sent earlier."""
         start = self.evaluations[0] if self.evaluations else None
         learned = self._learned_groups()
-        leaves_no_room = getattr(self.held_out, "leaves_no_room", None)
-        if start is None or leaves_no_room is None:
+        with_older = getattr(self.held_out, "pools_older", None)
+        if start is None or with_older is None:
             return learned
-        full = {group for group in learned if leaves_no_room(start, group)}
+        full = {group for group in learned if with_older(start, group)}
         return learned | {OLDER_PREFIX + g for g in full if OLDER_PREFIX + g in start.requests}
 
     def _below_the_parent_as_gated(self, evaluation: Evaluation) -> tuple[float, float] | None:

@@ -126,8 +126,8 @@ class TrainResult:
     # noise, forgetting nothing), for a next run on the same parent to start from.
     continuation_dir: Path | None = None
     continuation_step: int | None = None
-    # Learned groups judged on their older held-out requests too: the parent left their
-    # window's no room to gain (``Selection.judged_with_older``).
+    # Learned groups judged on their older held-out requests too: their window's are too
+    # few for the gate, or leave the parent no room to gain (``Selection.judged_with_older``).
     judged_with_older: list[str] = dataclasses.field(default_factory=list)
 
     @property
