@@ -1076,8 +1076,8 @@ def _window_with_room(
     0 for a segment whose window requests leave the champion no room to gain
     (:func:`~tide_lib.evaluation.offline.no_room_to_gain` by ``gate.margin``: short
     answers at their ceiling): that segment's gain is measured on its older held-out
-    requests too, as the trainer's selection measures it. On its window alone, a
-    Korean cycle could show no gain while the older Korean rose 2.89 -> 3.04."""
+    requests too, as the trainer's selection measures it (which pools them too where
+    the window's are fewer than ``gate.min_segment_tokens``, as rule 4 does)."""
     full = {
         segment
         for segment, count in window.items()
