@@ -287,10 +287,9 @@ class HeldOut:
 
     def _thin_window(self, group: str, requests: list[tuple[int, int]]) -> bool:
         """Do ``requests`` (a group's, as scored) at the window positions the gate judges
-        hold fewer output tokens than the gate's ``min_segment_tokens``? Scored from every
-        output position, a request's verify steps are its output tokens but the first."""
+        hold fewer verify steps than the gate's ``min_segment_tokens``?"""
         window = [requests[i] for i in self.gate_window.get(group, [])]
-        return sum(steps + 1 for _, steps in window) < max(self.gate_min_tokens, 1)
+        return AcceptanceCount.of(window).verify_steps < max(self.gate_min_tokens, 1)
 
     def leaves_no_room(self, reference: Evaluation, group: str) -> bool:
         """Does ``reference`` (the parent) leave the window's requests of ``group`` that the
