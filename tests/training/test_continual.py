@@ -964,12 +964,12 @@ def test_a_window_at_its_ceiling_is_judged_with_the_segments_older_requests(
     """Short answers the parent already drafts perfectly (8 output tokens at k=3: 29
     emitted in 8 rounds, 3.625) cannot show a gain: the run judges that segment on its
     older held-out requests too, in its score and on the gate's figure; so it does where
-    the window's requests are fewer than the gate's minimum of tokens (8 rounds against
-    9), as the gate does. Judged on its window alone, a Korean cycle whose
-    six held-out requests had one 7-token answer (3.333 at every step, room to 4.0) kept
-    its parent while the older Korean rose 2.89 -> 3.04. Where the window has room and
-    tokens enough, its older requests stay what the run keeps (judged for forgetting),
-    not what it is scored on."""
+    the window's requests hold fewer output tokens than the gate's minimum (8 against
+    9), as the gate does. Judged on its window alone, a Korean cycle whose six held-out
+    requests had one 6-token answer (3.333 at every step, room to 4.0) kept its parent
+    while the older Korean rose 2.89 -> 3.04. Where the window has room and tokens
+    enough, its older requests stay what the run keeps (judged for forgetting), not
+    what it is scored on."""
     held = _full_window_held_out(tmp_path, min_tokens)
     pooled = window_at_ceiling or min_tokens > 8
     # the validation request (first) has room; the gate's window request decides

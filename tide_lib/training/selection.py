@@ -287,7 +287,9 @@ class HeldOut:
 
     def _thin_window(self, group: str, requests: list[tuple[int, int]]) -> bool:
         """Do ``requests`` (a group's, as scored) at the window positions the gate judges
-        hold fewer verify steps than the gate's ``min_segment_tokens``?"""
+        hold fewer output tokens than the gate's ``min_segment_tokens``? Replayed from
+        every output position, a request's verify steps are its output tokens (the loss
+        mask's, which the gate counts)."""
         window = [requests[i] for i in self.gate_window.get(group, [])]
         return AcceptanceCount.of(window).verify_steps < max(self.gate_min_tokens, 1)
 
@@ -481,7 +483,8 @@ class Selection:
         traffic is what :meth:`_forgotten` keeps. Pooled with it, the window's few held-out
         requests drown: a Korean-law cycle scored 3.6 overall at its parent, carried by
         older Korean chat, and no step's gain on law could show. A learned group whose
-        requests leave the parent no room pools its older ones (:meth:`_gain_groups`)."""
+        window requests are too few for the gate, or leave the parent no room, pools its
+        older ones (:meth:`_gain_groups`)."""
         return _window_figure(evaluation, self._gain_groups())
 
     @property

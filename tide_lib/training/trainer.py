@@ -190,8 +190,8 @@ def _gains(
 ) -> dict[str, float]:
     """Per group the parent (``start``) and every one of ``steps`` score, older traffic
     (``older/``) aside: the smallest of the steps' figures minus the parent's. A group
-    ``judged_with_older`` (its window left the parent no room to gain) gained what its
-    older requests show where that is more."""
+    ``judged_with_older`` (its window's requests too few for the gate, or leaving the
+    parent no room to gain) gained what its older requests show where that is more."""
     if not steps:
         return {}
 
