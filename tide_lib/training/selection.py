@@ -277,7 +277,7 @@ class HeldOut:
         it (rule 4)? Where the window's requests of it that the gate judges hold fewer than
         the gate's ``min_segment_tokens`` output tokens, or leave ``reference`` (the
         parent) no room to gain (:meth:`leaves_no_room`). A few short answers are noise:
-        in the demo, a Korean cycle's window held out six requests with one 7-token
+        in the demo, a Korean cycle's window held out six requests with one 6-token
         answer, 3.333 at every step against a ceiling of 4.0, and kept its parent while
         the older Korean rose 2.89 -> 3.04."""
         requests = reference.requests.get(group, [])
