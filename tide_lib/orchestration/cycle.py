@@ -273,11 +273,11 @@ def _older_held_out(
     reader: LakeReader,
     seen: set[bytes],
     *,
-    segment: Callable[[CapturedRecord], str],
+    segmenter: Segmenter,
     window_evidence: dict[str, int],
 ) -> Iterator[tuple[bool, str, CapturedRecord]]:
     """The older requests the gate reads for its held-out budget, in the snapshot's
-    order of older commits, each with its ``segment`` and whether the gate judges it:
+    order of older commits, each with its segment and whether the gate judges it:
     held out (:func:`_held_out`) and not ``seen`` before (whose digests this adds to).
     The cycle's export and the gate read the same ones.
 
@@ -299,7 +299,7 @@ def _older_held_out(
         return thin and judged_tokens < 2 * budget
 
     for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
-        name = segment(sample)
+        name = segment_of(sample, segmenter)
         judged = _held_out(sample, config.cycle.held_out_percent) and wanted(name)
         if judged:
             digest = content_digest(sample.input_ids)
@@ -428,15 +428,10 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
             out, (kept_requests, kept_tokens), counts, tokens, snapshot.cycle_id
         )
     window_judged = len(judged)
-    older_held_out = _older_held_out(
-        config,
-        snapshot,
-        reader,
-        judged,
-        segment=lambda sample: segment_of(sample, segmenter),
-        window_evidence=evidence,
+    held_out = _older_held_out(
+        config, snapshot, reader, judged, segmenter=segmenter, window_evidence=evidence
     )
-    for held, segment, sample in older_held_out:
+    for held, segment, sample in held_out:
         if held:  # older traffic the gate judges forgetting on: scored as traffic to keep
             sample.save_specforge(out / JUDGED_DIR / DataDirs.OLDER, len(judged), segment=segment)
     logger.info(
@@ -706,12 +701,7 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
         for segment, judged in samples.items()
     }
     older = _older_held_out(
-        config,
-        snapshot,
-        reader,
-        seen,
-        segment=lambda sample: segment_of(sample, segmenter),
-        window_evidence=evidence,
+        config, snapshot, reader, seen, segmenter=segmenter, window_evidence=evidence
     )
     for judged, segment, sample in older:
         older_tokens[segment] = older_tokens.get(segment, 0) + int(sample.input_ids.numel())
