@@ -283,15 +283,15 @@ class HeldOut:
         requests = reference.requests.get(group, [])
         if len(requests) != len(self.groups.get(group, ())):
             return False
-        return self._thin_window(group, requests) or self.leaves_no_room(reference, group)
+        window = AcceptanceCount.of(requests[i] for i in self.gate_window.get(group, []))
+        return self._too_few_tokens(window) or self.leaves_no_room(reference, group)
 
-    def _thin_window(self, group: str, requests: list[tuple[int, int]]) -> bool:
-        """Do ``requests`` (a group's, as scored) at the window positions the gate judges
-        hold fewer output tokens than the gate's ``min_segment_tokens``? Replayed from
-        every output position, a request's verify steps are its output tokens (the loss
-        mask's, which the gate counts)."""
-        window = [requests[i] for i in self.gate_window.get(group, [])]
-        return AcceptanceCount.of(window).verify_steps < max(self.gate_min_tokens, 1)
+    def _too_few_tokens(self, window: AcceptanceCount) -> bool:
+        """Does ``window`` (a group's requests the gate judges, as scored) hold fewer
+        output tokens than the gate's ``min_segment_tokens``? Replayed from every output
+        position, a request's verify steps are its output tokens (the loss mask's, which
+        the gate counts)."""
+        return window.verify_steps < max(self.gate_min_tokens, 1)
 
     def leaves_no_room(self, reference: Evaluation, group: str) -> bool:
         """Does ``reference`` (the parent) leave the window's requests of ``group`` that the
@@ -323,7 +323,7 @@ class HeldOut:
                 return None
             window = [requests[i] for i in self.gate_window.get(segment, [])]
             count = AcceptanceCount.of(window)
-            if self._thin_window(segment, requests) or (
+            if self._too_few_tokens(count) or (
                 reference is not None and self.leaves_no_room(reference, segment)
             ):
                 count = AcceptanceCount.of(
