@@ -196,6 +196,7 @@ def test_export_separates_window_and_replay(
     shares = cycle.held_out_traffic(config, snapshot).window_shares
     assert figure["shares"] == pytest.approx(shares) and figure["k"] == config.gate.k
     assert figure["min_segment_tokens"] == config.gate.min_segment_tokens
+    assert (figure["tolerance"], figure["net_gain"]) == (config.gate.tolerance, True)
 
 
 def test_a_segment_of_short_requests_is_read_on_until_the_gate_can_judge_it(

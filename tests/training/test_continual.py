@@ -15,6 +15,7 @@ import logging
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -621,9 +622,15 @@ def _answered_sample(segment: str, seed: int) -> dict[str, object]:
     }
 
 
-def _gate_held_out(tmp_path: Path, shares: dict[str, float] | None, min_tokens: int = 8) -> HeldOut:
+def _gate_held_out(
+    tmp_path: Path,
+    shares: dict[str, float] | None,
+    min_tokens: int = 8,
+    net_gain_tolerance: float | None = None,
+) -> HeldOut:
     """A cycle's export: law learned, chat kept (its window requests under
-    held_out/replay/), one older chat request, and how the gate figures the window."""
+    held_out/replay/), one older chat request, and how the gate figures the window (with
+    ``net_gain_tolerance``: its rule 5 on, at that tolerance)."""
     sample = _answered_sample
     files = {
         tmp_path / "window" / "a.ckpt": sample("law", 0),  # validation: not the gate's
@@ -632,7 +639,9 @@ def _gate_held_out(tmp_path: Path, shares: dict[str, float] | None, min_tokens: 
         tmp_path / "held_out" / "older" / "d.ckpt": sample("chat", 60),
     }
     if shares is not None:
-        figure = {"shares": shares, "k": 3, "min_segment_tokens": min_tokens}
+        figure: dict[str, Any] = {"shares": shares, "k": 3, "min_segment_tokens": min_tokens}
+        if net_gain_tolerance is not None:
+            figure |= {"net_gain": True, "tolerance": net_gain_tolerance}
         tmp_path.mkdir(parents=True, exist_ok=True)
         (tmp_path / "gate_figure.json").write_text(json.dumps(figure))
     return HeldOut(tmp_path, list(files), files.__getitem__, torch.nn.Identity(), 3)
@@ -695,6 +704,35 @@ def test_a_step_below_its_parent_on_the_gates_window_weighted_figure_is_never_ke
     assert kept_back is not None and kept_back.step == 10
     selection.evaluate(draft, 20)  # law 2.5, chat 3.375: 3.11 weighted
     assert selection.best.step == 20
+
+
+@pytest.mark.parametrize("net_gain", [True, False])
+def test_a_step_whose_kept_traffic_loses_more_than_it_gains_is_never_kept(
+    tmp_path: Path, net_gain: bool
+) -> None:
+    """The gate's rule 5 (``gate.net_gain``), met by the run: law is 90% of the window,
+    chat 10%. Step 10 gains 0.35 on the gate's window-weighted figure while the chat it
+    keeps (window and older requests, pooled) falls 1.0, within a loose forgetting
+    tolerance: the gate would reject it. Step 20 loses 0.25 on chat for a 0.425 gain:
+    kept. Without rule 5 in the export (an older cycle's, or ``net_gain`` off), step 10
+    is kept as before."""
+    held = _gate_held_out(
+        tmp_path, {"law": 0.9, "chat": 0.1}, net_gain_tolerance=0.1 if net_gain else None
+    )
+    at_step = {
+        0: {"law": [(12, 8), (12, 8)], "chat": [(28, 8)], "older/chat": [(28, 8)]},
+        10: {"law": [(16, 8), (16, 8)], "chat": [(20, 8)], "older/chat": [(20, 8)]},
+        20: {"law": [(16, 8), (16, 8)], "chat": [(26, 8)], "older/chat": [(26, 8)]},
+    }
+    _script_scores(held, at_step)
+    draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    selection = Selection(held, forgetting_tolerance=1.5, gain_beyond_noise=False)
+    selection.begin(draft, parent, None)
+    selection.evaluate(draft, 10)  # weighted 1.7 -> 2.05; chat 3.5 -> 2.5
+    assert selection.best is not None
+    assert selection.best.step == (0 if net_gain else 10)
+    selection.evaluate(draft, 20)  # weighted 1.7 -> 2.125; chat 3.5 -> 3.25
+    assert selection.best.step == (20 if net_gain else 10)  # law alike: the earlier kept
 
 
 def test_a_run_that_kept_its_parent_reports_what_its_best_step_learned() -> None:

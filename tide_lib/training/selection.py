@@ -71,6 +71,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_EPSILON = 1e-9  # as the gate's: a drop at the threshold passes it, whatever rounding did
 
 WINDOW, REPLAY = DataDirs.WINDOW, DataDirs.REPLAY
 # The held-out requests the gate will judge the draft on (the window's, and under
@@ -242,7 +243,9 @@ class HeldOut:
         # each group's positions of the window's requests the gate judges (held_out/,
         # not older/), and the window's token shares by segment: the gate's figure
         self.gate_window: dict[str, list[int]] = {}
-        self.window_shares, self.gate_min_tokens, self.gate_margin = _gate_figure(data_dir, k)
+        figure = _gate_figure(data_dir, k)
+        self.window_shares, self.gate_min_tokens = figure.shares, figure.min_segment_tokens
+        self.gate_margin, self.net_gain_tolerance = figure.margin, figure.net_gain_tolerance
         replay_tokens: dict[str, int] = {}
         seen: set[bytes] = set()
         for path in paths:
@@ -471,6 +474,15 @@ class Selection:
                 *below,
             )
             return
+        loses = self._loses_more_than_it_gains(evaluation)
+        if loses is not None:
+            logger.info(
+                "step %d is not kept: traffic to keep loses %.4f, more than the gate's "
+                "tolerance and the window-weighted gain %+.4f (gate.net_gain)",
+                step,
+                *loses,
+            )
+            return
         if self._within_noise_of_the_parent(evaluation):
             logger.info("step %d is not kept: above the parent within the noise", step)
         elif self.best.offer(evaluation, draft, score):
@@ -523,6 +535,30 @@ class Selection:
         if parent is None or now is None or now >= parent:
             return None
         return now, parent
+
+    def _loses_more_than_it_gains(self, evaluation: Evaluation) -> tuple[float, float] | None:
+        """``(drop, gain)`` when a warm start's step loses more on the traffic to keep,
+        pooled (:meth:`_keep_traffic`, point estimates), than both the gate's tolerance
+        and its gain on the gate's window-weighted figure, else None: the gate's rule 5
+        (``gate.net_gain``), which the run would otherwise meet only at the gate. A
+        Korean cycle kept the step that gained most on Korean, +0.092 weighted, while
+        the older traffic it kept fell 0.298; the gate rejected it, a cycle wasted on a
+        challenger registered below its parent on the traffic it keeps."""
+        held = self.held_out
+        tolerance = getattr(held, "net_gain_tolerance", None)
+        figure = getattr(held, "window_weighted", None)
+        if not self.warm or held is None or tolerance is None or figure is None:
+            return None
+        start = self.evaluations[0]
+        parent, now = figure(start, start), figure(evaluation, start)
+        keep = [g for g in self._keep_traffic(evaluation) if g not in self._gain_groups()]
+        tokens = sum(held.output_tokens.get(group, 0) for group in keep)
+        if parent is None or now is None or not keep or tokens < self.forgetting_min_tokens:
+            return None
+        before = AcceptanceCount.of(r for g in keep for r in start.requests[g])
+        after = AcceptanceCount.of(r for g in keep for r in evaluation.requests[g])
+        drop, gain = before.accept_length - after.accept_length, now - parent
+        return (drop, gain) if drop > max(tolerance, gain) + _EPSILON else None
 
     def _within_noise_of_the_parent(self, evaluation: Evaluation) -> bool:
         """Would ``evaluation`` replace the parent of a warm start on a gain that its
@@ -601,18 +637,8 @@ class Selection:
         as a whole by more than the tolerance. Any other group of the window is what the
         draft learns: its gain would hide what the others lost. One group judged alone
         is not judged again."""
-        older = self._older_groups()
         start = self.evaluations[0]
-        served_well = _window_figure(start, self._learned_groups()) + self.forgetting_tolerance
-        pooled = [
-            group
-            for group in evaluation.groups
-            if group in start.groups
-            and (group in older or start.groups.get(group, 0.0) > served_well)
-            and group in start.requests
-            and group in evaluation.requests
-            and len(start.requests[group]) == len(evaluation.requests[group])
-        ]
+        pooled = self._keep_traffic(evaluation)
         if not pooled or (len(pooled) == 1 and pooled[0] not in thin):
             return {}
         if sum(tokens.get(g, 0) for g in pooled) < self.forgetting_min_tokens:
@@ -621,6 +647,24 @@ class Selection:
         after = [r for group in pooled for r in evaluation.requests[group]]
         drop = significant_drop(before, after, self.forgetting_tolerance)
         return {} if drop is None else {"+".join(pooled): drop}
+
+    def _keep_traffic(self, evaluation: Evaluation) -> list[str]:
+        """The groups of traffic to keep, as the gate has it, that ``evaluation`` scored on
+        the start's requests: older traffic (held out mostly from replay), and groups the
+        parent serves better than the window's held-out traffic as a whole by more than
+        the tolerance."""
+        older = self._older_groups()
+        start = self.evaluations[0]
+        served_well = _window_figure(start, self._learned_groups()) + self.forgetting_tolerance
+        return [
+            group
+            for group in evaluation.groups
+            if group in start.groups
+            and (group in older or start.groups.get(group, 0.0) > served_well)
+            and group in start.requests
+            and group in evaluation.requests
+            and len(start.requests[group]) == len(evaluation.requests[group])
+        ]
 
     def _learned_groups(self) -> frozenset[str]:
         """The groups of the start's evaluation not held out mostly from replay: the
@@ -672,22 +716,35 @@ class Selection:
         return metrics
 
 
-def _gate_figure(data_dir: Path, k: int) -> tuple[dict[str, float], int, float]:
-    """How the gate figures the window, as the cycle exported it: the window's token
-    shares by segment, ``min_segment_tokens`` and the gain it asks for, ``margin`` (none:
-    not a cycle's data, no guard; no margin: an older cycle's, 0)."""
+class _GateFigure(NamedTuple):
+    """How the gate judges the window (``gate_figure.json``)."""
+
+    shares: dict[str, float]  # the window's token shares by segment
+    min_segment_tokens: int
+    margin: float  # the gain it asks for
+    net_gain_tolerance: float | None  # rule 5's tolerance; None: rule 5 is off
+
+
+_NO_GATE_FIGURE = _GateFigure({}, 0, 0.0, None)
+
+
+def _gate_figure(data_dir: Path, k: int) -> _GateFigure:
+    """How the gate figures the window, as the cycle exported it (none: not a cycle's
+    data, no guard; no margin: an older cycle's, 0; no tolerance: no net-gain guard)."""
     path = data_dir / DataDirs.GATE_FIGURE
     if not path.is_file():
         logger.info("no %s: steps are not checked on the gate's figure", path.name)
-        return {}, 0, 0.0
+        return _NO_GATE_FIGURE
     try:
         figure = json.loads(path.read_text())
         shares = {str(s): float(v) for s, v in figure["shares"].items()}
         min_tokens, gate_k = int(figure["min_segment_tokens"]), int(figure["k"])
         margin = float(figure.get("margin", 0.0))
+        net_gain = figure.get("net_gain") is True and "tolerance" in figure
+        tolerance = float(figure["tolerance"]) if net_gain else None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
         logger.warning("%s is unreadable (%s): steps are not checked on it", path, error)
-        return {}, 0, 0.0
+        return _NO_GATE_FIGURE
     if gate_k != k:
         logger.warning(
             "the gate judges at k=%d, the run scores at training.k=%d: steps are checked "
@@ -696,7 +753,7 @@ def _gate_figure(data_dir: Path, k: int) -> tuple[dict[str, float], int, float]:
             k,
             k,
         )
-    return shares, min_tokens, margin
+    return _GateFigure(shares, min_tokens, margin, tolerance)
 
 
 def _window_figure(evaluation: Evaluation, groups: frozenset[str]) -> float:
