@@ -627,10 +627,12 @@ def _gate_held_out(
     shares: dict[str, float] | None,
     min_tokens: int = 8,
     net_gain_tolerance: float | None = None,
+    older_law: bool = False,
 ) -> HeldOut:
     """A cycle's export: law learned, chat kept (its window requests under
-    held_out/replay/), one older chat request, and how the gate figures the window (with
-    ``net_gain_tolerance``: its rule 5 on, at that tolerance)."""
+    held_out/replay/), one older chat request (and, ``older_law``, one older law request),
+    and how the gate figures the window (with ``net_gain_tolerance``: its rule 5 on, at
+    that tolerance)."""
     sample = _answered_sample
     files = {
         tmp_path / "window" / "a.ckpt": sample("law", 0),  # validation: not the gate's
@@ -638,6 +640,8 @@ def _gate_held_out(
         tmp_path / "held_out" / "replay" / "c.ckpt": sample("chat", 40),
         tmp_path / "held_out" / "older" / "d.ckpt": sample("chat", 60),
     }
+    if older_law:
+        files[tmp_path / "held_out" / "older" / "e.ckpt"] = sample("law", 80)
     if shares is not None:
         figure: dict[str, Any] = {"shares": shares, "k": 3, "min_segment_tokens": min_tokens}
         if net_gain_tolerance is not None:
@@ -714,15 +718,24 @@ def test_a_step_whose_kept_traffic_loses_more_than_it_gains_is_never_kept(
     chat 10%. Step 10 gains 0.35 on the gate's window-weighted figure while the chat it
     keeps (window and older requests, pooled) falls 1.0, within a loose forgetting
     tolerance: the gate would reject it. Step 20 loses 0.25 on chat for a 0.425 gain:
-    kept. Without rule 5 in the export (an older cycle's, or ``net_gain`` off), step 10
-    is kept as before."""
+    kept. The older law request rises as the run learns law: it is law, not traffic to
+    keep, and pooled with chat it would hide chat's loss. Without rule 5 in the export
+    (an older cycle's, or ``net_gain`` off), step 10 is kept as before."""
     held = _gate_held_out(
-        tmp_path, {"law": 0.9, "chat": 0.1}, net_gain_tolerance=0.1 if net_gain else None
+        tmp_path,
+        {"law": 0.9, "chat": 0.1},
+        net_gain_tolerance=0.1 if net_gain else None,
+        older_law=True,
     )
+    chat = {0: [(28, 8)], 10: [(20, 8)], 20: [(26, 8)]}
     at_step = {
-        0: {"law": [(12, 8), (12, 8)], "chat": [(28, 8)], "older/chat": [(28, 8)]},
-        10: {"law": [(16, 8), (16, 8)], "chat": [(20, 8)], "older/chat": [(20, 8)]},
-        20: {"law": [(16, 8), (16, 8)], "chat": [(26, 8)], "older/chat": [(26, 8)]},
+        step: {
+            "law": [(12, 8), (12, 8)] if step == 0 else [(16, 8), (16, 8)],
+            "older/law": [(12, 8)] if step == 0 else [(28, 8)],
+            "chat": chat[step],
+            "older/chat": chat[step],
+        }
+        for step in (0, 10, 20)
     }
     _script_scores(held, at_step)
     draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)

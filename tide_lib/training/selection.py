@@ -15,7 +15,9 @@ those that forget nothing: a step whose score on any group (the replayed older
 traffic, a segment) fell more than ``forgetting_tolerance`` below the parent's is
 never kept, whatever it gains on the window, since the gate would reject it; nor is
 one below the parent on the gate's own window-weighted figure (every window segment by
-its token share, as ``gate_figure.json`` says; :meth:`HeldOut.window_weighted`). Step 0
+its token share, as ``gate_figure.json`` says; :meth:`HeldOut.window_weighted`), nor
+one whose traffic to keep, pooled, loses more than both the gate's tolerance and that
+figure's gain (the gate's rule 5, ``gate.net_gain``). Step 0
 is the parent, so a run that never beats its parent exports the parent's weights and
 says so; and beating it means beyond the noise of the held-out requests (paired,
 one-sided 95%): a gain within it registered drafts that the gate then measured below
@@ -416,8 +418,9 @@ class Selection:
         self.evaluations: list[Evaluation] = []
         self.best: BestDraft | None = None
         self.warm = False  # step 0 is a parent that serves: replacing it must be no noise
-        # a warm start's best trained step above the parent that forgot nothing, kept or
-        # not: where a next run on the same parent can go on (see ``continuation``)
+        # a warm start's best trained step above the parent that forgot nothing (nor lost
+        # more on traffic to keep than it gained), kept or not: where a next run on the
+        # same parent can go on (see ``continuation``)
         self.candidate: BestDraft | None = None
 
     def begin(
@@ -462,6 +465,15 @@ class Selection:
         if forgot:
             logger.info("step %d is not kept: it forgot %s", step, forgot)
             return
+        loses = self._loses_more_than_it_gains(evaluation)
+        if loses is not None:  # nor continued from: the traffic it keeps paid for the gain
+            logger.info(
+                "step %d is not kept: traffic to keep loses %.4f, more than the gate's "
+                "tolerance and the window-weighted gain %+.4f (gate.net_gain)",
+                step,
+                *loses,
+            )
+            return
         score = self._score(evaluation)
         if self.candidate is not None:  # what it learned, kept or not, is continued from
             self.candidate.offer(evaluation, draft, score)
@@ -472,15 +484,6 @@ class Selection:
                 "parent's %.4f on the gate's held-out requests",
                 step,
                 *below,
-            )
-            return
-        loses = self._loses_more_than_it_gains(evaluation)
-        if loses is not None:
-            logger.info(
-                "step %d is not kept: traffic to keep loses %.4f, more than the gate's "
-                "tolerance and the window-weighted gain %+.4f (gate.net_gain)",
-                step,
-                *loses,
             )
             return
         if self._within_noise_of_the_parent(evaluation):
@@ -551,9 +554,9 @@ class Selection:
             return None
         start = self.evaluations[0]
         parent, now = figure(start, start), figure(evaluation, start)
-        keep = [g for g in self._keep_traffic(evaluation) if g not in self._gain_groups()]
+        keep = self._keep_segments(evaluation)
         tokens = sum(held.output_tokens.get(group, 0) for group in keep)
-        if parent is None or now is None or not keep or tokens < self.forgetting_min_tokens:
+        if parent is None or now is None or not keep or tokens < held.gate_min_tokens:
             return None
         before = AcceptanceCount.of(r for g in keep for r in start.requests[g])
         after = AcceptanceCount.of(r for g in keep for r in evaluation.requests[g])
@@ -655,16 +658,35 @@ class Selection:
         the tolerance."""
         older = self._older_groups()
         start = self.evaluations[0]
-        served_well = _window_figure(start, self._learned_groups()) + self.forgetting_tolerance
         return [
             group
             for group in evaluation.groups
             if group in start.groups
-            and (group in older or start.groups.get(group, 0.0) > served_well)
+            and (group in older or start.groups[group] > self._served_well())
             and group in start.requests
             and group in evaluation.requests
             and len(start.requests[group]) == len(evaluation.requests[group])
         ]
+
+    def _keep_segments(self, evaluation: Evaluation) -> list[str]:
+        """:meth:`_keep_traffic` by segment, as the gate's rule 5 pools it: the older
+        held-out requests of a segment the run learns (``older/<segment>``) are that
+        segment, which the gate keeps only where the parent serves it well. Pooled with
+        the older English, older Korean the run still learns would hide what English
+        lost."""
+        learned, start = self._learned_groups(), self.evaluations[0]
+        return [
+            group
+            for group in self._keep_traffic(evaluation)
+            if group.removeprefix(OLDER_PREFIX) not in learned
+            or start.groups[group] > self._served_well()
+        ]
+
+    def _served_well(self) -> float:
+        """Above this figure the parent serves a group better than the window's held-out
+        traffic as a whole (by more than the tolerance): traffic to keep, not to learn."""
+        start = self.evaluations[0]
+        return _window_figure(start, self._learned_groups()) + self.forgetting_tolerance
 
     def _learned_groups(self) -> frozenset[str]:
         """The groups of the start's evaluation not held out mostly from replay: the
@@ -695,7 +717,8 @@ class Selection:
     def continuation(self) -> BestDraft | None:
         """What a warm start that keeps its parent learned: its best trained step, above
         the parent on held-out traffic but within the noise, or below it on the gate's
-        window-weighted figure, forgetting nothing. A next
+        window-weighted figure, forgetting nothing nor losing more on the traffic to keep
+        than it gained (:meth:`_loses_more_than_it_gains`). A next
         run on the same parent starts from it (the parent stays its step 0 and its
         teacher): gains too small for one window's held-out requests add up instead of
         being thrown away (the oracle of a new segment needs more steps than one cycle
