@@ -529,15 +529,22 @@ class Selection:
         its share, the ones the cycle keeps by distillation too: a step that gained on
         Korean law while the window's other segments slipped within the tolerance was
         registered 0.216 below its parent, under ``warm_gain: any`` or not."""
+        figures = self._as_gated(evaluation)
+        if figures is None or figures[1] >= figures[0]:
+            return None
+        parent, now = figures
+        return now, parent
+
+    def _as_gated(self, evaluation: Evaluation) -> tuple[float, float] | None:
+        """``(parent, step)`` of a warm start on the gate's window-weighted figure
+        (:meth:`HeldOut.window_weighted`); None without one."""
         # a held-out set that does not know the gate's requests (a script) has no figure
         figure = getattr(self.held_out, "window_weighted", None)
         if not self.warm or figure is None or not self.evaluations:
             return None
         start = self.evaluations[0]
         parent, now = figure(start, start), figure(evaluation, start)
-        if parent is None or now is None or now >= parent:
-            return None
-        return now, parent
+        return None if parent is None or now is None else (parent, now)
 
     def _loses_more_than_it_gains(self, evaluation: Evaluation) -> tuple[float, float] | None:
         """``(drop, gain)`` when a warm start's step loses more on the traffic to keep,
@@ -549,14 +556,14 @@ class Selection:
         challenger registered below its parent on the traffic it keeps."""
         held = self.held_out
         tolerance = getattr(held, "net_gain_tolerance", None)
-        figure = getattr(held, "window_weighted", None)
-        if not self.warm or held is None or tolerance is None or figure is None:
+        figures = self._as_gated(evaluation)
+        if held is None or tolerance is None or figures is None:
             return None
+        parent, now = figures
         start = self.evaluations[0]
-        parent, now = figure(start, start), figure(evaluation, start)
         keep = self._keep_segments(evaluation)
         tokens = sum(held.output_tokens.get(group, 0) for group in keep)
-        if parent is None or now is None or not keep or tokens < held.gate_min_tokens:
+        if not keep or tokens < held.gate_min_tokens:
             return None
         before = AcceptanceCount.of(r for g in keep for r in start.requests[g])
         after = AcceptanceCount.of(r for g in keep for r in evaluation.requests[g])
@@ -656,13 +663,13 @@ class Selection:
         the start's requests: older traffic (held out mostly from replay), and groups the
         parent serves better than the window's held-out traffic as a whole by more than
         the tolerance."""
-        older = self._older_groups()
+        older, served_well = self._older_groups(), self._served_well()
         start = self.evaluations[0]
         return [
             group
             for group in evaluation.groups
             if group in start.groups
-            and (group in older or start.groups[group] > self._served_well())
+            and (group in older or start.groups[group] > served_well)
             and group in start.requests
             and group in evaluation.requests
             and len(start.requests[group]) == len(evaluation.requests[group])
@@ -674,12 +681,12 @@ class Selection:
         segment, which the gate keeps only where the parent serves it well. Pooled with
         the older English, older Korean the run still learns would hide what English
         lost."""
-        learned, start = self._learned_groups(), self.evaluations[0]
+        learned, served_well = self._learned_groups(), self._served_well()
+        start = self.evaluations[0]
         return [
             group
             for group in self._keep_traffic(evaluation)
-            if group.removeprefix(OLDER_PREFIX) not in learned
-            or start.groups[group] > self._served_well()
+            if group.removeprefix(OLDER_PREFIX) not in learned or start.groups[group] > served_well
         ]
 
     def _served_well(self) -> float:
