@@ -626,13 +626,15 @@ def _gate_held_out(
     tmp_path: Path,
     shares: dict[str, float] | None,
     min_tokens: int = 8,
+    *,
     net_gain_tolerance: float | None = None,
     older_law: bool = False,
+    margin: float | None = None,
 ) -> HeldOut:
     """A cycle's export: law learned, chat kept (its window requests under
     held_out/replay/), one older chat request (and, ``older_law``, one older law request),
     and how the gate figures the window (with ``net_gain_tolerance``: its rule 5 on, at
-    that tolerance)."""
+    that tolerance; with ``margin``: the gain its rule 4 asks for)."""
     sample = _answered_sample
     files = {
         tmp_path / "window" / "a.ckpt": sample("law", 0),  # validation: not the gate's
@@ -646,6 +648,8 @@ def _gate_held_out(
         figure: dict[str, Any] = {"shares": shares, "k": 3, "min_segment_tokens": min_tokens}
         if net_gain_tolerance is not None:
             figure |= {"net_gain": True, "tolerance": net_gain_tolerance}
+        if margin is not None:
+            figure["margin"] = margin
         tmp_path.mkdir(parents=True, exist_ok=True)
         (tmp_path / "gate_figure.json").write_text(json.dumps(figure))
     return HeldOut(tmp_path, list(files), files.__getitem__, torch.nn.Identity(), 3)
@@ -707,6 +711,33 @@ def test_a_step_below_its_parent_on_the_gates_window_weighted_figure_is_never_ke
     kept_back = selection.continuation()
     assert kept_back is not None and kept_back.step == 10
     selection.evaluate(draft, 20)  # law 2.5, chat 3.375: 3.11 weighted
+    assert selection.best.step == 20
+
+
+@pytest.mark.parametrize("margin", [0.1, None])
+def test_a_step_that_gains_less_than_the_gates_margin_is_never_kept(
+    tmp_path: Path, margin: float | None
+) -> None:
+    """The gate promotes only a gain of ``gate.margin`` on its window-weighted figure
+    (rule 4). Step 10 gains 0.075 on it: registered, the gate would reject it for no
+    gain (a Korean-last cycle registered 2.500 against its parent's 2.500). Step 20
+    gains 0.15: kept. Without a margin in the export (an older cycle's), step 10 is kept,
+    as any gain counts (``warm_gain: any``)."""
+    held = _gate_held_out(tmp_path, {"law": 0.3, "chat": 0.7}, margin=margin)
+    chat = {"chat": [(28, 8)], "older/chat": [(28, 8)]}
+    laws = ((0, 12), (10, 14), (20, 16))
+    at_step = {step: {"law": [(12, 8), (law, 8)]} | chat for step, law in laws}
+    _script_scores(held, at_step)
+    draft, parent = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    selection = Selection(held, forgetting_tolerance=0.6, gain_beyond_noise=False)
+    selection.begin(draft, parent, None)
+    selection.evaluate(draft, 10)  # law 1.5 -> 1.75: 2.9 -> 2.975 weighted
+    assert selection.best is not None
+    assert selection.best.step == (0 if margin else 10)
+    if margin:  # what it learned is not thrown away: a next run starts from it
+        kept_back = selection.continuation()
+        assert kept_back is not None and kept_back.step == 10
+    selection.evaluate(draft, 20)  # law 2.0: 3.05 weighted, +0.15
     assert selection.best.step == 20
 
 

@@ -493,8 +493,9 @@ def _move(source: Path, target: Path, names: list[str]) -> None:
 
 def _write_gate_figure(config: TideConfig, out: Path, window_tokens: dict[str, int]) -> None:
     """How the gate figures the window (``gate_figure.json``): the trainer keeps no step
-    below its parent on it (:meth:`~tide_lib.training.selection.HeldOut.window_weighted`),
-    nor one whose traffic to keep loses more than it gains (``gate.net_gain``)."""
+    that does not gain ``gate.margin`` over its parent on it
+    (:meth:`~tide_lib.training.selection.HeldOut.window_weighted`), nor one whose traffic
+    to keep loses more than it gains (``gate.net_gain``)."""
     out.mkdir(parents=True, exist_ok=True)
     figure = {
         "shares": token_shares(window_tokens),

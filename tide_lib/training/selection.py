@@ -14,17 +14,17 @@ groups not held out mostly from replay, near the gate's window-weighted gain) am
 those that forget nothing: a step whose score on any group (the replayed older
 traffic, a segment) fell more than ``forgetting_tolerance`` below the parent's is
 never kept, whatever it gains on the window, since the gate would reject it; nor is
-one below the parent on the gate's own window-weighted figure (every window segment by
-its token share, as ``gate_figure.json`` says; :meth:`HeldOut.window_weighted`), nor
-one whose traffic to keep, pooled, loses more than both the gate's tolerance and that
-figure's gain (the gate's rule 5, ``gate.net_gain``). Step 0
-is the parent, so a run that never beats its parent exports the parent's weights and
-says so; and beating it means beyond the noise of the held-out requests (paired,
-one-sided 95%): a gain within it registered drafts that the gate then measured below
-their parent. Where the parent is known not to fit the traffic learned (a cycle
-whose drift check found it fell, ``warm_gain: any``), any higher figure replaces it:
-the few held-out requests of a window hid real gains there (a new segment rising
-1.56 -> 1.76 over ten evaluations, never kept).
+one that does not gain the gate's ``gate.margin`` over the parent on the gate's own
+window-weighted figure (every window segment by its token share, as
+``gate_figure.json`` says; :meth:`HeldOut.window_weighted`), nor one whose traffic to
+keep, pooled, loses more than both the gate's tolerance and that figure's gain (the
+gate's rule 5, ``gate.net_gain``). Step 0 is the parent, so a run that never beats
+its parent exports the parent's weights and says so; and beating it means beyond the
+noise of the held-out requests (paired, one-sided 95%): a gain within it registered
+drafts that the gate then measured below their parent. Where the parent is known not
+to fit the traffic learned (a cycle whose drift check found it fell, ``warm_gain:
+any``), any higher figure replaces it: the few held-out requests of a window hid
+real gains there (a new segment rising 1.56 -> 1.76 over ten evaluations, never kept).
 
 Scores are pooled acceptance lengths (tokens per verify step) at ``TrainConfig.k``
 of a round drafted from every output position (the evidence for comparing drafts,
@@ -477,11 +477,11 @@ class Selection:
         score = self._score(evaluation)
         if self.candidate is not None:  # what it learned, kept or not, is continued from
             self.candidate.offer(evaluation, draft, score)
-        below = self._below_the_parent_as_gated(evaluation)
+        below = self._short_of_the_gates_margin(evaluation)
         if below is not None:
             logger.info(
-                "step %d is not kept: window-weighted acceptance length %.4f below the "
-                "parent's %.4f on the gate's held-out requests",
+                "step %d is not kept: window-weighted acceptance length %.4f, not above the "
+                "parent's %.4f by the gate's margin %.4f on its held-out requests",
                 step,
                 *below,
             )
@@ -522,18 +522,23 @@ class Selection:
         full = {group for group in learned if with_older(start, group)}
         return learned | {OLDER_PREFIX + g for g in full if OLDER_PREFIX + g in start.requests}
 
-    def _below_the_parent_as_gated(self, evaluation: Evaluation) -> tuple[float, float] | None:
-        """``(step, parent)`` when a warm start's step is below its parent on the gate's
-        window-weighted figure (:meth:`HeldOut.window_weighted`), else None. The run keeps
-        the best figure on the traffic it learns; the gate weighs every window segment by
-        its share, the ones the cycle keeps by distillation too: a step that gained on
-        Korean law while the window's other segments slipped within the tolerance was
-        registered 0.216 below its parent, under ``warm_gain: any`` or not."""
+    def _short_of_the_gates_margin(
+        self, evaluation: Evaluation
+    ) -> tuple[float, float, float] | None:
+        """``(step, parent, margin)`` when a warm start's step does not gain the gate's
+        ``gate.margin`` over its parent on the gate's window-weighted figure
+        (:meth:`HeldOut.window_weighted`, rule 4), else None. The run keeps the best
+        figure on the traffic it learns; the gate weighs every window segment by its
+        share, the ones the cycle keeps by distillation too: a step that gained on Korean
+        law while the window's other segments slipped within the tolerance was registered
+        0.216 below its parent, under ``warm_gain: any`` or not; and a step level with its
+        parent (2.500 against 2.500) was registered for the gate to reject it for no gain."""
         figures = self._as_gated(evaluation)
-        if figures is None or figures[1] >= figures[0]:
+        margin = getattr(self.held_out, "gate_margin", 0.0)
+        if figures is None or figures[1] - figures[0] >= margin - _EPSILON:
             return None
         parent, now = figures
-        return now, parent
+        return now, parent, margin
 
     def _as_gated(self, evaluation: Evaluation) -> tuple[float, float] | None:
         """``(parent, step)`` of a warm start on the gate's window-weighted figure
@@ -723,9 +728,9 @@ class Selection:
 
     def continuation(self) -> BestDraft | None:
         """What a warm start that keeps its parent learned: its best trained step, above
-        the parent on held-out traffic but within the noise, or below it on the gate's
-        window-weighted figure, forgetting nothing nor losing more on the traffic to keep
-        than it gained (:meth:`_loses_more_than_it_gains`). A next
+        the parent on held-out traffic but within the noise, or short of the gate's margin
+        over it on the gate's window-weighted figure, forgetting nothing nor losing more
+        on the traffic to keep than it gained (:meth:`_loses_more_than_it_gains`). A next
         run on the same parent starts from it (the parent stays its step 0 and its
         teacher): gains too small for one window's held-out requests add up instead of
         being thrown away (the oracle of a new segment needs more steps than one cycle
