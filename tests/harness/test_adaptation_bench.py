@@ -130,6 +130,7 @@ def test_adaptation_bench_on_a_generated_workload(
             timing_passes=2,
             settle=2,
             fresh=3,
+            oracle_seeds=2,
         ),
         target_dir=tiny_target,
         preset="tiny",
@@ -145,7 +146,14 @@ def test_adaptation_bench_on_a_generated_workload(
     )
     written = json.loads(out.read_text())
     assert written["new_segment"] == "korean" and written == json.loads(json.dumps(result))
-    assert {"static", "oracle"} <= set(written["accept_length"])
+    lengths = written["accept_length"]
+    assert {"static", "oracle", "oracle-seed0", "oracle-seed1"} <= set(lengths)
+    # the oracle pools its seeds' runs: its figure lies between theirs, on every segment
+    for segment, by_k in lengths["oracle"].items():
+        for k, pooled in by_k.items():
+            runs = [lengths[f"oracle-seed{i}"][segment][k] for i in (0, 1)]
+            assert min(runs) - 1e-9 <= pooled <= max(runs) + 1e-9
+    assert written["params"]["oracle_seeds"] == 2
     assert any(name.startswith("adapted-") for name in written["accept_length"])
     timed = written["adaptive_k"]["timed_requests_by_k"]  # every held-out prompt, twice
     assert sum(timed.values()) == 2 * written["requests"]["held_out_new_segment"]

@@ -17,7 +17,10 @@ so copies of a request are all held out or all served.
    swaps the new champion in; the time from the threshold to serving is kept.
 3. An oracle draft is trained offline on the new segment's traffic alone: the
    requests the cycles' windows held, so it learns from the same traffic the loop
-   did (traffic served after the last cycle waits for the next one in both).
+   did (traffic served after the last cycle waits for the next one in both). One
+   run per seed (``oracle_seeds``, ``oracle-seed<i>``); ``oracle`` pools them
+   (each request's counts summed over the seeds), since one run's figure moves by
+   tenths with its seed and with the last bits of the captured states.
 4. Every draft is evaluated offline on the held-out requests of each segment,
    for each k (and on a sample of the older segments' served requests, which the
    drafts trained on: ``accept_length_served``, ``retention_served``; and on
@@ -66,6 +69,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+ORACLE: Final = "oracle"  # the oracle seeds' drafts pooled; each is oracle-seed<i>
 
 
 class WorkloadError(TideError, ValueError):
@@ -369,15 +373,15 @@ def _serve_workload(
     engine.writer.flush(timeout=60)
 
 
-def _train_oracle(
-    loop: _Loop, served: list[dict[str, Any]], new_segment: str, target_dir: Path
-) -> Path:
-    """A draft trained from the static one on the new segment's traffic alone: the same
-    requests the cycles' windows held (what the loop had to learn from; held-out out),
-    with a fresh draft's recipe: ``training.steps`` for each cycle that trained, at the
-    full learning rate. It exports its last step: the loop's selection may keep a parent
-    a small held-out sample cannot tell apart, and an oracle that is the static draft
-    measures nothing."""
+def _train_oracles(
+    loop: _Loop, served: list[dict[str, Any]], new_segment: str, target_dir: Path, seeds: int
+) -> dict[str, Path]:
+    """Drafts trained from the static one on the new segment's traffic alone, one per
+    seed (``oracle-seed<i>``): the same requests the cycles' windows held (what the loop
+    had to learn from; held-out out), with a fresh draft's recipe: ``training.steps``
+    for each cycle that trained, at the full learning rate. Each exports its last step:
+    the loop's selection may keep a parent a small held-out sample cannot tell apart,
+    and an oracle that is the static draft measures nothing."""
     from tide_lib.lake import LakeReader, ObjectStore  # noqa: PLC0415
     from tide_lib.training.trainer import train_draft  # noqa: PLC0415
 
@@ -399,14 +403,37 @@ def _train_oracle(
             sample.save_specforge(data, count)
             count += 1
     trained = sum(1 for c in loop.cycles if c.get("train_seconds"))
-    steps = config.training.steps * max(1, trained)
-    return train_draft(
-        data,
-        target_dir,
-        loop.work / "oracle",
-        config.training.model_copy(update={"steps": steps, "warm_epochs": 0, "export": "last"}),
-        parent_dir=loop.versions["static"],
-    ).draft_dir
+    recipe = {"steps": config.training.steps * max(1, trained), "warm_epochs": 0}
+    oracles = {}
+    for offset in range(seeds):
+        seed = config.training.seed + offset
+        train = config.training.model_copy(update=recipe | {"export": "last", "seed": seed})
+        name = f"{ORACLE}-seed{offset}"
+        oracles[name] = train_draft(
+            data, target_dir, loop.work / name, train, parent_dir=loop.versions["static"]
+        ).draft_dir
+    return oracles
+
+
+def _with_pooled_oracle(counts: Counts) -> Counts:
+    """``counts`` with ``oracle``: each request's ``(emitted, verify)`` summed over the
+    oracle seeds' drafts (``oracle-seed<i>``), so its figure is theirs pooled and it pairs
+    with every other draft on the same requests."""
+    from tide_lib.serving.acceptance import AcceptanceCount  # noqa: PLC0415
+
+    seeds = [runs for name, runs in counts.items() if name.startswith(f"{ORACLE}-seed")]
+    if not seeds:
+        return counts
+    pooled: dict[str, dict[int, AcceptanceCount]] = {}
+    for segment, by_k in seeds[0].items():
+        pooled[segment] = {}
+        for k in by_k:
+            runs = [seed[segment][k].per_request for seed in seeds]
+            pooled[segment][k] = AcceptanceCount.of(
+                (sum(e for e, _ in request), sum(v for _, v in request))
+                for request in zip(*runs, strict=True)
+            )
+    return counts | {ORACLE: pooled}
 
 
 Counts = dict[str, dict[str, dict[int, "AcceptanceCount"]]]  # draft -> segment -> k -> counts
@@ -620,22 +647,22 @@ def run_adaptation_bench(
             _serve_workload(loop, engine, served, max_new_tokens, labels)
         finally:
             engine.close()
-        loop.versions["oracle"] = _train_oracle(loop, served, new_segment, target_dir)
+        loop.versions |= _train_oracles(loop, served, new_segment, target_dir, params.oracle_seeds)
         held_items = [requests[i] for i in held]
         by_segment = _samples_by_segment(
             target_dir, held_items, max_new_tokens, "held-out", segments
         )
-        counts = _acceptance(loop.versions, target_dir, by_segment, ks)
+        counts = _with_pooled_oracle(_acceptance(loop.versions, target_dir, by_segment, ks))
         seen = _samples_by_segment(
             target_dir, _served_sample(served, segments), max_new_tokens, "served", segments[:-1]
         )
-        served_counts = _acceptance(loop.versions, target_dir, seen, ks)
+        served_counts = _with_pooled_oracle(_acceptance(loop.versions, target_dir, seen, ks))
         unseen = fresh_requests(requests, segments, params.fresh, max_new_tokens)
         fresh: dict[str, list[CapturedRecord]] = {segment: [] for segment in segments}
         fresh_counts: Counts = {}
         if unseen:  # else no target to load, no draft to replay
             fresh = _samples_by_segment(target_dir, unseen, max_new_tokens, "fresh", segments)
-            fresh_counts = _acceptance(loop.versions, target_dir, fresh, ks)
+            fresh_counts = _with_pooled_oracle(_acceptance(loop.versions, target_dir, fresh, ks))
         units = {
             segment: [item["prompt"] for item in held_items if item["segment"] == segment]
             for segment in segments
@@ -649,7 +676,7 @@ def run_adaptation_bench(
     # segments the corpus had unseen requests of
     result["retention_fresh"] = {s: f for s, f in retention_fresh.items() if fresh[s]}
     if fresh[new_segment]:  # the new segment's ratios on fresh requests too
-        for over in ("static", "oracle"):
+        for over in ("static", ORACLE):
             ratios, margins = _ratios(fresh_counts, loop.champion, over, new_segment, ks)
             result[f"al_ratio_adapted_{over}_fresh"] = ratios
             result[f"al_ratio_adapted_{over}_fresh_margin"] = margins
@@ -676,6 +703,7 @@ def run_adaptation_bench(
         "labels": labels,
         "workload": str(workload),
         "oracle_data": loop.oracle_data,
+        "oracle_seeds": params.oracle_seeds,
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -697,7 +725,7 @@ def _result(
     new_segment, final = segments[-1], loop.champion
     tokens_per_s = {name: run.tokens_per_s for name, run in timed.items()}
     over_static = _ratios(counts, final, "static", new_segment, ks, units=units)
-    over_oracle = _ratios(counts, final, "oracle", new_segment, ks, units=units)
+    over_oracle = _ratios(counts, final, ORACLE, new_segment, ks, units=units)
     outcomes = [c["outcome"] for c in loop.cycles]
     return {
         "accept_length": _lengths(counts, ks),

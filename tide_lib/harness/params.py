@@ -105,6 +105,13 @@ class AdaptationBenchParams(StrictModel):
         description="training steps of the static draft (0: 4 x training.steps, "
         "a draft fitted to its traffic as a deployed one is, not one a cycle still improves)",
     )
+    oracle_seeds: int = Field(
+        3,
+        ge=1,
+        description="oracle drafts trained, one per seed (training.seed + 0, 1, ...): the "
+        "oracle's figure pools them, as one training run on a window's few hundred tokens "
+        "moves it by tenths",
+    )
     fresh: int = Field(
         48,
         ge=0,
