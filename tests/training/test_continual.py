@@ -172,6 +172,32 @@ def _judged_law_requests(folder: Path, *, first_token: int, count: int, outputs:
         )
 
 
+@pytest.mark.parametrize("older_judged", [4, 0])
+def test_replay_a_segments_older_held_out_requests_already_score_is_all_trained_on(
+    tmp_path: Path, older_judged: int
+) -> None:
+    """Replay is what a run keeps a segment by, training and distilling on it. Where the
+    gate's older held-out requests of that segment (``older/law``) are scored anyway,
+    they meet its minimum: none of its four replay samples is held out again (a Korean
+    cycle trained on 4 of its 10 replay samples). Without them, two are, so that the
+    forgetting check still scores the segment."""
+    _judged_law_requests(tmp_path / "replay", first_token=100, count=4)
+    for index in range(10):
+        (tmp_path / "window").mkdir(exist_ok=True)
+        torch.save(_answered_sample("chat", 20 * index), tmp_path / "window" / f"w{index}.ckpt")
+    if older_judged:
+        folder = tmp_path / "held_out" / "older"
+        _judged_law_requests(folder, first_token=900, count=older_judged)
+    config = BASE.model_copy(update={"validation_fraction": 0.15, "validation_max_samples": 32})
+    train, held = split_held_out(tmp_path, list_samples(tmp_path), config)
+    replay_held = [
+        p for p in held if sample_split(tmp_path, p) == "replay" and "older" not in p.parts
+    ]
+    assert len(replay_held) == (0 if older_judged else 2)
+    assert len([p for p in train if p.parent.name == "replay"]) == 4 - len(replay_held)
+    assert len([p for p in held if "older" in p.parts]) == older_judged  # scored, not trained
+
+
 def test_requests_answered_with_no_token_are_never_the_evidence_of_a_group(
     tmp_path: Path,
 ) -> None:
