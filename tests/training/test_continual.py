@@ -180,7 +180,8 @@ def test_replay_a_segments_older_held_out_requests_already_score_is_all_trained_
     gate's older held-out requests of that segment (``older/law``) are scored anyway,
     they meet its minimum: none of its four replay samples is held out again (a Korean
     cycle trained on 4 of its 10 replay samples). Without them, two are, so that the
-    forgetting check still scores the segment."""
+    forgetting check still scores the segment. Chat, learned from the window, keeps its
+    own two held out beside its older requests: those judge no gain on the window."""
     _judged_law_requests(tmp_path / "replay", first_token=100, count=4)
     for index in range(10):
         (tmp_path / "window").mkdir(exist_ok=True)
@@ -188,6 +189,8 @@ def test_replay_a_segments_older_held_out_requests_already_score_is_all_trained_
     if older_judged:
         folder = tmp_path / "held_out" / "older"
         _judged_law_requests(folder, first_token=900, count=older_judged)
+        for index in range(older_judged):
+            torch.save(_answered_sample("chat", 500 + 20 * index), folder / f"chat{index}.ckpt")
     config = BASE.model_copy(update={"validation_fraction": 0.15, "validation_max_samples": 32})
     train, held = split_held_out(tmp_path, list_samples(tmp_path), config)
     replay_held = [
@@ -195,7 +198,8 @@ def test_replay_a_segments_older_held_out_requests_already_score_is_all_trained_
     ]
     assert len(replay_held) == (0 if older_judged else 2)
     assert len([p for p in train if p.parent.name == "replay"]) == 4 - len(replay_held)
-    assert len([p for p in held if "older" in p.parts]) == older_judged  # scored, not trained
+    assert len([p for p in held if "older" in p.parts]) == 2 * older_judged  # scored only
+    assert len([p for p in held if p.parent.name == "window"]) >= 2  # chat's own
 
 
 def test_requests_answered_with_no_token_are_never_the_evidence_of_a_group(

@@ -155,6 +155,7 @@ def split_held_out(
         {(key.fraction, key.group) for key in keys.values() if key.outputs}
     ):
         groups.setdefault(group, []).append(fraction)
+    credit = _older_credit(data_dir, keys, scored)
     quota = {  # a group's judged requests count towards its share and its minimum
         name: max(
             0,
@@ -165,7 +166,7 @@ def split_held_out(
                     sum(fraction < config.validation_fraction for fraction in requests),
                 )
                 - scored.get(name, 0)
-                - scored.get(OLDER_PREFIX + name, 0),
+                - credit.get(name, 0),
             ),
         )
         for name, requests in groups.items()
@@ -181,6 +182,21 @@ def split_held_out(
     chosen = {f for name, requests in groups.items() for f in requests[: quota[name]]}
     held = {path for path, key in keys.items() if key.fraction in chosen}
     return [p for p in samples if p not in held], [p for p in samples if p in held] + judged
+
+
+def _older_credit(data_dir: Path, keys: dict[Path, _Key], scored: dict[str, int]) -> dict[str, int]:
+    """How many of each group's validation requests its older held-out ones the gate
+    judges (``older/<group>``, counted in ``scored``) stand in for: at most its distinct
+    replay requests, whose forgetting they score. A segment the run learns keeps its own
+    window requests held out: its older ones judge no gain on the window."""
+    replayed: dict[str, set[float]] = {}
+    for path, key in keys.items():
+        if key.outputs and sample_split(data_dir, path) == REPLAY:
+            replayed.setdefault(key.group, set()).add(key.fraction)
+    return {
+        group: min(len(fractions), scored.get(OLDER_PREFIX + group, 0))
+        for group, fractions in replayed.items()
+    }
 
 
 def _judged(data_dir: Path, paths: list[Path], cap: int) -> tuple[list[Path], dict[str, int]]:
