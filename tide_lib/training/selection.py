@@ -124,10 +124,11 @@ def split_held_out(
     validation on, scored first (up to ``validation_max_samples`` distinct ones): a
     draft the run keeps has beaten its parent on the requests the gate judges it on, not
     only on others. They count towards each group's share, minimum and the cap; a
-    segment's older ones (``older/<segment>``) towards its own too: they already score
-    what its replay keeps, and every replay sample held out again is one the run does
-    not train on nor distil on (a Korean cycle trained on 4 of its 10 replay samples,
-    and its older English fell 3.00 -> 2.40 in 20 steps).
+    segment's older ones (``older/<segment>``) towards its own too, for as many of its
+    replay requests (:func:`_older_credit`): they already score what its replay keeps,
+    and every replay sample held out again is one the run neither trains nor distils on
+    (a Korean cycle trained on 4 of its 10 replay samples, and its older English fell
+    3.00 -> 2.40 in 20 steps).
 
     Only requests with output tokens are scored: one the target answered with no token
     (a document line it ends at once: half the Korean law requests) has nothing to
