@@ -179,6 +179,15 @@ def test_adaptation_bench_on_a_generated_workload(
         assert set(written[f"al_ratio_adapted_{name}_fresh"]) == {"k3", "k5"}
         assert set(written[f"al_ratio_adapted_{name}_fresh_margin"]) == {"k3", "k5"}
     assert written["accept_length_fresh"]["static"]["english"]["k3"] >= 1.0
+    # every request no draft trained on, pooled: held-out and fresh alike, so each
+    # draft's figure lies between its figures on the two
+    assert set(written["retention_unseen"]) == {"english"}
+    assert set(written["al_ratio_adapted_oracle_unseen_margin"]) == {"k3", "k5"}
+    for draft, segments in written["accept_length_unseen"].items():
+        for segment, by_k in segments.items():
+            for k, pooled in by_k.items():
+                parts = [written[f"accept_length{of}"][draft][segment][k] for of in ("", "_fresh")]
+                assert min(parts) - 1e-9 <= pooled <= max(parts) + 1e-9, (draft, segment, k)
     assert all(m is None or m >= 0 for m in written["al_ratio_adapted_static_margin"].values())
     held = written["held_out_requests"]
     assert held["korean"] == written["requests"]["held_out_new_segment"]

@@ -26,7 +26,7 @@ so copies of a request are all held out or all served.
    drafts trained on: ``accept_length_served``, ``retention_served``; and on
    ``fresh`` requests per segment that the workload never sent, from the packaged
    corpus: ``accept_length_fresh``, ``retention_fresh``, the new segment's
-   ``al_ratio_adapted_*_fresh``); the static
+   ``al_ratio_adapted_*_fresh``; and on both, pooled: ``*_unseen``); the static
    and the final adapted draft are also timed side by side on held-out new-traffic
    prompts.
 """
@@ -532,6 +532,55 @@ def _retention(
     return retention
 
 
+def _pooled(first: Counts, second: Counts) -> Counts:
+    """Each draft's counts on ``first``'s requests and then ``second``'s, per segment and k
+    (the drafts of ``first``; a segment or k either lacks counts the other's only)."""
+    from tide_lib.serving.acceptance import AcceptanceCount  # noqa: PLC0415
+
+    empty = AcceptanceCount()
+    return {
+        draft: {
+            segment: {
+                k: AcceptanceCount.of(
+                    by_k[k].per_request
+                    + second.get(draft, {}).get(segment, {}).get(k, empty).per_request
+                )
+                for k in by_k
+            }
+            for segment, by_k in segments.items()
+        }
+        for draft, segments in first.items()
+    }
+
+
+def _unseen_figures(
+    loop: _Loop,
+    held_out: tuple[Counts, Units],
+    fresh: tuple[Counts, list[dict[str, Any]]],
+    segments: list[str],
+    ks: tuple[int, ...],
+) -> dict[str, Any]:
+    """The figures on every request no draft trained on, pooled: the held-out ones, then
+    the fresh ones (``*_unseen``). Each segment's 11-16 held-out requests put a margin of
+    error of 0.1-0.4 on a ratio judged against 0.95 or 0.9; the fresh ones are as unseen
+    and three times as many, so pooled they say most about the segment."""
+    counts = _pooled(held_out[0], fresh[0])
+    units = {
+        segment: held_out[1].get(segment, [])
+        + [item["prompt"] for item in fresh[1] if item["segment"] == segment]
+        for segment in segments
+    }
+    figures: dict[str, Any] = {
+        "accept_length_unseen": _lengths(counts, ks),
+        "retention_unseen": _retention(counts, loop, segments, ks, units),
+    }
+    for over in ("static", ORACLE):
+        ratios, margins = _ratios(counts, loop.champion, over, segments[-1], ks, units=units)
+        figures[f"al_ratio_adapted_{over}_unseen"] = ratios
+        figures[f"al_ratio_adapted_{over}_unseen_margin"] = margins
+    return figures
+
+
 def _timing(
     loop: _Loop,
     target_dir: Path,
@@ -680,6 +729,8 @@ def run_adaptation_bench(
             ratios, margins = _ratios(fresh_counts, loop.champion, over, new_segment, ks)
             result[f"al_ratio_adapted_{over}_fresh"] = ratios
             result[f"al_ratio_adapted_{over}_fresh_margin"] = margins
+    if fresh_counts:
+        result |= _unseen_figures(loop, (counts, units), (fresh_counts, unseen), segments, ks)
     result["adaptive_k"] = adaptive
     result["requests"] = {
         "served": len(served),
