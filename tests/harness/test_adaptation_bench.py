@@ -154,6 +154,13 @@ def test_adaptation_bench_on_a_generated_workload(
             runs = [lengths[f"oracle-seed{i}"][segment][k] for i in (0, 1)]
             assert min(runs) - 1e-9 <= pooled <= max(runs) + 1e-9
     assert written["params"]["oracle_seeds"] == 2
+    # one draft trained on both segments' windowed traffic, measured against the oracle
+    assert "joint" in lengths and set(lengths["joint"]) == {"english", "korean"}
+    joint = written["al_ratio_joint_oracle"]["k3"]
+    assert joint == pytest.approx(
+        lengths["joint"]["korean"]["k3"] / lengths["oracle"]["korean"]["k3"]
+    )
+    assert set(written["al_ratio_joint_oracle_unseen"]) == {"k3", "k5"}
     assert any(name.startswith("adapted-") for name in written["accept_length"])
     timed = written["adaptive_k"]["timed_requests_by_k"]  # every held-out prompt, twice
     assert sum(timed.values()) == 2 * written["requests"]["held_out_new_segment"]

@@ -20,7 +20,11 @@ so copies of a request are all held out or all served.
    did (traffic served after the last cycle waits for the next one in both). One
    run per seed (``oracle_seeds``, ``oracle-seed<i>``); ``oracle`` pools them
    (each request's counts summed over the seeds), since one run's figure moves by
-   tenths with its seed and with the last bits of the captured states.
+   tenths with its seed and with the last bits of the captured states. ``joint``
+   (``params.joint``) is trained the same way on every segment's requests the windows
+   held: one draft that serves all of them, the ceiling of the adapted one
+   (``al_ratio_joint_oracle``: what a draft that keeps every segment gives up against
+   the oracle of the new one alone).
 4. Every draft is evaluated offline on the held-out requests of each segment,
    for each k (and on a sample of the older segments' served requests, which the
    drafts trained on: ``accept_length_served``, ``retention_served``; and on
@@ -70,6 +74,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 ORACLE: Final = "oracle"  # the oracle seeds' drafts pooled; each is oracle-seed<i>
+JOINT: Final = "joint"  # the oracle's recipe on every segment's windowed traffic
 
 
 class WorkloadError(TideError, ValueError):
@@ -374,20 +379,25 @@ def _serve_workload(
 
 
 def _train_oracles(
-    loop: _Loop, served: list[dict[str, Any]], new_segment: str, target_dir: Path, seeds: int
+    loop: _Loop,
+    served: list[dict[str, Any]],
+    new_segment: str,
+    target_dir: Path,
+    params: AdaptationBenchParams,
 ) -> dict[str, Path]:
     """Drafts trained from the static one on the new segment's traffic alone, one per
     seed (``oracle-seed<i>``): the same requests the cycles' windows held (what the loop
     had to learn from; held-out out), with a fresh draft's recipe: ``training.steps``
     for each cycle that trained, at the full learning rate. Each exports its last step:
     the loop's selection may keep a parent a small held-out sample cannot tell apart,
-    and an oracle that is the static draft measures nothing."""
+    and an oracle that is the static draft measures nothing. With ``params.joint``, one
+    more (``joint``) on every segment's requests the windows held, with that recipe."""
     from tide_lib.lake import LakeReader, ObjectStore  # noqa: PLC0415
     from tide_lib.training.trainer import train_draft  # noqa: PLC0415
 
     config = loop.config
     reader = LakeReader(ObjectStore(config.store, config.store.lake_bucket), config.lake)
-    data = loop.work / "oracle-data"
+    data, joint_data = loop.work / "oracle-data", loop.work / "joint-data"
 
     def new_traffic(upto: int) -> set[str]:
         return {f"w-{i}" for i, item in enumerate(served[:upto]) if item["segment"] == new_segment}
@@ -397,20 +407,23 @@ def _train_oracles(
         logger.warning("no cycle ran on %r traffic: the oracle learns all of it", new_segment)
         loop.oracle_data = "all of the new segment's requests (no cycle reached them)"
         new_ids = new_traffic(len(served))
-    count = 0
+    every_id = {f"w-{i}" for i in range(loop.consumed)} | new_ids
+    count = {data: 0, joint_data: 0}
     for sample in reader.iter_records(reader.list_shards(target_slug(config.cycle.target_id))):
-        if sample.request_id in new_ids:
-            sample.save_specforge(data, count)
-            count += 1
+        for folder, ids in ((data, new_ids), (joint_data, every_id if params.joint else set())):
+            if sample.request_id in ids:
+                sample.save_specforge(folder, count[folder])
+                count[folder] += 1
     trained = sum(1 for c in loop.cycles if c.get("train_seconds"))
     recipe = {"steps": config.training.steps * max(1, trained), "warm_epochs": 0}
+    runs = [(f"{ORACLE}-seed{offset}", data, offset) for offset in range(params.oracle_seeds)]
+    runs += [(JOINT, joint_data, 0)] if params.joint else []
     oracles = {}
-    for offset in range(seeds):
+    for name, folder, offset in runs:
         seed = config.training.seed + offset
         train = config.training.model_copy(update=recipe | {"export": "last", "seed": seed})
-        name = f"{ORACLE}-seed{offset}"
         oracles[name] = train_draft(
-            data, target_dir, loop.work / name, train, parent_dir=loop.versions["static"]
+            folder, target_dir, loop.work / name, train, parent_dir=loop.versions["static"]
         ).draft_dir
     return oracles
 
@@ -578,7 +591,22 @@ def _unseen_figures(
         ratios, margins = _ratios(counts, loop.champion, over, segments[-1], ks, units=units)
         figures[f"al_ratio_adapted_{over}_unseen"] = ratios
         figures[f"al_ratio_adapted_{over}_unseen_margin"] = margins
-    return figures
+    return figures | _joint_ratios(counts, segments[-1], ks, units, "_unseen")
+
+
+def _joint_ratios(
+    counts: Counts, new_segment: str, ks: tuple[int, ...], units: Units, suffix: str
+) -> dict[str, Any]:
+    """``al_ratio_joint_oracle<suffix>`` (and its margin): the joint draft over the oracle
+    on the new segment, the most one draft that keeps every segment reached; nothing
+    without a joint draft."""
+    if JOINT not in counts:
+        return {}
+    ratios, margins = _ratios(counts, JOINT, ORACLE, new_segment, ks, units=units)
+    return {
+        f"al_ratio_joint_oracle{suffix}": ratios,
+        f"al_ratio_joint_oracle{suffix}_margin": margins,
+    }
 
 
 def _timing(
@@ -696,7 +724,7 @@ def run_adaptation_bench(
             _serve_workload(loop, engine, served, max_new_tokens, labels)
         finally:
             engine.close()
-        loop.versions |= _train_oracles(loop, served, new_segment, target_dir, params.oracle_seeds)
+        loop.versions |= _train_oracles(loop, served, new_segment, target_dir, params)
         held_items = [requests[i] for i in held]
         by_segment = _samples_by_segment(
             target_dir, held_items, max_new_tokens, "held-out", segments
@@ -755,6 +783,7 @@ def run_adaptation_bench(
         "workload": str(workload),
         "oracle_data": loop.oracle_data,
         "oracle_seeds": params.oracle_seeds,
+        "joint": params.joint,
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -788,6 +817,7 @@ def _result(
         "al_ratio_adapted_oracle": over_oracle[0],
         "al_ratio_adapted_oracle_margin": over_oracle[1],
         "retention": _retention(counts, loop, segments, ks, units),
+        **_joint_ratios(counts, new_segment, ks, units, ""),
         "tokens_per_s_static": tokens_per_s["static"],
         "tokens_per_s_adapted": tokens_per_s["adapted"],
         "tokens_per_s_plain": tokens_per_s["plain"],

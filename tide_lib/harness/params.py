@@ -112,6 +112,12 @@ class AdaptationBenchParams(StrictModel):
         "oracle's figure pools them, as one training run on a window's few hundred tokens "
         "moves it by tenths",
     )
+    joint: bool = Field(
+        True,
+        description="also train a draft on every segment's traffic the cycles' windows held "
+        "(the oracle's recipe, one seed): how near one draft serving all the segments comes "
+        "to the oracle of the new one alone, the ceiling the adapted draft is measured under",
+    )
     fresh: int = Field(
         48,
         ge=0,
