@@ -22,8 +22,8 @@ so copies of a request are all held out or all served.
    (each request's counts summed over the seeds), since one run's figure moves by
    tenths with its seed and with the last bits of the captured states. ``joint``
    (``params.joint``) is trained the same way on every segment's requests the windows
-   held: one draft that serves all of them, the ceiling of the adapted one
-   (``al_ratio_joint_oracle``: what a draft that keeps every segment gives up against
+   held: one draft trained on all of them at once, a reference for the adapted one
+   (``al_ratio_joint_oracle``: what a draft that serves every segment gives up against
    the oracle of the new one alone).
 4. Every draft is evaluated offline on the held-out requests of each segment,
    for each k (and on a sample of the older segments' served requests, which the
@@ -598,7 +598,7 @@ def _joint_ratios(
     counts: Counts, new_segment: str, ks: tuple[int, ...], units: Units, suffix: str
 ) -> dict[str, Any]:
     """``al_ratio_joint_oracle<suffix>`` (and its margin): the joint draft over the oracle
-    on the new segment, the most one draft that keeps every segment reached; nothing
+    on the new segment: what one draft trained on every segment at once reached; nothing
     without a joint draft."""
     if JOINT not in counts:
         return {}

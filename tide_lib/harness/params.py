@@ -116,7 +116,7 @@ class AdaptationBenchParams(StrictModel):
         True,
         description="also train a draft on every segment's traffic the cycles' windows held "
         "(the oracle's recipe, one seed): how near one draft serving all the segments comes "
-        "to the oracle of the new one alone, the ceiling the adapted draft is measured under",
+        "to the oracle of the new one alone, a reference for the adapted draft",
     )
     fresh: int = Field(
         48,
