@@ -587,26 +587,33 @@ def _unseen_figures(
         "accept_length_unseen": _lengths(counts, ks),
         "retention_unseen": _retention(counts, loop, segments, ks, units),
     }
-    for over in ("static", ORACLE):
-        ratios, margins = _ratios(counts, loop.champion, over, segments[-1], ks, units=units)
-        figures[f"al_ratio_adapted_{over}_unseen"] = ratios
-        figures[f"al_ratio_adapted_{over}_unseen_margin"] = margins
-    return figures | _joint_ratios(counts, segments[-1], ks, units, "_unseen")
+    return figures | _new_segment_ratios(
+        counts, loop.champion, segments[-1], ks, units=units, suffix="_unseen"
+    )
 
 
-def _joint_ratios(
-    counts: Counts, new_segment: str, ks: tuple[int, ...], units: Units, suffix: str
+def _new_segment_ratios(
+    counts: Counts,
+    final: str,
+    new_segment: str,
+    ks: tuple[int, ...],
+    *,
+    units: Units | None = None,
+    suffix: str = "",
 ) -> dict[str, Any]:
-    """``al_ratio_joint_oracle<suffix>`` (and its margin): the joint draft over the oracle
-    on the new segment: what one draft trained on every segment at once reached; nothing
-    without a joint draft."""
-    if JOINT not in counts:
-        return {}
-    ratios, margins = _ratios(counts, JOINT, ORACLE, new_segment, ks, units=units)
-    return {
-        f"al_ratio_joint_oracle{suffix}": ratios,
-        f"al_ratio_joint_oracle{suffix}_margin": margins,
-    }
+    """The new segment's ratios at each k, each with its one-sided 95% paired margin
+    (``..._margin``): ``al_ratio_adapted_static<suffix>`` and
+    ``al_ratio_adapted_oracle<suffix>`` (the ``final`` draft over the static one and the
+    oracle), and with a joint draft ``al_ratio_joint_oracle<suffix>``: what one draft
+    trained on every segment at once reached."""
+    pairs = [("adapted", final, "static"), ("adapted", final, ORACLE)]
+    pairs += [(JOINT, JOINT, ORACLE)] if JOINT in counts else []
+    figures: dict[str, Any] = {}
+    for label, draft, over in pairs:
+        ratios, margins = _ratios(counts, draft, over, new_segment, ks, units=units)
+        figures[f"al_ratio_{label}_{over}{suffix}"] = ratios
+        figures[f"al_ratio_{label}_{over}{suffix}_margin"] = margins
+    return figures
 
 
 def _timing(
@@ -753,10 +760,7 @@ def run_adaptation_bench(
     # segments the corpus had unseen requests of
     result["retention_fresh"] = {s: f for s, f in retention_fresh.items() if fresh[s]}
     if fresh[new_segment]:  # the new segment's ratios on fresh requests too
-        for over in ("static", ORACLE):
-            ratios, margins = _ratios(fresh_counts, loop.champion, over, new_segment, ks)
-            result[f"al_ratio_adapted_{over}_fresh"] = ratios
-            result[f"al_ratio_adapted_{over}_fresh_margin"] = margins
+        result |= _new_segment_ratios(fresh_counts, loop.champion, new_segment, ks, suffix="_fresh")
     if fresh_counts:
         result |= _unseen_figures(loop, (counts, units), (fresh_counts, unseen), segments, ks)
     result["adaptive_k"] = adaptive
@@ -804,20 +808,14 @@ def _result(
 
     new_segment, final = segments[-1], loop.champion
     tokens_per_s = {name: run.tokens_per_s for name, run in timed.items()}
-    over_static = _ratios(counts, final, "static", new_segment, ks, units=units)
-    over_oracle = _ratios(counts, final, ORACLE, new_segment, ks, units=units)
     outcomes = [c["outcome"] for c in loop.cycles]
     return {
         "accept_length": _lengths(counts, ks),
         "held_out_requests": {
             segment: by_k[ks[0]].requests for segment, by_k in counts["static"].items()
         },
-        "al_ratio_adapted_static": over_static[0],
-        "al_ratio_adapted_static_margin": over_static[1],  # one-sided 95%, paired
-        "al_ratio_adapted_oracle": over_oracle[0],
-        "al_ratio_adapted_oracle_margin": over_oracle[1],
+        **_new_segment_ratios(counts, final, new_segment, ks, units=units),
         "retention": _retention(counts, loop, segments, ks, units),
-        **_joint_ratios(counts, new_segment, ks, units, ""),
         "tokens_per_s_static": tokens_per_s["static"],
         "tokens_per_s_adapted": tokens_per_s["adapted"],
         "tokens_per_s_plain": tokens_per_s["plain"],
