@@ -154,6 +154,19 @@ def test_adaptation_bench_on_a_generated_workload(
             runs = [lengths[f"oracle-seed{i}"][segment][k] for i in (0, 1)]
             assert min(runs) - 1e-9 <= pooled <= max(runs) + 1e-9
     assert written["params"]["oracle_seeds"] == 2
+    # the final draft over each seed's oracle: the pooled ratio lies within their range
+    final = written["final_adapted"]
+    for suffix in ("", "_fresh", "_unseen"):
+        by_seed = written[f"al_ratio_adapted_oracle{suffix}_by_seed"]
+        assert set(by_seed) == {"oracle-seed0", "oracle-seed1"}
+        low, high = written[f"al_ratio_adapted_oracle{suffix}_seed_range"]["k5"]
+        assert low == min(r["k5"] for r in by_seed.values())
+        assert high == max(r["k5"] for r in by_seed.values())
+        assert low - 1e-9 <= written[f"al_ratio_adapted_oracle{suffix}"]["k5"] <= high + 1e-9
+        lengths_of = written[f"accept_length{suffix}"]
+        assert by_seed["oracle-seed1"]["k5"] == pytest.approx(
+            lengths_of[final]["korean"]["k5"] / lengths_of["oracle-seed1"]["korean"]["k5"]
+        )
     # one draft trained on both segments' windowed traffic, measured against the oracle
     assert "joint" in lengths and set(lengths["joint"]) == {"english", "korean"}
     joint = written["al_ratio_joint_oracle"]["k3"]
