@@ -613,8 +613,9 @@ def _new_segment_ratios(
     trained on every segment at once reached.
 
     The margins count the requests' noise, not the oracle's: its seeds, trained on the
-    same requests, read 2.77-3.17 on one run's Korean, and two runs whose windows differed
-    by a request read 2.63 and 2.99 pooled. So ``al_ratio_adapted_oracle<suffix>_by_seed``
+    same requests, read 2.77-3.17 on one run's Korean, and two recipes' runs whose windows
+    differed by a request from the fifth cycle on read 2.63 and 2.99 pooled (a run
+    repeated reads every figure to the digit). So ``al_ratio_adapted_oracle<suffix>_by_seed``
     gives the ratio over each seed's draft, and ``..._seed_range`` its lowest and highest.
     """
     pairs = [("adapted", final, "static"), ("adapted", final, ORACLE)]
