@@ -429,8 +429,10 @@ def _train_oracles(
 
 
 def _oracle_seeds(counts: Counts) -> list[str]:
-    """The oracle seeds' drafts measured in ``counts`` (``oracle-seed<i>``), in order."""
-    return sorted(name for name in counts if name.startswith(f"{ORACLE}-seed"))
+    """The oracle seeds' drafts measured in ``counts`` (``oracle-seed<i>``), by seed."""
+    prefix = f"{ORACLE}-seed"
+    seeds = [name for name in counts if name.startswith(prefix)]
+    return sorted(seeds, key=lambda name: int(name.removeprefix(prefix)))
 
 
 def _with_pooled_oracle(counts: Counts) -> Counts:
@@ -613,10 +615,9 @@ def _new_segment_ratios(
     trained on every segment at once reached.
 
     The margins count the requests' noise, not the oracle's: its seeds, trained on the
-    same requests, read 2.77-3.17 on one run's Korean, and two recipes' runs whose windows
-    differed by a request from the fifth cycle on read 2.63 and 2.99 pooled (a run
-    repeated reads every figure to the digit). So ``al_ratio_adapted_oracle<suffix>_by_seed``
-    gives the ratio over each seed's draft, and ``..._seed_range`` its lowest and highest.
+    same requests, spread its figure by tenths (the README quotes runs). So
+    ``al_ratio_adapted_oracle<suffix>_by_seed`` gives the ratio over each seed's draft,
+    and ``..._seed_range`` its lowest and highest.
     """
     pairs = [("adapted", final, "static"), ("adapted", final, ORACLE)]
     pairs += [(JOINT, JOINT, ORACLE)] if JOINT in counts else []
