@@ -812,6 +812,26 @@ class CycleConfig(StrictModel):
             "0 turns the rule off"
         ),
     )
+    consolidate: bool = Field(
+        True,
+        description=(
+            "when a learning chain ends (the first check of a champion that a cycle promoted "
+            "over a parent another cycle promoted, neither a consolidation, finds no drift), "
+            "that cycle trains once "
+            "more: from the champion, on every segment's older traffic in the lookback and "
+            "the window together, all learned (nothing held by distillation), as one draft "
+            "trained on it all at once would be; the gate judges it like any challenger, "
+            "and a consolidated champion starts a new chain. Off: such a cycle trains nothing"
+        ),
+    )
+    consolidate_max_steps: int = Field(
+        800,
+        ge=1,
+        description=(
+            "a consolidation cycle's cap on optimizer steps (training.warm_max_steps for "
+            "it): training.warm_epochs passes over every segment's traffic"
+        ),
+    )
     servers: list[str] = Field(default_factory=list, description="fleet base URLs")
     schedule_minutes: int = Field(
         60,

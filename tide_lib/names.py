@@ -56,6 +56,8 @@ class Tags:
     # lineage of a version
     CYCLE_ID: Final = "tide.cycle_id"  # the DAG run that trained it: one version per cycle
     PARENT_VERSION: Final = "tide.parent_version"
+    # "true" on a version a consolidation cycle trained (every segment's traffic at once)
+    CONSOLIDATED: Final = "tide.consolidated"
     DRAFT_URI: Final = "tide.draft_uri"
     BEST_IS_PARENT: Final = "tide.best_is_parent"  # on a run: its best checkpoint was the parent
     # on a run that kept its parent: its held-out gain per segment (JSON), what it learned

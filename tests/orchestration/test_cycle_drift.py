@@ -512,3 +512,84 @@ def test_the_gate_judges_against_the_baseline_draft_on_the_same_requests(
     )
     off = judged("c1-off", {"floor": False})
     assert Tags.FLOOR_VERSION not in off and not any("floor_al" in key for key in off)
+
+
+def test_the_end_of_a_learning_chain_trains_one_consolidation_cycle_on_every_segment(
+    stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
+) -> None:
+    """A chain of warm starts learns each segment from its own windows, one after the
+    other. The first check without drift after the chain's last promotion learns them all
+    at once (``cycle.consolidate``): older traffic is learned, not replayed, for up to
+    ``cycle.consolidate_max_steps``; the version it registers is tagged and ends the
+    chain. A single promotion over a seeded draft is no chain."""
+    config, registry, seeded = _never_drifting(stack, tmp_path, tiny_target, tiny_drafts)
+    config = config.model_copy(
+        update={
+            "cycle": config.cycle.model_copy(update={"consolidate_max_steps": 7}),
+            "training": config.training.model_copy(update={"warm_max_steps": 3, "export": "last"}),
+        }
+    )
+    _capture(config, tiny_target, documents=6)  # older traffic in the lookback
+    cycle.advance_watermark(config, cycle.snapshot_window(config, "c0"))
+    _capture(config, tiny_target, documents=6, skip=6)
+    gate_segmenter = state.cycle_segmenter(config, cycle.snapshot_window(config, "c1"))[1]
+    small_gain = GateDecision(  # below cycle.learning_gain: not still learning
+        promote=True,
+        reason="gain",
+        challenger={"cluster-0": 2.0},
+        champion={"cluster-0": 1.9},
+        weights={"cluster-0": 1.0},
+        weighted_challenger=2.0,
+        weighted_champion=1.9,
+        protected=("cluster-0",),
+    )
+
+    judged = {  # as evaluate_and_gate tags a promoted version
+        **decision_tags(small_gain, config.gate.k),
+        Tags.SEGMENTER: gate_segmenter,
+        Tags.GATE_REPLAY: drift_check.REPLAY_RULE,
+    }
+
+    def promoted(parent: str, cycle_id: str) -> str:
+        version = registry.seed_champion(tiny_drafts["ko"], cycle_id).version
+        registry.set_tags(version, {**judged, Tags.PARENT_VERSION: parent})
+        return version
+
+    single = promoted(seeded, "chain-1")
+    alone = cycle.check_drift(config, cycle.snapshot_window(config, "c1"))
+    assert not alone.drift and not alone.consolidate and "no drift" in alone.reason
+
+    end = promoted(single, "chain-2")
+    snapshot = cycle.snapshot_window(config, "c2")
+    check = cycle.check_drift(config, snapshot)
+    assert check.drift and check.consolidate and "ends a learning chain" in check.reason
+    assert check.champion_version == end and check.drifted == [] and check.fitting is None
+
+    # Every segment's older requests are learned with the window's; nothing is replayed.
+    together = cycle.export_training_data(config, snapshot, tmp_path / "together").as_params()
+    drift_json = "cycles/c2/drift.json"
+    plain = check.model_copy(update={"consolidate": False})  # the same check, no chain
+    state.write_state(config, drift_json, plain.model_dump_json().encode())
+    apart = cycle.export_training_data(config, snapshot, tmp_path / "apart").as_params()
+    state.write_state(config, drift_json, check.model_dump_json().encode())
+    assert apart["trained_replay_requests"] > 0 and together["trained_replay_requests"] == 0
+    learned_apart = apart["trained_window_requests"] + apart["trained_replay_requests"]
+    assert together["trained_window_requests"] >= learned_apart
+    assert together["trained_window_requests"] > apart["trained_window_requests"]
+
+    trained = cycle.train(config, snapshot)
+    run = registry.client.get_run(trained.run_id)
+    assert run.data.params["trained_steps"] == "7"  # not training.warm_max_steps
+    assert run.data.params["trained_replay_requests"] == "0"
+    version = cycle.register(config, snapshot, trained)
+    assert registry.get(version).tags[Tags.CONSOLIDATED] == "true"
+    assert Tags.CONSOLIDATED not in registry.get(end).tags
+
+    # Promoted, the consolidated draft's first check without drift starts no chain.
+    registry.promote(version)
+    registry.set_tags(version, judged)
+    cycle.advance_watermark(config, snapshot)
+    _capture(config, tiny_target, documents=6, skip=12)
+    after = cycle.check_drift(config, cycle.snapshot_window(config, "c3"))
+    assert after.champion_version == version
+    assert not after.drift and not after.consolidate

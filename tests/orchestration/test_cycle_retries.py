@@ -174,7 +174,7 @@ def test_a_retried_promote_is_a_no_op_and_finishes_an_interrupted_one(
 # -- tide_adaptation: train and register -----------------------------------------------------
 
 
-def _capture(config: TideConfig, tiny_target: Path, documents: int = 16) -> None:
+def _capture(config: TideConfig, tiny_target: Path, documents: int = 16, skip: int = 0) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tide_lib.target_model import load_corpus
@@ -182,7 +182,7 @@ def _capture(config: TideConfig, tiny_target: Path, documents: int = 16) -> None
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_target)
-    chats = load_corpus().domain("ko_chat")[:documents]
+    chats = load_corpus().domain("ko_chat")[skip : skip + documents]
     store = ObjectStore(config.store, config.store.lake_bucket)
     with LakeWriter(store, config.lake) as writer:
         for record in capture_records(model, tokenizer, chats, target_id=config.cycle.target_id):

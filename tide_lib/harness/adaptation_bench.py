@@ -317,6 +317,7 @@ def _run_cycle(loop: _Loop, engine: Engine, segment: str, cut: dict[str, int]) -
     entry["window_tokens"] = snapshot.window_tokens
     drift = cycle.check_drift(config, snapshot)
     entry["drift"] = drift.reason
+    entry["consolidation"] = drift.consolidate
     if not drift.drift:
         entry["outcome"] = "no-drift"
     else:
@@ -859,6 +860,7 @@ def _result(
         "cycles": len(loop.cycles),
         "cycles_trained": sum(1 for c in loop.cycles if "train_seconds" in c),
         "cycles_skipped_no_drift": outcomes.count("no-drift"),
+        "cycles_consolidating": sum(1 for c in loop.cycles if c["consolidation"]),
         "cycle_outcomes": {o: outcomes.count(o) for o in sorted(set(outcomes))},
         "cycle_log": loop.cycles,
         "new_segment": new_segment,

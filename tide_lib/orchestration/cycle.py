@@ -360,14 +360,15 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     arriving over several windows is learned from all of them, not one at a time.
 
     A cycle left with nothing to learn learns the window it would keep
-    (:func:`_learn_kept_window`).
+    (:func:`_learn_kept_window`). A consolidation cycle (a learning chain's end) learns
+    the window and every segment's older requests it reads, and keeps nothing.
 
     Lake debris (a marker whose shard is gone, a corrupt shard, bad records) is
     quarantined or skipped, counted and logged; the cycle goes on without it.
     """
     reader = sample_reader(config)
     segmenter, _ = cycle_segmenter(config, snapshot)
-    learns, drift_segmenter, relearns = _window_to_learn(config, snapshot, segmenter)
+    learns, drift_segmenter, relearns, consolidating = _window_to_learn(config, snapshot, segmenter)
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
     tokens = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
@@ -402,7 +403,7 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     _write_gate_figure(config, out, window_tokens)
 
     def relearned(sample: CapturedRecord, segment: str, digest: bytes) -> bool:
-        if segment not in window_tokens or digest in carried:
+        if digest in carried or (segment not in window_tokens and not consolidating):
             return False
         return relearns(segment_as_grouped(sample, drift_segmenter, segmenter))
 
@@ -510,7 +511,7 @@ def _write_gate_figure(config: TideConfig, out: Path, window_tokens: dict[str, i
 
 def _window_to_learn(
     config: TideConfig, snapshot: Snapshot, segmenter: Segmenter
-) -> tuple[Callable[[str], bool], Segmenter, Callable[[str], bool]]:
+) -> tuple[Callable[[str], bool], Segmenter, Callable[[str], bool], bool]:
     """Which of the window's segments a cycle learns (the rest it keeps, by distillation),
     the segmenter that names them (the drift check's, the baseline's grouping), and
     which segments' earlier requests are learned too: those the drift check found the
@@ -519,6 +520,8 @@ def _window_to_learn(
     learned only because this window held too little of it to judge keeps its earlier
     requests as replay: relearning them took the distillation that kept it (an English
     cluster with 28 window tokens was relearned with Korean law and fell 2.83 -> 1.98).
+    Last, whether the cycle consolidates (``Drift.consolidate``): it learns every
+    segment's older traffic, the window's segments or not, and keeps nothing.
 
     Every segment but those the check found the champion still fits; a check saved
     without that list (still learning, an older release) names what to learn itself.
@@ -526,7 +529,9 @@ def _window_to_learn(
     """
     drift = saved_drift(config, snapshot.cycle_id)
     if drift is None:
-        return (lambda _segment: True), segmenter, (lambda _segment: False)
+        return (lambda _segment: True), segmenter, (lambda _segment: False), False
+    if drift.consolidate:
+        return (lambda _segment: True), segmenter, (lambda _segment: True), True
     # only on a check of a champion: not when training unconditionally (no champion yet,
     # the check off or failed), which would relearn the same older traffic every cycle
     drifted = set(drift.drifted)
@@ -536,7 +541,7 @@ def _window_to_learn(
         drift_segmenter = stored_segmenter(config, drift.segmenter_key) or segmenter
         if drift_segmenter is segmenter and (drift.drifted or drift.fitting):
             logger.warning("cycle %s: learning the whole window", snapshot.cycle_id)
-            return (lambda _segment: True), segmenter, (lambda _segment: False)
+            return (lambda _segment: True), segmenter, (lambda _segment: False), False
 
     fitting = None if drift.fitting is None else set(drift.fitting)
 
@@ -548,7 +553,7 @@ def _window_to_learn(
     def relearns(segment: str) -> bool:
         return relearn and segment in drifted
 
-    return learns, drift_segmenter, relearns
+    return learns, drift_segmenter, relearns, False
 
 
 def _champion_drifted(drift: Drift | None) -> TypeGuard[Drift]:
@@ -571,10 +576,14 @@ def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
     still judges the draft), else a gain beyond the noise. A champion never judged (a
     seeded one) is not known not to fit: the segments its first check found far below
     its best may be traffic no draft serves better (first cycles registered challengers
-    below their parent), so a gain over it must be beyond the noise."""
+    below their parent), so a gain over it must be beyond the noise. A consolidation
+    cycle learns every segment's traffic: up to ``cycle.consolidate_max_steps``."""
     if config.cycle.force_promote:  # promote what was trained, whatever it scores
         return config.training.model_copy(update={"export": "last"})
     drift = saved_drift(config, cycle_id)
+    if drift is not None and drift.consolidate:  # every segment's traffic: more to learn
+        steps = config.cycle.consolidate_max_steps
+        return config.training.model_copy(update={"warm_max_steps": steps})
     if _champion_drifted(drift) and drift.champion_judged:
         return config.training.model_copy(update={"warm_gain": "any"})
     return config.training
@@ -851,6 +860,7 @@ def _train_in_run(
             params={
                 "window_tokens": snapshot.window_tokens,
                 "replay_tokens": snapshot.replay_tokens,
+                "trained_steps": result.steps,
                 **exported.as_params(),
             },
             # in order, the draft's URI last: it marks the outcome complete
@@ -909,10 +919,18 @@ def register(config: TideConfig, snapshot: Snapshot, trained: Trained) -> str:
             Tags.REPLAY_TOKENS: str(snapshot.replay_tokens),
             Tags.PARENT_VERSION: str(trained.parent_version or ""),
             Tags.SPECFORGE_VERSION: getattr(specforge, "__version__", "0.2.0"),
+            **_consolidation_tag(config, snapshot.cycle_id),
         },
     )
     _clear_checkpoints(config, snapshot.cycle_id)
     return version.version
+
+
+def _consolidation_tag(config: TideConfig, cycle_id: str) -> dict[str, str]:
+    """:data:`Tags.CONSOLIDATED` for a version a consolidation cycle trained: it ends a
+    chain, and its own first check without drift starts none."""
+    drift = saved_drift(config, cycle_id)
+    return {Tags.CONSOLIDATED: "true"} if drift is not None and drift.consolidate else {}
 
 
 def _clear_checkpoints(config: TideConfig, cycle_id: str) -> None:

@@ -78,7 +78,8 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     held out or not: it never trained on them), per segment, and judged against its
     baseline by :func:`tide_lib.evaluation.drift.judge_drift`. No drift: the cycle
     trains nothing and only moves the watermark, unless this is the first check since
-    a promotion for a large gain (:func:`tide_lib.evaluation.drift.still_learning`).
+    a promotion for a large gain (:func:`tide_lib.evaluation.drift.still_learning`) or
+    since the promotion that ended a learning chain (:func:`_consolidation`).
     """
     saved = saved_drift(config, snapshot.cycle_id)
     if saved is not None:
@@ -153,8 +154,11 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     drift = drift.model_copy(update={"saved_train_seconds": registry.last_run_seconds()})
     # Traffic it was just promoted for, served as well as then, may still be learning.
     why = drift.reason.removeprefix(f"champion v{champion.version}: ")
-    learning = _still_learning(config, champion, why) if first_check else None
-    return learning or drift
+    if not first_check:
+        return drift
+    return _still_learning(config, champion, why) or _consolidation(
+        config, registry, champion, drift
+    )
 
 
 def _judged_against(config: TideConfig, version: str, window: _Window, known: Baseline) -> Drift:
@@ -530,6 +534,47 @@ def _still_learning(config: TideConfig, champion: Any, no_drift: str) -> Drift |
         drifted=sorted(named) if readable else [],
         segmenter_key=key if readable else None,
     )
+
+
+def _consolidation(
+    config: TideConfig, registry: DraftRegistry, champion: Any, no_drift: Drift
+) -> Drift:
+    """``no_drift``, or a consolidation cycle when it ends a learning chain: the champion
+    and its parent were both promoted by a cycle's gate, neither a consolidation.
+
+    A chain of warm starts learns each segment from its own windows, one after the
+    other; a draft trained on every segment's traffic at once read above the chain's
+    on every segment (Korean last: 2.75 against 2.47 on the newest, 2.55 against 2.20
+    on Korean law). So the chain's end trains once more on all of it
+    (``cycle.consolidate``); the gate judges the result like any challenger. A single
+    promotion (traffic without shift) is no chain: nothing is spent on it.
+    """
+    if not config.cycle.consolidate or not _chain_link(config, champion):
+        return no_drift
+    parent = (champion.tags or {}).get(Tags.PARENT_VERSION)
+    parent_version = registry.find(parent) if parent else None
+    if parent_version is None or not _chain_link(config, parent_version):
+        return no_drift
+    why = no_drift.reason.removeprefix(f"champion v{champion.version}: ")
+    return no_drift.model_copy(
+        update={
+            "drift": True,
+            "consolidate": True,
+            "reason": f"training: champion v{champion.version} (over v{parent}) ends a "
+            f"learning chain ({why}): one consolidation cycle learns every segment's "
+            "traffic in the lookback together (cycle.consolidate)",
+            "drifted": [],
+            "fitting": None,
+            "saved_train_seconds": None,
+        }
+    )
+
+
+def _chain_link(config: TideConfig, version: Any) -> bool:
+    """Was ``version`` promoted by a cycle's gate over a measured champion, and trained
+    by an ordinary cycle (not a consolidation)?"""
+    consolidated = (version.tags or {}).get(Tags.CONSOLIDATED) == "true"
+    return not consolidated and _promoted(config, version)
 
 
 def _window_sample(

@@ -142,6 +142,11 @@ class Drift(HandOff):
     saved_train_seconds: float | None = Field(
         None, description="no drift: the last trained cycle's training time, not spent"
     )
+    consolidate: bool = Field(
+        False,
+        description="a learning chain ended without drift: the cycle learns every segment's "
+        "older traffic in the lookback with the window (cycle.consolidate)",
+    )
     segmenter_key: str | None = Field(
         None,
         description="lake key of the segmenter whose segments `drifted`, `fitting` and the figures "

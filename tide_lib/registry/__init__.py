@@ -326,6 +326,15 @@ class DraftRegistry:
     def get(self, version: str) -> DraftVersion:
         return self._version(self.client.get_model_version(self.name, version))
 
+    def find(self, version: str) -> DraftVersion | None:
+        """``version``, or None when it is gone (retention deleted it) or never was."""
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+
+        try:
+            return self.get(version)
+        except MlflowException:
+            return None
+
     def alias(self, alias: str) -> DraftVersion | None:
         from mlflow.exceptions import MlflowException  # noqa: PLC0415
 
