@@ -824,6 +824,15 @@ class CycleConfig(StrictModel):
             "and a consolidated champion starts a new chain. Off: such a cycle trains nothing"
         ),
     )
+    consolidate_from: Literal["champion", "baseline"] = Field(
+        "champion",
+        description=(
+            "where a consolidation cycle starts: the champion (at the warm-start rate), or "
+            "the registry's baseline draft, the gate's floor, at the full learning rate, as "
+            "a draft trained on all of the lookback at once would be (the champion stays "
+            "the draft to beat)"
+        ),
+    )
     consolidate_max_steps: int = Field(
         800,
         ge=1,

@@ -581,6 +581,16 @@ def test_the_end_of_a_learning_chain_trains_one_consolidation_cycle_on_every_seg
     run = registry.client.get_run(trained.run_id)
     assert run.data.params["trained_steps"] == "7"  # not training.warm_max_steps
     assert run.data.params["trained_replay_requests"] == "0"
+    assert run.data.params["started_from"] == f"v{end}"
+    # From the gate's floor instead (the seeded draft); the champion stays the one to beat.
+    from_floor = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"consolidate_from": "baseline"})}
+    )
+    again = cycle.snapshot_window(from_floor, "c2b")
+    state.write_state(config, "cycles/c2b/drift.json", check.model_dump_json().encode())
+    floor_run = registry.client.get_run(cycle.train(from_floor, again).run_id)
+    assert floor_run.data.params["started_from"] == f"baseline v{seeded}"
+    assert floor_run.data.tags[Tags.PARENT_VERSION] == end
     version = cycle.register(config, snapshot, trained)
     assert registry.get(version).tags[Tags.CONSOLIDATED] == "true"
     assert Tags.CONSOLIDATED not in registry.get(end).tags

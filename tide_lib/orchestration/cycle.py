@@ -582,8 +582,10 @@ def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
         return config.training.model_copy(update={"export": "last"})
     drift = saved_drift(config, cycle_id)
     if drift is not None and drift.consolidate:  # every segment's traffic: more to learn
-        steps = config.cycle.consolidate_max_steps
-        return config.training.model_copy(update={"warm_max_steps": steps})
+        update: dict[str, Any] = {"warm_max_steps": config.cycle.consolidate_max_steps}
+        if config.cycle.consolidate_from == "baseline":
+            update["warm_lr_scale"] = 1.0  # it relearns every segment from the floor
+        return config.training.model_copy(update=update)
     if _champion_drifted(drift) and drift.champion_judged:
         return config.training.model_copy(update={"warm_gain": "any"})
     return config.training
@@ -837,13 +839,16 @@ def _train_in_run(
     with task_scratch(config, f"train-{cycle_id}") as work:
         exported = export_training_data(config, snapshot, work / "data")
         parent = registry.download(parent_version, work / "parent") if parent_version else None
+        floor, floor_version = _consolidation_start(
+            config, registry, cycle_id, parent_version, work / "floor"
+        )
         job = TrainJob(
             data_dir=work / "data",
             target_dir=config.cycle.target_path,
             out_dir=work / "run",
             training=_training_settings(config, cycle_id),
             parent_dir=parent,
-            start_dir=fetch_continuation(config, parent_version, work / "start"),
+            start_dir=floor or fetch_continuation(config, parent_version, work / "start"),
             checkpoint_prefix=_checkpoint_prefix(config, cycle_id),
             mlflow_run_id=run_id,
         )
@@ -861,6 +866,7 @@ def _train_in_run(
                 "window_tokens": snapshot.window_tokens,
                 "replay_tokens": snapshot.replay_tokens,
                 "trained_steps": result.steps,
+                "started_from": _start_name(floor_version, job.start_dir, parent_version),
                 **exported.as_params(),
             },
             # in order, the draft's URI last: it marks the outcome complete
@@ -874,8 +880,40 @@ def _train_in_run(
             },
         )
         # once the outcome is recorded: a retry before it trains from the same start
-        _hand_on(config, parent_version, job.start_dir, result.continuation_dir)
+        if floor is None:  # a consolidation from the floor neither takes nor leaves one
+            _hand_on(config, parent_version, job.start_dir, result.continuation_dir)
     return draft_uri, improved
+
+
+def _start_name(floor: str | None, start: Path | None, parent_version: str | None) -> str:
+    """What a run started from, as its params say: a baseline, a continuation, a parent."""
+    if floor is not None:
+        return f"baseline v{floor}"
+    if parent_version is None:
+        return "a new draft"
+    return f"{'a continuation of ' if start is not None else ''}v{parent_version}"
+
+
+def _consolidation_start(
+    config: TideConfig,
+    registry: DraftRegistry,
+    cycle_id: str,
+    parent_version: str | None,
+    out: Path,
+) -> tuple[Path | None, str | None]:
+    """The baseline draft (the gate's floor), downloaded to ``out``, and its version, when
+    this cycle consolidates from it (``cycle.consolidate_from: baseline``) and it is not
+    the champion itself; else Nones (the champion, or its continuation, is the start)."""
+    from tide_lib.registry import BASELINE  # noqa: PLC0415
+
+    drift = saved_drift(config, cycle_id)
+    if drift is None or not drift.consolidate or config.cycle.consolidate_from != "baseline":
+        return None, None
+    floor = registry.alias(BASELINE)
+    if floor is None or floor.version == parent_version:
+        return None, None
+    logger.info("cycle %s: consolidating from the baseline draft v%s", cycle_id, floor.version)
+    return registry.download(floor.version, out), floor.version
 
 
 def _log_kept_parent(
