@@ -594,6 +594,7 @@ def test_the_end_of_a_learning_chain_trains_one_consolidation_cycle_on_every_seg
     version = cycle.register(config, snapshot, trained)
     assert registry.get(version).tags[Tags.CONSOLIDATED] == "true"
     assert Tags.CONSOLIDATED not in registry.get(end).tags
+    assert registry.find("999") is None  # a parent retention deleted: no chain, no error
 
     # Promoted, the consolidated draft's first check without drift starts no chain.
     registry.promote(version)

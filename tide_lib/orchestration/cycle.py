@@ -577,15 +577,14 @@ def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
     seeded one) is not known not to fit: the segments its first check found far below
     its best may be traffic no draft serves better (first cycles registered challengers
     below their parent), so a gain over it must be beyond the noise. A consolidation
-    cycle learns every segment's traffic: up to ``cycle.consolidate_max_steps``."""
+    cycle learns every segment's traffic: up to ``cycle.consolidate_max_steps`` (from the
+    baseline draft, at the full rate: :func:`_train_in_run`)."""
     if config.cycle.force_promote:  # promote what was trained, whatever it scores
         return config.training.model_copy(update={"export": "last"})
     drift = saved_drift(config, cycle_id)
     if drift is not None and drift.consolidate:  # every segment's traffic: more to learn
-        update: dict[str, Any] = {"warm_max_steps": config.cycle.consolidate_max_steps}
-        if config.cycle.consolidate_from == "baseline":
-            update["warm_lr_scale"] = 1.0  # it relearns every segment from the floor
-        return config.training.model_copy(update=update)
+        steps = config.cycle.consolidate_max_steps
+        return config.training.model_copy(update={"warm_max_steps": steps})
     if _champion_drifted(drift) and drift.champion_judged:
         return config.training.model_copy(update={"warm_gain": "any"})
     return config.training
@@ -842,11 +841,14 @@ def _train_in_run(
         floor, floor_version = _consolidation_start(
             config, registry, cycle_id, parent_version, work / "floor"
         )
+        training = _training_settings(config, cycle_id)
+        if floor is not None:  # it relearns every segment from the floor
+            training = training.model_copy(update={"warm_lr_scale": 1.0})
         job = TrainJob(
             data_dir=work / "data",
             target_dir=config.cycle.target_path,
             out_dir=work / "run",
-            training=_training_settings(config, cycle_id),
+            training=training,
             parent_dir=parent,
             start_dir=floor or fetch_continuation(config, parent_version, work / "start"),
             checkpoint_prefix=_checkpoint_prefix(config, cycle_id),

@@ -553,7 +553,14 @@ def _consolidation(
         return no_drift
     parent = (champion.tags or {}).get(Tags.PARENT_VERSION)
     parent_version = registry.find(parent) if parent else None
-    if parent_version is None or not _chain_link(config, parent_version):
+    if parent_version is None:
+        logger.info(
+            "champion v%s: its parent v%s is gone: no chain to consolidate",
+            champion.version,
+            parent,
+        )
+        return no_drift
+    if not _chain_link(config, parent_version):
         return no_drift
     why = no_drift.reason.removeprefix(f"champion v{champion.version}: ")
     return no_drift.model_copy(

@@ -327,13 +327,16 @@ class DraftRegistry:
         return self._version(self.client.get_model_version(self.name, version))
 
     def find(self, version: str) -> DraftVersion | None:
-        """``version``, or None when it is gone (retention deleted it) or never was."""
+        """``version``, or None when it is gone (retention deleted it) or never was; any
+        other registry error is raised."""
         from mlflow.exceptions import MlflowException  # noqa: PLC0415
 
         try:
             return self.get(version)
-        except MlflowException:
-            return None
+        except MlflowException as error:
+            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
 
     def alias(self, alias: str) -> DraftVersion | None:
         from mlflow.exceptions import MlflowException  # noqa: PLC0415
