@@ -815,31 +815,38 @@ class CycleConfig(StrictModel):
     consolidate: bool = Field(
         True,
         description=(
-            "when a learning chain ends (the first check of a champion that a cycle promoted "
-            "over a parent another cycle promoted, neither a consolidation, finds no drift), "
-            "that cycle trains once "
-            "more: from the champion, on every segment's older traffic in the lookback and "
-            "the window together, all learned (nothing held by distillation), as one draft "
-            "trained on it all at once would be; the gate judges it like any challenger, "
-            "and a consolidated champion starts a new chain. Off: such a cycle trains nothing"
+            "warm starts never stack up: a cycle that would train again on a champion a "
+            "warm start promoted (its check found drift, or traffic still being learned) "
+            "consolidates instead, and so does the first check without drift that ends a "
+            "chain of two such promotions. A consolidation learns the window and every "
+            "segment's older traffic in the lookback together, nothing held by "
+            "distillation, as one draft trained on it all at once would be "
+            "(consolidate_from); the gate judges it like any challenger, and a "
+            "consolidated champion is warm-started again. Off: only warm starts"
         ),
     )
     consolidate_from: Literal["champion", "baseline"] = Field(
-        "champion",
+        "baseline",
         description=(
-            "where a consolidation cycle starts: the champion (at the warm-start rate), or "
-            "the registry's baseline draft, the gate's floor, at the full learning rate, as "
-            "a draft trained on all of the lookback at once would be (the champion stays "
-            "the draft to beat)"
+            "where a consolidation starts: the registry's baseline draft, the gate's floor, "
+            "with a fresh draft's recipe (the full learning rate, consolidate_epochs "
+            "passes), so that the losses of the warm starts before it are not carried on "
+            "(the champion stays the draft to beat); or the champion, at the warm-start "
+            "recipe (training.warm_epochs passes)"
+        ),
+    )
+    consolidate_epochs: float = Field(
+        20.0,
+        gt=0,
+        description=(
+            "passes over the traffic a consolidation from the baseline learns (steps "
+            "clamped to training.steps..consolidate_max_steps)"
         ),
     )
     consolidate_max_steps: int = Field(
         800,
         ge=1,
-        description=(
-            "a consolidation cycle's cap on optimizer steps (training.warm_max_steps for "
-            "it): training.warm_epochs passes over every segment's traffic"
-        ),
+        description="a consolidation's cap on optimizer steps (from the champion or the baseline)",
     )
     servers: list[str] = Field(default_factory=list, description="fleet base URLs")
     schedule_minutes: int = Field(

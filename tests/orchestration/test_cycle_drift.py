@@ -123,11 +123,18 @@ def test_a_promotion_for_a_large_gain_trains_once_more_then_the_drift_rule_decid
     learning = cycle.check_drift(config, first)
     assert learning.drift and "still being learned" in learning.reason
     assert "no drift" in learning.reason  # checked after the drift rule
-    assert learning.drifted == ["cluster-0"]  # what it gained on is learned, the rest kept
+    assert learning.drifted == ["cluster-0"]  # what it gained on
     assert learning.segmenter_key == gate_segmenter
-    # A retry of that check (its record lost) is still the first check since the promotion.
+    # A cycle promoted it: the cycle that trains on it again learns everything together.
+    assert learning.consolidate and "was warm-started" in learning.reason
+    # A retry of that check (its record lost) is still the first check since the promotion;
+    # with cycle.consolidate off it warm-starts: what it gained on is learned, the rest kept.
     state.lake_store(config).remove(drift_check.drift_key(config, "c1"))
-    assert cycle.check_drift(config, first).drifted == ["cluster-0"]
+    off = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"consolidate": False})}
+    )
+    retried = cycle.check_drift(off, first)
+    assert retried.drifted == ["cluster-0"] and not retried.consolidate
     cycle.advance_watermark(config, first)
 
     # The cycle after its first check: only drift trains it now.
@@ -525,7 +532,9 @@ def test_the_end_of_a_learning_chain_trains_one_consolidation_cycle_on_every_seg
     config, registry, seeded = _never_drifting(stack, tmp_path, tiny_target, tiny_drafts)
     config = config.model_copy(
         update={
-            "cycle": config.cycle.model_copy(update={"consolidate_max_steps": 7}),
+            "cycle": config.cycle.model_copy(
+                update={"consolidate_max_steps": 7, "consolidate_from": "champion"}
+            ),
             "training": config.training.model_copy(update={"warm_max_steps": 3, "export": "last"}),
         }
     )
@@ -590,6 +599,7 @@ def test_the_end_of_a_learning_chain_trains_one_consolidation_cycle_on_every_seg
     state.write_state(config, "cycles/c2b/drift.json", check.model_dump_json().encode())
     floor_run = registry.client.get_run(cycle.train(from_floor, again).run_id)
     assert floor_run.data.params["started_from"] == f"baseline v{seeded}"
+    assert floor_run.data.params["trained_steps"] == "7"  # the consolidation's cap
     assert floor_run.data.tags[Tags.PARENT_VERSION] == end
     version = cycle.register(config, snapshot, trained)
     assert registry.get(version).tags[Tags.CONSOLIDATED] == "true"

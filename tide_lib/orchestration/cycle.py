@@ -577,17 +577,19 @@ def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
     seeded one) is not known not to fit: the segments its first check found far below
     its best may be traffic no draft serves better (first cycles registered challengers
     below their parent), so a gain over it must be beyond the noise. A consolidation
-    cycle learns every segment's traffic: up to ``cycle.consolidate_max_steps`` (from the
-    baseline draft, at the full rate: :func:`_train_in_run`)."""
+    cycle learns every segment's traffic: up to ``cycle.consolidate_max_steps``; from the
+    baseline draft (:func:`_train_in_run`) with a fresh draft's recipe, the full rate and
+    ``cycle.consolidate_epochs`` passes, at least ``training.steps``."""
     if config.cycle.force_promote:  # promote what was trained, whatever it scores
         return config.training.model_copy(update={"export": "last"})
     drift = saved_drift(config, cycle_id)
+    training = config.training
     if drift is not None and drift.consolidate:  # every segment's traffic: more to learn
         steps = config.cycle.consolidate_max_steps
-        return config.training.model_copy(update={"warm_max_steps": steps})
+        training = training.model_copy(update={"warm_max_steps": steps})
     if _champion_drifted(drift) and drift.champion_judged:
-        return config.training.model_copy(update={"warm_gain": "any"})
-    return config.training
+        training = training.model_copy(update={"warm_gain": "any"})
+    return training
 
 
 def _replay_key(sample: CapturedRecord) -> str:
@@ -842,8 +844,8 @@ def _train_in_run(
             config, registry, cycle_id, parent_version, work / "floor"
         )
         training = _training_settings(config, cycle_id)
-        if floor is not None:  # it relearns every segment from the floor
-            training = training.model_copy(update={"warm_lr_scale": 1.0})
+        if floor is not None:  # it relearns every segment from the floor, as a fresh draft
+            training = _from_floor(config, training)
         job = TrainJob(
             data_dir=work / "data",
             target_dir=config.cycle.target_path,
@@ -885,6 +887,21 @@ def _train_in_run(
         if floor is None:  # a consolidation from the floor neither takes nor leaves one
             _hand_on(config, parent_version, job.start_dir, result.continuation_dir)
     return draft_uri, improved
+
+
+def _from_floor(config: TideConfig, training: TrainConfig) -> TrainConfig:
+    """A consolidation's recipe from the baseline draft: a fresh draft's, the full rate
+    and ``cycle.consolidate_epochs`` passes, ``training.steps`` at least (the warm-start
+    recipe's few passes at half the rate left it short of the champion it must beat)."""
+    steps = config.cycle.consolidate_max_steps
+    return training.model_copy(
+        update={
+            "warm_lr_scale": 1.0,
+            "warm_epochs": config.cycle.consolidate_epochs,
+            "warm_min_steps": min(config.training.steps, steps),
+            "warm_max_steps": steps,
+        }
+    )
 
 
 def _start_name(floor: str | None, start: Path | None, parent_version: str | None) -> str:
