@@ -822,16 +822,18 @@ class CycleConfig(StrictModel):
             "segment's older traffic in the lookback together, nothing held by "
             "distillation, as one draft trained on it all at once would be "
             "(consolidate_from); the gate judges it like any challenger, and a "
-            "consolidated champion is warm-started again. Off: only warm starts"
+            "consolidated champion is warm-started again, as is a champion whose "
+            "consolidation replaced nothing (once per champion). Off: only warm starts"
         ),
     )
     consolidate_from: Literal["champion", "baseline"] = Field(
         "baseline",
         description=(
             "where a consolidation starts: the registry's baseline draft, the gate's floor, "
-            "with a fresh draft's recipe (the full learning rate, consolidate_epochs "
-            "passes), so that the losses of the warm starts before it are not carried on "
-            "(the champion stays the draft to beat); or the champion, at the warm-start "
+            "at the full learning rate for consolidate_epochs passes (as a draft trained "
+            "on all of it at once would be), so that the losses of the warm starts "
+            "before it are not carried on (the champion stays the draft to beat); or the "
+            "champion, at the warm-start "
             "recipe (training.warm_epochs passes)"
         ),
     )

@@ -92,6 +92,38 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
     assert drifted.drift and "fell by more than" in drifted.reason
     assert drifted.baseline == raised and drifted.saved_train_seconds is None
     assert drifted.fitting == []  # every segment fell: the cycle learns the whole window
+    assert not drifted.consolidate  # seeded, not warm-started: nothing to consolidate
+    cycle.advance_watermark(config, third)
+
+    # Had a cycle's warm start promoted it, the cycle that trains on it consolidates; once.
+    promoted = GateDecision(
+        promote=True,
+        reason="gain",
+        challenger={"cluster-0": 2.0},
+        champion={"cluster-0": 1.9},
+        weights={"cluster-0": 1.0},
+        weighted_challenger=2.0,
+        weighted_champion=1.9,
+        protected=("cluster-0",),
+    )
+    registry.set_tags(champion, decision_tags(promoted, config.gate.k))
+
+    def fallen(cycle_id: str) -> Drift:
+        baseline = drift_check.Baseline(champion, raised, {}, verdict.segmenter_key)
+        drift_check.store_baseline(config, baseline, "gate")
+        _capture(config, tiny_target, documents=12)
+        snapshot = cycle.snapshot_window(config, cycle_id)
+        found = cycle.check_drift(config, snapshot)
+        cycle.advance_watermark(config, snapshot)
+        return found
+
+    consolidating = fallen("c4")
+    assert consolidating.drift and consolidating.consolidate
+    assert "was warm-started (drift: " in consolidating.reason
+    assert consolidating.drifted and consolidating.champion_version == champion
+    # Its consolidation replaced nothing (the champion is still it): a warm start again.
+    again = fallen("c5")
+    assert again.drift and not again.consolidate and "fell by more than" in again.reason
 
 
 def test_a_promotion_for_a_large_gain_trains_once_more_then_the_drift_rule_decides(
@@ -127,8 +159,11 @@ def test_a_promotion_for_a_large_gain_trains_once_more_then_the_drift_rule_decid
     assert learning.segmenter_key == gate_segmenter
     # A cycle promoted it: the cycle that trains on it again learns everything together.
     assert learning.consolidate and "was warm-started" in learning.reason
-    # A retry of that check (its record lost) is still the first check since the promotion;
-    # with cycle.consolidate off it warm-starts: what it gained on is learned, the rest kept.
+    # A retry of that check (its record lost) is still the first check since the promotion,
+    # and still the cycle that consolidates on it.
+    state.lake_store(config).remove(drift_check.drift_key(config, "c1"))
+    assert cycle.check_drift(config, first).consolidate
+    # With cycle.consolidate off it warm-starts: what it gained on is learned, the rest kept.
     state.lake_store(config).remove(drift_check.drift_key(config, "c1"))
     off = config.model_copy(
         update={"cycle": config.cycle.model_copy(update={"consolidate": False})}
@@ -526,9 +561,10 @@ def test_the_end_of_a_learning_chain_trains_one_consolidation_cycle_on_every_seg
 ) -> None:
     """A chain of warm starts learns each segment from its own windows, one after the
     other. The first check without drift after the chain's last promotion learns them all
-    at once (``cycle.consolidate``): older traffic is learned, not replayed, for up to
+    at once (``cycle.consolidate``; a check that trains a warm-started champion does so
+    too, tested above): older traffic is learned, not replayed, for up to
     ``cycle.consolidate_max_steps``; the version it registers is tagged and ends the
-    chain. A single promotion over a seeded draft is no chain."""
+    chain. A single promotion over a seeded draft without drift after it is no chain."""
     config, registry, seeded = _never_drifting(stack, tmp_path, tiny_target, tiny_drafts)
     config = config.model_copy(
         update={

@@ -578,7 +578,7 @@ def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
     its best may be traffic no draft serves better (first cycles registered challengers
     below their parent), so a gain over it must be beyond the noise. A consolidation
     cycle learns every segment's traffic: up to ``cycle.consolidate_max_steps``; from the
-    baseline draft (:func:`_train_in_run`) with a fresh draft's recipe, the full rate and
+    baseline draft (:func:`_train_in_run`) at the full rate for
     ``cycle.consolidate_epochs`` passes, at least ``training.steps``."""
     if config.cycle.force_promote:  # promote what was trained, whatever it scores
         return config.training.model_copy(update={"export": "last"})
@@ -890,9 +890,9 @@ def _train_in_run(
 
 
 def _from_floor(config: TideConfig, training: TrainConfig) -> TrainConfig:
-    """A consolidation's recipe from the baseline draft: a fresh draft's, the full rate
-    and ``cycle.consolidate_epochs`` passes, ``training.steps`` at least (the warm-start
-    recipe's few passes at half the rate left it short of the champion it must beat)."""
+    """A consolidation's recipe from the baseline draft: the full rate for
+    ``cycle.consolidate_epochs`` passes, ``training.steps`` at least (the warm-start
+    recipe, ten passes at half the rate, left it short of the champion it must beat)."""
     steps = config.cycle.consolidate_max_steps
     return training.model_copy(
         update={

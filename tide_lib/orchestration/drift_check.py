@@ -101,6 +101,8 @@ def check_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     state.write_state(config, _drift_name(snapshot.cycle_id), drift.model_dump_json().encode())
     if drift.champion_version is not None:  # after the verdict: a run that died checked nothing
         _mark_checked(config, drift.champion_version, snapshot.cycle_id)
+        if drift.consolidate:
+            _mark_consolidating(config, drift.champion_version, snapshot.cycle_id)
     logger.info("cycle %s: %s", snapshot.cycle_id, drift.reason)
     return drift
 
@@ -135,7 +137,8 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     if unconditional is not None:
         return unconditional
     assert champion is not None  # no champion trains unconditionally
-    first_check = _first_check_since_promotion(config, champion.version, snapshot.cycle_id)
+    cycle_id = snapshot.cycle_id
+    first_check = _first_check_since_promotion(config, champion.version, cycle_id)
     # Segments as the baseline's figures were grouped: clusters are refit every cycle,
     # and a cluster of another fit holds other requests (a different figure, not drift).
     known = champion_baseline(config, registry, champion, cycle_id=snapshot.cycle_id)
@@ -151,7 +154,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     else:
         drift = _judged_against(config, champion.version, window, known)
     if drift.drift:  # a warm-started champion is not warm-started again
-        return _consolidation(config, registry, champion, drift, chain=1)
+        return _consolidation(config, registry, champion, drift, chain=1, found_cycle=cycle_id)
     drift = drift.model_copy(update={"saved_train_seconds": registry.last_run_seconds()})
     # Traffic it was just promoted for, served as well as then, may still be learning.
     why = drift.reason.removeprefix(f"champion v{champion.version}: ")
@@ -159,8 +162,8 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         return drift
     learning = _still_learning(config, champion, why)
     if learning is not None:
-        return _consolidation(config, registry, champion, learning, chain=1)
-    return _consolidation(config, registry, champion, drift, chain=2)
+        return _consolidation(config, registry, champion, learning, chain=1, found_cycle=cycle_id)
+    return _consolidation(config, registry, champion, drift, chain=2, found_cycle=cycle_id)
 
 
 def _judged_against(config: TideConfig, version: str, window: _Window, known: Baseline) -> Drift:
@@ -465,6 +468,27 @@ def _mark_checked(config: TideConfig, version: str, cycle_id: str) -> None:
     state.write_state(config, _LEARNING, json.dumps(payload).encode())
 
 
+_CONSOLIDATING = "consolidation.json"
+
+
+def _consolidation_tried(config: TideConfig, version: str) -> str | None:
+    """The cycle that consolidated on champion ``version``, if one did
+    (``consolidation.json`` names the latest such champion and its cycle)."""
+    saved = state.read_state(config, _CONSOLIDATING)
+    if saved is None:
+        return None
+    tried = json.loads(saved)
+    return str(tried["cycle_id"]) if tried.get("version") == version else None
+
+
+def _mark_consolidating(config: TideConfig, version: str, cycle_id: str) -> None:
+    """Record the first cycle that consolidates on champion ``version`` (see
+    :func:`_consolidation_tried`)."""
+    if _consolidation_tried(config, version) is None:
+        payload = {"version": version, "cycle_id": cycle_id}
+        state.write_state(config, _CONSOLIDATING, json.dumps(payload).encode())
+
+
 def _comparable(config: TideConfig, known: Baseline) -> tuple[Baseline, Segmenter | None]:
     """The baseline's figures that can be compared with this window, and the segmenter
     that grouped them. Without that segmenter (lost, or a baseline stored before it was
@@ -539,7 +563,13 @@ def _still_learning(config: TideConfig, champion: Any, no_drift: str) -> Drift |
 
 
 def _consolidation(
-    config: TideConfig, registry: DraftRegistry, champion: Any, found: Drift, *, chain: int
+    config: TideConfig,
+    registry: DraftRegistry,
+    champion: Any,
+    found: Drift,
+    *,
+    chain: int,
+    found_cycle: str,
 ) -> Drift:
     """``found``, or a consolidation cycle: when it trains a champion a warm start
     promoted (``chain`` 1: drift, or traffic still being learned), or, without drift
@@ -553,8 +583,18 @@ def _consolidation(
     learns all of the lookback together instead (``cycle.consolidate``; from the floor,
     ``cycle.consolidate_from``); the gate judges the result like any challenger. A
     single promotion without drift after it (traffic without shift) spends nothing.
+    Once per champion: when its consolidation (``found_cycle``'s, or a retry's) replaced
+    nothing, later cycles warm-start it again, continuing where their runs left off.
     """
     if not config.cycle.consolidate or not _chain_link(config, champion):
+        return found
+    tried = _consolidation_tried(config, champion.version)
+    if tried is not None and tried != found_cycle:
+        logger.info(
+            "champion v%s: its consolidation (cycle %s) replaced nothing: a warm start again",
+            champion.version,
+            tried,
+        )
         return found
     parent = (champion.tags or {}).get(Tags.PARENT_VERSION)
     if chain > 1:
@@ -568,7 +608,7 @@ def _consolidation(
             return found
         if not _chain_link(config, parent_version):
             return found
-    why = found.reason.removeprefix(f"champion v{champion.version}: ").removeprefix("training: ")
+    why = found.reason.removeprefix("training: ").removeprefix(f"champion v{champion.version}: ")
     which = f"ends a learning chain over v{parent}" if chain > 1 else "was warm-started"
     return found.model_copy(
         update={
@@ -805,8 +845,8 @@ def settle_tried_segments(
 
     drift = saved_drift(config, cycle_id)
     champion = registry.alias(CHAMPION)
-    if drift is None or champion is None or not drift.drift:
-        return []
+    if drift is None or champion is None or not drift.drift or drift.consolidate:
+        return []  # a retrain from the floor that kept its champion refutes no guess
     if drift.champion_version != champion_version or champion.version != champion_version:
         return []
     known = champion_baseline(config, registry, champion)

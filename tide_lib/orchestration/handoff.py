@@ -144,8 +144,9 @@ class Drift(HandOff):
     )
     consolidate: bool = Field(
         False,
-        description="a learning chain ended without drift: the cycle learns every segment's "
-        "older traffic in the lookback with the window (cycle.consolidate)",
+        description="the cycle consolidates (the champion was warm-started, or a chain of two "
+        "warm starts ended without drift): it learns every segment's older traffic in the "
+        "lookback with the window (cycle.consolidate)",
     )
     segmenter_key: str | None = Field(
         None,
