@@ -29,6 +29,18 @@ from tide_lib.registry import DraftRegistry
 pytestmark = pytest.mark.slow
 
 
+_SMALL_GAIN = GateDecision(  # a promotion below cycle.learning_gain: not still learning
+    promote=True,
+    reason="gain",
+    challenger={"cluster-0": 2.0},
+    champion={"cluster-0": 1.9},
+    weights={"cluster-0": 1.0},
+    weighted_challenger=2.0,
+    weighted_champion=1.9,
+    protected=("cluster-0",),
+)
+
+
 def _drift_config(stack: TideConfig, tmp_path: Path, tiny_target: Path) -> TideConfig:
     config = _config(stack, tmp_path, target_path=tiny_target, segment_clusters=1)
     return config.model_copy(update={"gate": config.gate.model_copy(update={"k": 3})})
@@ -96,17 +108,7 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
     cycle.advance_watermark(config, third)
 
     # Had a cycle's warm start promoted it, the cycle that trains on it consolidates; once.
-    promoted = GateDecision(
-        promote=True,
-        reason="gain",
-        challenger={"cluster-0": 2.0},
-        champion={"cluster-0": 1.9},
-        weights={"cluster-0": 1.0},
-        weighted_challenger=2.0,
-        weighted_champion=1.9,
-        protected=("cluster-0",),
-    )
-    registry.set_tags(champion, decision_tags(promoted, config.gate.k))
+    registry.set_tags(champion, decision_tags(_SMALL_GAIN, config.gate.k))
 
     def fallen(cycle_id: str) -> Drift:
         baseline = drift_check.Baseline(champion, raised, {}, verdict.segmenter_key)
@@ -391,14 +393,9 @@ def test_the_check_after_a_thin_promotion_measures_instead_of_training(
     stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
 ) -> None:
     config, registry, champion = _never_drifting(stack, tmp_path, tiny_target, tiny_drafts)
-    small_gain = GateDecision(
-        promote=True,
+    small_gain = dataclasses.replace(
+        _SMALL_GAIN,
         reason="window-weighted gain",
-        challenger={"cluster-0": 2.1},
-        champion={"cluster-0": 2.0},
-        weights={"cluster-0": 1.0},
-        weighted_challenger=2.1,
-        weighted_champion=2.0,
         protected=(),  # too little held-out traffic to protect any segment alone
     )
     registry.set_tags(champion, decision_tags(small_gain, config.gate.k))
@@ -578,19 +575,9 @@ def test_the_end_of_a_learning_chain_trains_one_consolidation_cycle_on_every_seg
     cycle.advance_watermark(config, cycle.snapshot_window(config, "c0"))
     _capture(config, tiny_target, documents=6, skip=6)
     gate_segmenter = state.cycle_segmenter(config, cycle.snapshot_window(config, "c1"))[1]
-    small_gain = GateDecision(  # below cycle.learning_gain: not still learning
-        promote=True,
-        reason="gain",
-        challenger={"cluster-0": 2.0},
-        champion={"cluster-0": 1.9},
-        weights={"cluster-0": 1.0},
-        weighted_challenger=2.0,
-        weighted_champion=1.9,
-        protected=("cluster-0",),
-    )
 
     judged = {  # as evaluate_and_gate tags a promoted version
-        **decision_tags(small_gain, config.gate.k),
+        **decision_tags(_SMALL_GAIN, config.gate.k),
         Tags.SEGMENTER: gate_segmenter,
         Tags.GATE_REPLAY: drift_check.REPLAY_RULE,
     }
