@@ -482,11 +482,11 @@ def _consolidation_tried(config: TideConfig, version: str) -> str | None:
 
 
 def _mark_consolidating(config: TideConfig, version: str, cycle_id: str) -> None:
-    """Record the first cycle that consolidates on champion ``version`` (see
-    :func:`_consolidation_tried`)."""
-    if _consolidation_tried(config, version) is None:
-        payload = {"version": version, "cycle_id": cycle_id}
-        state.write_state(config, _CONSOLIDATING, json.dumps(payload).encode())
+    """Record the cycle that consolidates on champion ``version`` (see
+    :func:`_consolidation_tried`). Written as is: :func:`_consolidation` decided it after
+    reading the record, which named no other cycle for this champion."""
+    payload = {"version": version, "cycle_id": cycle_id}
+    state.write_state(config, _CONSOLIDATING, json.dumps(payload).encode())
 
 
 def _comparable(config: TideConfig, known: Baseline) -> tuple[Baseline, Segmenter | None]:
