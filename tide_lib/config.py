@@ -826,6 +826,17 @@ class CycleConfig(StrictModel):
             "consolidation replaced nothing (once per champion). Off: only warm starts"
         ),
     )
+    consolidate_each_drift: bool = Field(
+        False,
+        description=(
+            "with consolidate: every cycle a drift check sends to train consolidates, a "
+            "consolidated or seeded champion's too, not only one a warm start promoted "
+            "(once per champion still: one whose consolidation replaced nothing is "
+            "warm-started). Robust to forgetting, at a consolidation's training time per "
+            "shift: a warm start from a consolidated champion may lose a segment of short "
+            "answers, too thin for the gate to protect alone"
+        ),
+    )
     consolidate_from: Literal["champion", "baseline"] = Field(
         "baseline",
         description=(

@@ -105,6 +105,19 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
     assert drifted.baseline == raised and drifted.saved_train_seconds is None
     assert drifted.fitting == []  # every segment fell: the cycle learns the whole window
     assert not drifted.consolidate  # seeded, not warm-started: nothing to consolidate
+    # Unless every drift consolidates (cycle.consolidate_each_drift); a retry checks again.
+    each = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"consolidate_each_drift": True})}
+    )
+    store = state.lake_store(config)
+    store.remove(drift_check.drift_key(config, "c3"))
+    every = cycle.check_drift(each, third)
+    assert every.drift and every.consolidate and every.drifted == drifted.drifted
+    assert "drifted (cycle.consolidate_each_drift)" in every.reason
+    # (forgotten again: the rest of this test is about the default)
+    store.remove(drift_check.drift_key(config, "c3"))
+    store.remove(state.state_key(config, "consolidation.json"))
+    assert not cycle.check_drift(config, third).consolidate
     cycle.advance_watermark(config, third)
 
     # Had a cycle's warm start promoted it, the cycle that trains on it consolidates; once.

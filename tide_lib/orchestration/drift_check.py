@@ -586,7 +586,8 @@ def _consolidation(
     Once per champion: when its consolidation (``found_cycle``'s, or a retry's) replaced
     nothing, later cycles warm-start it again, continuing where their runs left off.
     """
-    if not config.cycle.consolidate or not _chain_link(config, champion):
+    every_drift = chain == 1 and config.cycle.consolidate_each_drift
+    if not config.cycle.consolidate or not (every_drift or _chain_link(config, champion)):
         return found
     tried = _consolidation_tried(config, champion.version)
     if tried is not None and tried != found_cycle:
@@ -610,6 +611,8 @@ def _consolidation(
             return found
     why = found.reason.removeprefix("training: ").removeprefix(f"champion v{champion.version}: ")
     which = f"ends a learning chain over v{parent}" if chain > 1 else "was warm-started"
+    if every_drift and not _chain_link(config, champion):
+        which = "drifted (cycle.consolidate_each_drift)"
     return found.model_copy(
         update={
             "drift": True,
