@@ -585,6 +585,8 @@ def _consolidation(
     single promotion without drift after it (traffic without shift) spends nothing.
     Once per champion: when its consolidation (``found_cycle``'s, or a retry's) replaced
     nothing, later cycles warm-start it again, continuing where their runs left off.
+    With ``cycle.consolidate_each_drift`` every drift (``chain`` 1) consolidates, whatever
+    promoted the champion.
     """
     every_drift = chain == 1 and config.cycle.consolidate_each_drift
     if not config.cycle.consolidate or not (every_drift or _chain_link(config, champion)):
