@@ -588,8 +588,10 @@ def _consolidation(
     With ``cycle.consolidate_each_drift`` every drift (``chain`` 1) consolidates, whatever
     promoted the champion.
     """
-    every_drift = chain == 1 and config.cycle.consolidate_each_drift
-    if not config.cycle.consolidate or not (every_drift or _chain_link(config, champion)):
+    if not config.cycle.consolidate:
+        return found
+    linked = _chain_link(config, champion)
+    if not (linked or (chain == 1 and config.cycle.consolidate_each_drift)):
         return found
     tried = _consolidation_tried(config, champion.version)
     if tried is not None and tried != found_cycle:
@@ -613,7 +615,7 @@ def _consolidation(
             return found
     why = found.reason.removeprefix("training: ").removeprefix(f"champion v{champion.version}: ")
     which = f"ends a learning chain over v{parent}" if chain > 1 else "was warm-started"
-    if every_drift and not _chain_link(config, champion):
+    if not linked:  # only cycle.consolidate_each_drift consolidates an unlinked champion
         which = "drifted (cycle.consolidate_each_drift)"
     return found.model_copy(
         update={
