@@ -404,17 +404,6 @@ class TrainConfig(StrictModel):
             "they have this many (as gate.min_segment_tokens)"
         ),
     )
-    keep_loss_weight: float = Field(
-        1.0,
-        ge=0,
-        description=(
-            "a warm start keeps the step with the best figure on the traffic it learns "
-            "less this weight x the mean acceptance-length loss of each segment of traffic "
-            "to keep (each alike, however few its held-out tokens); 0: the figure alone. "
-            "Segments of short answers (Korean law) are too thin for the forgetting check "
-            "to judge alone, and a step level on the window but lower on them was kept"
-        ),
-    )
     distill_weight: float = Field(
         1.0,
         ge=0,

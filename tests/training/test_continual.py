@@ -969,50 +969,6 @@ def test_the_step_kept_is_the_best_on_the_window_not_pooled_with_older_traffic()
     assert tight.best is not None and tight.best.step == 20
 
 
-def test_a_step_level_on_the_window_but_lower_on_a_thin_segment_to_keep_is_not_kept() -> None:
-    """Korean last, cycle 7: Korean law (short answers, too few held-out tokens to be
-    judged alone) fell at the step 0.013 above the best before it on Korean, and that
-    step was kept. Net of each kept segment's loss, the earlier step is; a clear gain
-    on the window still wins over a small loss (a preference, not a veto)."""
-    steps = {
-        0: {"korean": [(20, 10)] * 10, "english": [(30, 10)] * 12, "law": [(38, 10)] * 2},
-        10: {"korean": [(30, 10)] * 10, "english": [(30, 10)] * 12, "law": [(38, 10)] * 2},
-        20: {"korean": [(31, 10)] * 10, "english": [(30, 10)] * 12, "law": [(34, 10)] * 2},
-        30: {"korean": [(36, 10)] * 10, "english": [(30, 10)] * 12, "law": [(34, 10)] * 2},
-    }
-
-    class Held:
-        def __init__(self) -> None:
-            self.output_tokens = {"korean": 500, "english": 500, "law": 20}
-            self.older_groups = frozenset({"english", "law"})
-
-        def score(self, draft: torch.nn.Module, step: int) -> Evaluation:
-            requests = steps[step]
-            pairs = [r for group in requests.values() for r in group]
-            pooled = sum(e for e, _ in pairs) / sum(v for _, v in pairs)
-            lengths = {g: sum(e for e, _ in r) / sum(v for _, v in r) for g, r in requests.items()}
-            return Evaluation(step, pooled, lengths, requests)
-
-    def kept(weight: float, last: int) -> int:
-        selection = Selection(  # type: ignore[arg-type]
-            Held(),
-            forgetting_tolerance=0.3,
-            forgetting_min_tokens=64,  # law alone is too thin; pooled, it is within 0.3
-            gain_beyond_noise=False,
-            keep_loss_weight=weight,
-        )
-        selection.begin(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), None)
-        for step in range(10, last + 1, 10):
-            selection.evaluate(torch.nn.Linear(2, 2), step)
-        assert selection.best is not None
-        return selection.best.step
-
-    assert kept(0.0, 20) == 20  # the window's figure alone: law's loss unseen
-    assert kept(1.0, 20) == 10  # 3.1 - 0.4 / 2 < 3.0
-    assert kept(1.0, 30) == 30  # 3.6 - 0.2 > 3.0
-    assert TrainConfig().keep_loss_weight == 1.0  # what a cycle runs with
-
-
 def test_a_run_that_keeps_its_parent_leaves_its_best_step_to_continue_from() -> None:
     """Within the noise, the parent is exported, yet the best trained step that rose above
     it forgetting nothing is what a next run on this parent continues from; a run that

@@ -18,10 +18,7 @@ one that does not gain the gate's ``gate.margin`` over the parent on the gate's 
 window-weighted figure (every window segment by its token share, as
 ``gate_figure.json`` says; :meth:`HeldOut.window_weighted`), nor one whose traffic to
 keep, pooled, loses more than both the gate's tolerance and that figure's gain (the
-gate's rule 5, ``gate.net_gain``). A warm start's figure is net of the mean loss of
-the segments of traffic to keep, each alike (``keep_loss_weight``): a segment of short
-answers, too thin to be judged alone, still steers the choice between steps the
-window cannot tell apart. Step 0 is the parent, so a run that never beats
+gate's rule 5, ``gate.net_gain``). Step 0 is the parent, so a run that never beats
 its parent exports the parent's weights and says so; and beating it means beyond the
 noise of the held-out requests (paired, one-sided 95%): a gain within it registered
 drafts that the gate then measured below their parent. Where the parent is known not
@@ -433,7 +430,6 @@ class Selection:
         forgetting_min_tokens: int = 0,
         gain_beyond_noise: bool = True,
         min_gain_requests: int = 0,
-        keep_loss_weight: float = 0.0,
     ) -> None:
         self.held_out = held_out
         self.log = log
@@ -441,7 +437,6 @@ class Selection:
         self.forgetting_min_tokens = forgetting_min_tokens
         self.gain_beyond_noise = gain_beyond_noise  # training.warm_gain
         self.min_gain_requests = min_gain_requests
-        self.keep_loss_weight = keep_loss_weight  # training.keep_loss_weight
         self.evaluations: list[Evaluation] = []
         self.best: BestDraft | None = None
         self.warm = False  # step 0 is a parent that serves: replacing it must be no noise
@@ -516,14 +511,7 @@ class Selection:
         if self._within_noise_of_the_parent(evaluation):
             logger.info("step %d is not kept: above the parent within the noise", step)
         elif self.best.offer(evaluation, draft, score):
-            lost = self.keep_loss_weight * self._keep_loss(evaluation)
-            logger.info(
-                "step %d is the best draft so far (%.4f on the window, less %.4f lost on "
-                "traffic to keep)",
-                step,
-                score + lost,
-                lost,
-            )
+            logger.info("step %d is the best draft so far (%.4f on the window)", step, score)
 
     def _score(self, evaluation: Evaluation) -> float:
         """What the run keeps the best of: the figure on the traffic it learns
@@ -533,32 +521,8 @@ class Selection:
         requests drown: a Korean-law cycle scored 3.6 overall at its parent, carried by
         older Korean chat, and no step's gain on law could show. A learned group whose
         window requests are too few for the gate, or leave the parent no room, pools its
-        older ones (:meth:`_gain_groups`).
-
-        A warm start's figure is net of what it lost on the traffic to keep
-        (:meth:`_keep_loss`, times ``keep_loss_weight``): of two steps level on the
-        window, the one that kept more is kept."""
-        figure = _window_figure(evaluation, self._gain_groups())
-        return figure - self.keep_loss_weight * self._keep_loss(evaluation)
-
-    def _keep_loss(self, evaluation: Evaluation) -> float:
-        """A warm start's mean acceptance-length loss against its parent on the groups of
-        traffic to keep (:meth:`_keep_segments`), each group alike whatever its held-out
-        tokens, a gain counting as no loss; 0 without a parent or such groups.
-
-        The forgetting check judges a group alone only on ``forgetting_min_tokens``
-        held-out output tokens, and pooled by tokens a segment of short answers weighs
-        next to nothing: on Korean last a step 0.013 above the best before it on Korean
-        was kept, Korean law 3.76 -> 3.64 and English 3.14 -> 3.04 on the held-out
-        requests, and law ended at 0.85 of its acceptance length. As a preference
-        between steps, not a veto, a thin group's noise moves the choice only where the
-        window cannot tell the steps apart."""
-        if not self.keep_loss_weight or not self.warm or not self.evaluations:
-            return 0.0
-        start = self.evaluations[0]
-        keep = self._keep_segments(evaluation)
-        losses = [max(start.groups[g] - evaluation.groups[g], 0.0) for g in keep]
-        return sum(losses) / len(losses) if losses else 0.0
+        older ones (:meth:`_gain_groups`)."""
+        return _window_figure(evaluation, self._gain_groups())
 
     @property
     def judged_with_older(self) -> list[str]:

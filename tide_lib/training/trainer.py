@@ -774,7 +774,6 @@ def _selection(
         metrics.log_metrics if metrics is not None else None,
         forgetting_tolerance=config.forgetting_tolerance,
         forgetting_min_tokens=config.forgetting_min_tokens,
-        keep_loss_weight=config.keep_loss_weight,
         gain_beyond_noise=config.warm_gain == "beyond_noise",
         min_gain_requests=config.min_gain_requests,
     )
