@@ -827,27 +827,28 @@ class CycleConfig(StrictModel):
         ),
     )
     consolidate_each_drift: bool = Field(
-        False,
+        True,
         description=(
             "with consolidate: every cycle a drift check sends to train consolidates, a "
-            "consolidated or seeded champion's too, not only one a warm start promoted "
+            "consolidated or seeded champion's too (not a seeded champion's first check, "
+            "which has nothing to compare with), not only one a warm start promoted "
             "(once per champion still: one whose consolidation replaced nothing is "
-            "warm-started). A warm start from a consolidated champion may lose a segment "
-            "of short answers, too thin for the gate to protect alone (Korean law 0.85 of "
-            "its acceptance length on Korean last); consolidating every time kept every "
-            "segment (law 1.20) but learned the new one less (0.78 of an oracle against "
-            "1.01) in 1.4x the training time"
+            "warm-started). Off, a warm start from a consolidated champion may lose a "
+            "segment of short answers, too thin for the gate to protect alone (Korean law "
+            "0.85 of its acceptance length on Korean last; 1.27 with it on)"
         ),
     )
     consolidate_from: Literal["champion", "baseline"] = Field(
-        "baseline",
+        "champion",
         description=(
-            "where a consolidation starts: the registry's baseline draft, the gate's floor, "
-            "at the full learning rate for consolidate_epochs passes (as a draft trained "
-            "on all of it at once would be), so that the losses of the warm starts "
-            "before it are not carried on (the champion stays the draft to beat); or the "
-            "champion, at the warm-start "
-            "recipe (training.warm_epochs passes)"
+            "where a consolidation starts: the champion, at the warm-start recipe "
+            "(training.warm_epochs passes); or the registry's baseline draft, the gate's "
+            "floor, at the full learning rate for consolidate_epochs passes (as a draft "
+            "trained on all of it at once would be), so that the losses of the warm "
+            "starts before it are not carried on (the champion stays the draft to beat). "
+            "From the baseline, a consolidation must regain what the champion reached "
+            "and, on Korean last, learned the new segment less (0.78 of an oracle "
+            "against 0.89 from the champion)"
         ),
     )
     consolidate_epochs: float = Field(

@@ -69,6 +69,7 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
     first = cycle.snapshot_window(config, "c1")
     never_judged = cycle.check_drift(config, first)
     assert never_judged.drift and "had no baseline" in never_judged.reason
+    assert not never_judged.consolidate  # a seeded champion's first check: nothing shifted
     assert never_judged.margins and set(never_judged.margins) <= set(never_judged.measured)
     # A retry of that check (its record lost) must not compare the window with itself.
     state.lake_store(config).remove(drift_check.drift_key(config, "c1"))
@@ -103,21 +104,18 @@ def test_a_champion_that_still_fits_skips_training_and_a_fall_is_drift(
     drifted = cycle.check_drift(config, third)
     assert drifted.drift and "fell by more than" in drifted.reason
     assert drifted.baseline == raised and drifted.saved_train_seconds is None
-    assert drifted.fitting == []  # every segment fell: the cycle learns the whole window
-    assert not drifted.consolidate  # seeded, not warm-started: nothing to consolidate
-    # Unless every drift consolidates (cycle.consolidate_each_drift); a retry checks again.
-    each = config.model_copy(
-        update={"cycle": config.cycle.model_copy(update={"consolidate_each_drift": True})}
+    # Every drift consolidates (cycle.consolidate_each_drift), a seeded champion's too.
+    assert drifted.consolidate and "drifted (cycle.consolidate_each_drift)" in drifted.reason
+    # Off, only a champion a warm start promoted consolidates; a retry checks again.
+    chains_only = config.model_copy(
+        update={"cycle": config.cycle.model_copy(update={"consolidate_each_drift": False})}
     )
     store = state.lake_store(config)
     store.remove(drift_check.drift_key(config, "c3"))
-    every = cycle.check_drift(each, third)
-    assert every.drift and every.consolidate and every.drifted == drifted.drifted
-    assert "drifted (cycle.consolidate_each_drift)" in every.reason
-    # (forgotten again: the rest of this test is about the default)
-    store.remove(drift_check.drift_key(config, "c3"))
     store.remove(state.state_key(config, "consolidation.json"))
-    assert not cycle.check_drift(config, third).consolidate
+    warm = cycle.check_drift(chains_only, third)
+    assert warm.drift and not warm.consolidate and warm.drifted == drifted.drifted
+    assert warm.fitting == []  # every segment fell: the cycle learns the whole window
     cycle.advance_watermark(config, third)
 
     # Had a cycle's warm start promoted it, the cycle that trains on it consolidates; once.
