@@ -634,8 +634,8 @@ def _each_drift(config: TideConfig, found: Drift) -> bool:
     """Does ``cycle.consolidate_each_drift`` consolidate this drift? Not a seeded
     champion's first check (``champion_judged`` false): nothing shifted yet, the window
     holds all the traffic there is, and a consolidation that kept the champion there
-    would use up its one try (on the demo, the warm starts that then learned Korean
-    lost English: 0.88 of its acceptance length)."""
+    would use up its one try on the first real drift's behalf (on the demo that drift
+    then warm-started; the final figures were the same either way, English 0.88)."""
     return config.cycle.consolidate_each_drift and found.champion_judged
 
 
