@@ -580,16 +580,36 @@ def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
     cycle learns every segment's traffic: up to ``cycle.consolidate_max_steps``; from the
     baseline draft (:func:`_train_in_run`) at the full rate for
     ``cycle.consolidate_epochs`` passes, at least ``training.steps``."""
+    return _settings_for(config, saved_drift(config, cycle_id), from_floor=False)
+
+
+def _settings_for(config: TideConfig, drift: Drift | None, *, from_floor: bool) -> TrainConfig:
+    """:func:`_training_settings` for a saved verdict ``drift``; ``from_floor``: the run
+    starts from the baseline draft (:func:`_consolidation_start`)."""
     if config.cycle.force_promote:  # promote what was trained, whatever it scores
         return config.training.model_copy(update={"export": "last"})
-    drift = saved_drift(config, cycle_id)
     training = config.training
     if drift is not None and drift.consolidate:  # every segment's traffic: more to learn
-        steps = config.cycle.consolidate_max_steps
-        training = training.model_copy(update={"warm_max_steps": steps})
+        training = training.model_copy(update=_consolidation_recipe(config, from_floor))
     if _champion_drifted(drift) and drift.champion_judged:
         training = training.model_copy(update={"warm_gain": "any"})
     return training
+
+
+def _consolidation_recipe(config: TideConfig, from_floor: bool) -> dict[str, Any]:
+    """A consolidation's training settings: up to ``cycle.consolidate_max_steps`` steps
+    at the warm-start recipe from the champion; from the baseline draft, the full rate
+    for ``cycle.consolidate_epochs`` passes, ``training.steps`` at least (the warm-start
+    recipe, ten passes at half the rate, left it short of the champion it must beat)."""
+    steps = config.cycle.consolidate_max_steps
+    if not from_floor:
+        return {"warm_max_steps": steps}
+    return {
+        "warm_lr_scale": 1.0,
+        "warm_epochs": config.cycle.consolidate_epochs,
+        "warm_min_steps": min(config.training.steps, steps),
+        "warm_max_steps": steps,
+    }
 
 
 def _replay_key(sample: CapturedRecord) -> str:
@@ -840,12 +860,15 @@ def _train_in_run(
     with task_scratch(config, f"train-{cycle_id}") as work:
         exported = export_training_data(config, snapshot, work / "data")
         parent = registry.download(parent_version, work / "parent") if parent_version else None
+        drift = saved_drift(config, cycle_id)
         floor, floor_version = _consolidation_start(
-            config, registry, cycle_id, parent_version, work / "floor"
+            config, registry, drift, parent_version, work / "floor"
         )
-        training = _training_settings(config, cycle_id)
-        if floor is not None:  # it relearns every segment from the floor, as a fresh draft
-            training = _from_floor(config, training)
+        if floor_version is not None:  # it relearns every segment, as a fresh draft
+            logger.info(
+                "cycle %s: consolidating from the baseline draft v%s", cycle_id, floor_version
+            )
+        training = _settings_for(config, drift, from_floor=floor is not None)
         job = TrainJob(
             data_dir=work / "data",
             target_dir=config.cycle.target_path,
@@ -889,21 +912,6 @@ def _train_in_run(
     return draft_uri, improved
 
 
-def _from_floor(config: TideConfig, training: TrainConfig) -> TrainConfig:
-    """A consolidation's recipe from the baseline draft: the full rate for
-    ``cycle.consolidate_epochs`` passes, ``training.steps`` at least (the warm-start
-    recipe, ten passes at half the rate, left it short of the champion it must beat)."""
-    steps = config.cycle.consolidate_max_steps
-    return training.model_copy(
-        update={
-            "warm_lr_scale": 1.0,
-            "warm_epochs": config.cycle.consolidate_epochs,
-            "warm_min_steps": min(config.training.steps, steps),
-            "warm_max_steps": steps,
-        }
-    )
-
-
 def _start_name(floor: str | None, start: Path | None, parent_version: str | None) -> str:
     """What a run started from, as its params say: a baseline, a continuation, a parent."""
     if floor is not None:
@@ -916,7 +924,7 @@ def _start_name(floor: str | None, start: Path | None, parent_version: str | Non
 def _consolidation_start(
     config: TideConfig,
     registry: DraftRegistry,
-    cycle_id: str,
+    drift: Drift | None,
     parent_version: str | None,
     out: Path,
 ) -> tuple[Path | None, str | None]:
@@ -925,13 +933,11 @@ def _consolidation_start(
     the champion itself; else Nones (the champion, or its continuation, is the start)."""
     from tide_lib.registry import BASELINE  # noqa: PLC0415
 
-    drift = saved_drift(config, cycle_id)
     if drift is None or not drift.consolidate or config.cycle.consolidate_from != "baseline":
         return None, None
     floor = registry.alias(BASELINE)
     if floor is None or floor.version == parent_version:
         return None, None
-    logger.info("cycle %s: consolidating from the baseline draft v%s", cycle_id, floor.version)
     return registry.download(floor.version, out), floor.version
 
 
