@@ -368,12 +368,12 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     """
     reader = sample_reader(config)
     segmenter, _ = cycle_segmenter(config, snapshot)
-    learns, drift_segmenter, relearns, consolidating = _window_to_learn(config, snapshot, segmenter)
+    plan = _window_to_learn(config, snapshot, segmenter)
     counts = {WINDOW_DIR: 0, REPLAY_DIR: 0}
     tokens = {WINDOW_DIR: 0, REPLAY_DIR: 0}
 
     def learned(sample: CapturedRecord) -> bool:
-        return learns(segment_as_grouped(sample, drift_segmenter, segmenter))
+        return plan.learns(segment_as_grouped(sample, plan.segmenter, segmenter))
 
     def save(sample: CapturedRecord, segment: str, window: bool) -> None:
         part = WINDOW_DIR if window and learned(sample) else REPLAY_DIR
@@ -403,9 +403,9 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     _write_gate_figure(config, out, window_tokens)
 
     def relearned(sample: CapturedRecord, segment: str, digest: bytes) -> bool:
-        if digest in carried or (segment not in window_tokens and not consolidating):
+        if digest in carried or (segment not in window_tokens and not plan.consolidating):
             return False
-        return relearns(segment_as_grouped(sample, drift_segmenter, segmenter))
+        return plan.relearns(segment_as_grouped(sample, plan.segmenter, segmenter))
 
     replay, older = _choose_replay(
         config,
@@ -509,9 +509,25 @@ def _write_gate_figure(config: TideConfig, out: Path, window_tokens: dict[str, i
     (out / DataDirs.GATE_FIGURE).write_text(json.dumps(figure))
 
 
-def _window_to_learn(
-    config: TideConfig, snapshot: Snapshot, segmenter: Segmenter
-) -> tuple[Callable[[str], bool], Segmenter, Callable[[str], bool], bool]:
+def _every(_segment: str) -> bool:
+    return True
+
+
+def _none(_segment: str) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Learning:
+    """What a cycle learns of its traffic (:func:`_window_to_learn`), by segment name."""
+
+    learns: Callable[[str], bool]  # the window's segments learned (the rest are kept)
+    segmenter: Segmenter  # what names them: the drift check's grouping
+    relearns: Callable[[str], bool]  # segments whose earlier requests are learned too
+    consolidating: bool = False  # every segment's older traffic learned, nothing kept
+
+
+def _window_to_learn(config: TideConfig, snapshot: Snapshot, segmenter: Segmenter) -> _Learning:
     """Which of the window's segments a cycle learns (the rest it keeps, by distillation),
     the segmenter that names them (the drift check's, the baseline's grouping), and
     which segments' earlier requests are learned too: those the drift check found the
@@ -529,9 +545,9 @@ def _window_to_learn(
     """
     drift = saved_drift(config, snapshot.cycle_id)
     if drift is None:
-        return (lambda _segment: True), segmenter, (lambda _segment: False), False
+        return _Learning(_every, segmenter, _none)
     if drift.consolidate:
-        return (lambda _segment: True), segmenter, (lambda _segment: True), True
+        return _Learning(_every, segmenter, _every, consolidating=True)
     # only on a check of a champion: not when training unconditionally (no champion yet,
     # the check off or failed), which would relearn the same older traffic every cycle
     drifted = set(drift.drifted)
@@ -541,7 +557,7 @@ def _window_to_learn(
         drift_segmenter = stored_segmenter(config, drift.segmenter_key) or segmenter
         if drift_segmenter is segmenter and (drift.drifted or drift.fitting):
             logger.warning("cycle %s: learning the whole window", snapshot.cycle_id)
-            return (lambda _segment: True), segmenter, (lambda _segment: False), False
+            return _Learning(_every, segmenter, _none)
 
     fitting = None if drift.fitting is None else set(drift.fitting)
 
@@ -553,7 +569,7 @@ def _window_to_learn(
     def relearns(segment: str) -> bool:
         return relearn and segment in drifted
 
-    return learns, drift_segmenter, relearns, False
+    return _Learning(learns, drift_segmenter, relearns)
 
 
 def _champion_drifted(drift: Drift | None) -> TypeGuard[Drift]:
