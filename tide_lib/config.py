@@ -750,6 +750,19 @@ class CycleConfig(StrictModel):
             "held-out output tokens, so that short requests can be protected alone"
         ),
     )
+    held_out_reserve_percent: int = Field(
+        20,
+        ge=0,
+        le=50,
+        description=(
+            "a band of older requests past held_out_percent (by the same content hash) "
+            "that a segment still short of gate.min_segment_tokens held-out output tokens "
+            "is judged on too, instead of replayed or learned again this cycle, until it "
+            "has that many: the gate and the trainer's steps see a thin segment forget. "
+            "They may have been learned when they arrived, by the champion too, so a drop "
+            "on them is forgetting, measured if anything in the champion's favour (0: off)"
+        ),
+    )
     segment_labels_max: int = Field(
         16,
         ge=0,

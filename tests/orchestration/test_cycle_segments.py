@@ -257,6 +257,59 @@ def test_a_segment_of_short_requests_is_read_on_until_the_gate_can_judge_it(
     assert 1200 <= sum(docs) + 12 * len(chat) < 1200 + 200
 
 
+def test_a_thin_older_segment_is_judged_on_its_reserved_requests_too(
+    config: TideConfig, lake_store: ObjectStore, tmp_path: Path
+) -> None:
+    # Older traffic: a few long documents and twenty short chat requests (6 output
+    # tokens each); the window is documents alone, so chat is older traffic to keep.
+    older = [_record(i, CENTERS[1], "docs", tokens=200) for i in range(5)]
+    older += [_record(500 + i, CENTERS[0], "chat") for i in range(20)]
+    _write(lake_store, config, older)
+    cycle.advance_watermark(config, cycle.snapshot_window(config, "c1"))
+    _write(lake_store, config, [_record(900 + i, CENTERS[1], "docs") for i in range(4)])
+    snapshot = cycle.snapshot_window(config, "c2")
+    percent = config.cycle.held_out_percent
+
+    def band(record: CapturedRecord) -> float:
+        return content_fraction(torch.as_tensor(record.input_ids)) * 100
+
+    chat = [r for r in older if r.segment == "chat"]
+    held = {content_digest(torch.as_tensor(r.input_ids)) for r in chat if band(r) < percent}
+    reserved = [r for r in chat if percent <= band(r) < percent + 20]
+    assert held and reserved  # the hash puts requests in both bands
+
+    def judged_chat(reserve: int, min_tokens: int) -> tuple[TideConfig, set[bytes]]:
+        changed = config.model_copy(
+            update={
+                "cycle": config.cycle.model_copy(update={"held_out_reserve_percent": reserve}),
+                "gate": config.gate.model_copy(update={"min_segment_tokens": min_tokens}),
+            }
+        )
+        samples = cycle.held_out_traffic(changed, snapshot).samples["chat"]
+        return changed, {content_digest(sample.input_ids) for sample in samples}
+
+    enough = 6 * len(held)
+    # Held out on enough output tokens: chat is judged on its held-out requests alone.
+    assert judged_chat(20, enough)[1] == held
+    # Too few: its reserved requests are judged too, until it has the gate's minimum.
+    changed, judged = judged_chat(20, enough + 6)
+    assert held < judged and len(judged - held) == 1
+    assert judged_chat(20, 10_000)[1] == held | {
+        content_digest(torch.as_tensor(r.input_ids)) for r in reserved
+    }
+    assert judged_chat(0, 10_000)[1] == held  # the band off: held-out requests alone
+    # The export scores the trainer's steps on those very requests and trains on none.
+    cycle.export_training_data(changed, snapshot, tmp_path / "data")
+
+    def exported(folder: str) -> set[bytes]:
+        paths = (tmp_path / "data" / folder).glob("*.ckpt")
+        return {content_digest(torch.load(p, weights_only=True)["input_ids"]) for p in paths}
+
+    scored = exported("held_out/older")
+    assert judged <= scored
+    assert scored.isdisjoint(exported("replay") | exported("window"))
+
+
 def test_the_replay_favours_the_segment_the_window_lost(
     config: TideConfig, lake_store: ObjectStore, tmp_path: Path
 ) -> None:
@@ -373,13 +426,11 @@ def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
             found.setdefault(raw["segment"], set()).add(tuple(raw["input_ids"].tolist()))
         return found
 
+    gate = cycle.held_out_traffic(config, snapshot).samples  # held out, or reserved
+    judged = {tuple(s.input_ids.tolist()) for samples in gate.values() for s in samples}
+
     def trainable(records: list[CapturedRecord]) -> set[tuple[int, ...]]:  # the gate's rest
-        return {
-            tuple(r.input_ids.tolist())
-            for r in records
-            if content_fraction(torch.from_numpy(r.input_ids)) * 100
-            >= config.cycle.held_out_percent
-        }
+        return {tuple(r.input_ids.tolist()) for r in records} - judged
 
     learned, replayed = ids("window"), ids("replay")
     earlier = trainable(older[10:])

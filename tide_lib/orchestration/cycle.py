@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
-from tide_lib.config import GateConfig, TideConfig, TrainConfig
+from tide_lib.config import CycleConfig, GateConfig, TideConfig, TrainConfig
 from tide_lib.evaluation.offline import (
     AcceptanceCount,
     content_digest,
@@ -267,6 +267,24 @@ def _window_split(
         first = first and not answered
 
 
+def _reserved(sample: CapturedRecord, cycle: CycleConfig) -> bool:
+    """In the band of the content hash past the held-out one (``cycle.held_out_reserve_
+    percent``): judged, when older, for a segment too thin to judge on held-out requests."""
+    low = cycle.held_out_percent
+    return _answered(sample) and low <= content_fraction(sample.input_ids) * 100 < low + (
+        cycle.held_out_reserve_percent
+    )
+
+
+@dataclasses.dataclass
+class _OlderJudged:
+    """The older requests the gate judges, with their segments, in the order chosen; and
+    the input tokens of every older request read, by segment (the older shares)."""
+
+    judged: list[tuple[str, CapturedRecord]]
+    tokens: dict[str, int]
+
+
 def _older_held_out(
     config: TideConfig,
     snapshot: Snapshot,
@@ -275,11 +293,11 @@ def _older_held_out(
     *,
     segmenter: Segmenter,
     window_evidence: dict[str, int],
-) -> Iterator[tuple[bool, str, CapturedRecord]]:
-    """The older requests the gate reads for its held-out budget, in the snapshot's
-    order of older commits, each with its segment and whether the gate judges it:
-    held out (:func:`_held_out`) and not ``seen`` before (whose digests this adds to).
-    The cycle's export and the gate read the same ones.
+    trained: set[bytes],
+) -> _OlderJudged:
+    """The older requests the gate judges, read from the snapshot's older commits in
+    order: held out (:func:`_held_out`) and not ``seen`` before (whose digests this adds
+    to). The cycle's export and the gate read the same ones.
 
     Once ``cycle.held_out_older_tokens`` tokens are judged, only requests of segments
     judged on fewer than ``gate.min_segment_tokens`` output tokens are (counting the
@@ -287,28 +305,59 @@ def _older_held_out(
     short requests beside long ones (English chat beside documents and law texts) is
     read on until the gate can protect it alone. A budget in tokens fills with long
     requests: the short ones beside them would be too thin to protect however much of
-    the older traffic they are.
+    the older traffic they are. A segment of the older traffic still that thin is judged
+    on its reserved requests too (:func:`_reserved`, none the window trains on:
+    ``trained``), which the cycle then neither replays nor learns again.
     """
     judged_tokens, budget = 0, config.cycle.held_out_older_tokens
+    minimum = config.gate.min_segment_tokens
     evidence = dict(window_evidence)  # judged output tokens per segment
+    found = _OlderJudged([], {})
+    reserve: dict[str, list[CapturedRecord]] = {}
+
+    def judge(name: str, sample: CapturedRecord) -> None:
+        nonlocal judged_tokens
+        found.judged.append((name, sample))
+        judged_tokens += int(sample.input_ids.numel())
+        evidence[name] = evidence.get(name, 0) + int(sample.loss_mask.sum())
 
     def wanted(name: str) -> bool:
         if judged_tokens < budget:
             return True
-        thin = evidence.get(name, 0) < config.gate.min_segment_tokens
-        return thin and judged_tokens < 2 * budget
+        return evidence.get(name, 0) < minimum and judged_tokens < 2 * budget
 
     for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
         name = segment_of(sample, segmenter)
-        judged = _held_out(sample, config.cycle.held_out_percent) and wanted(name)
-        if judged:
-            digest = content_digest(sample.input_ids)
-            judged = digest not in seen
+        found.tokens[name] = found.tokens.get(name, 0) + int(sample.input_ids.numel())
+        digest = content_digest(sample.input_ids)
+        if _held_out(sample, config.cycle.held_out_percent) and wanted(name):
+            if digest not in seen:
+                judge(name, sample)
             seen.add(digest)
-        if judged:
-            judged_tokens += int(sample.input_ids.numel())
-            evidence[name] = evidence.get(name, 0) + int(sample.loss_mask.sum())
-        yield judged, name, sample
+        elif _reserved(sample, config.cycle) and digest not in trained:
+            _keep_reserve(reserve.setdefault(name, []), sample, minimum)
+    shares = token_shares(found.tokens)
+    for name, candidates in sorted(reserve.items()):
+        if shares[name] < config.gate.min_segment_share:
+            continue  # not protected by its share: its few requests train
+        for sample in candidates:
+            digest = content_digest(sample.input_ids)
+            if evidence.get(name, 0) >= minimum or judged_tokens >= 2 * budget:
+                break
+            if digest not in seen:
+                judge(name, sample)
+                seen.add(digest)
+    return found
+
+
+def _keep_reserve(kept: list[CapturedRecord], sample: CapturedRecord, minimum: int) -> None:
+    """Keep ``sample`` among a segment's reserved requests while they hold fewer than
+    ``minimum`` output tokens (all a thin segment can need), a copy once."""
+    if sum(int(s.loss_mask.sum()) for s in kept) >= minimum:
+        return
+    digest = content_digest(sample.input_ids)
+    if all(content_digest(s.input_ids) != digest for s in kept):
+        kept.append(sample)
 
 
 WINDOW_DIR = DataDirs.WINDOW  # export_training_data's layout: the trainer tells new traffic
@@ -407,13 +456,26 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
             return False
         return plan.relearns(segment_as_grouped(sample, plan.segmenter, segmenter))
 
+    window_judged = len(judged)
+    held_out = _older_held_out(
+        config,
+        snapshot,
+        reader,
+        judged,
+        segmenter=segmenter,
+        window_evidence=evidence,
+        trained=carried,
+    )
+    for index, (segment, sample) in enumerate(held_out.judged, start=window_judged):
+        # older traffic the gate judges forgetting on: scored as traffic to keep
+        sample.save_specforge(out / JUDGED_DIR / DataDirs.OLDER, index, segment=segment)
     replay, older = _choose_replay(
         config,
         snapshot,
         reader,
         segmenter,
         window_tokens=window_tokens,
-        judged=judged,
+        judged=judged,  # the older requests judged too: never replayed nor learned
         relearned=relearned,
     )
     chosen = {candidate.key: (candidate, False) for candidate in replay}
@@ -428,13 +490,6 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         window_requests = _learn_kept_window(
             out, (kept_requests, kept_tokens), counts, tokens, snapshot.cycle_id
         )
-    window_judged = len(judged)
-    held_out = _older_held_out(
-        config, snapshot, reader, judged, segmenter=segmenter, window_evidence=evidence
-    )
-    for held, segment, sample in held_out:
-        if held:  # older traffic the gate judges forgetting on: scored as traffic to keep
-            sample.save_specforge(out / JUDGED_DIR / DataDirs.OLDER, len(judged), segment=segment)
     logger.info(
         "cycle %s: %d window training samples (%d of them earlier requests of the segments "
         "it learns), %d replay samples, and the %d held-out requests of the window and %d "
@@ -731,8 +786,8 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
     reader = sample_reader(config)
     samples: dict[str, list[CapturedRecord]] = {}
     window_tokens: dict[str, int] = {}
-    older_tokens: dict[str, int] = {}
     seen: set[bytes] = set()  # a request judged once, however often it was sent
+    window_digests: set[bytes] = set()  # the window's requests: trained on or judged
 
     def judge(segment: str, sample: CapturedRecord) -> bool:
         digest = content_digest(sample.input_ids)
@@ -745,6 +800,7 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
     for held, sample in _window_split(config, snapshot, reader):
         segment = segment_of(sample, segmenter)
         window_tokens[segment] = window_tokens.get(segment, 0) + int(sample.input_ids.numel())
+        window_digests.add(content_digest(sample.input_ids))
         if held:
             judge(segment, sample)
     window_held_out = {segment: len(judged) for segment, judged in samples.items()}
@@ -753,14 +809,18 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
         for segment, judged in samples.items()
     }
     older = _older_held_out(
-        config, snapshot, reader, seen, segmenter=segmenter, window_evidence=evidence
+        config,
+        snapshot,
+        reader,
+        seen,
+        segmenter=segmenter,
+        window_evidence=evidence,
+        trained=window_digests,
     )
-    for judged, segment, sample in older:
-        older_tokens[segment] = older_tokens.get(segment, 0) + int(sample.input_ids.numel())
-        if judged:
-            samples.setdefault(segment, []).append(sample)
+    for segment, sample in older.judged:
+        samples.setdefault(segment, []).append(sample)
     log_debris(reader, f"cycle {snapshot.cycle_id} held-out")
-    return HeldOutTraffic(samples, window_tokens, older_tokens, key, window_held_out)
+    return HeldOutTraffic(samples, window_tokens, older.tokens, key, window_held_out)
 
 
 def held_out_samples(config: TideConfig, snapshot: Snapshot) -> dict[str, list[CapturedRecord]]:
