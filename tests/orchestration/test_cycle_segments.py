@@ -308,6 +308,15 @@ def test_a_thin_older_segment_is_judged_on_its_reserved_requests_too(
     scored = exported("held_out/older")
     assert judged <= scored
     assert scored.isdisjoint(exported("replay") | exported("window"))
+    # The gate judges the reserved requests the export set aside, whatever it would
+    # choose itself now (a shard lost in between, a setting changed): never one trained.
+    traffic = cycle.held_out_traffic(judged_chat(20, 10_000)[0], snapshot)
+    assert {content_digest(s.input_ids) for s in traffic.samples["chat"]} == judged
+    assert scored == {
+        content_digest(sample.input_ids)
+        for segment, samples in traffic.samples.items()
+        for sample in samples[traffic.window_held_out.get(segment, 0) :]
+    }
 
 
 def test_the_replay_favours_the_segment_the_window_lost(

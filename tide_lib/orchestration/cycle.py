@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from tide_lib.config import CycleConfig, GateConfig, TideConfig, TrainConfig
+from tide_lib.evaluation.gate import protected_segments
 from tide_lib.evaluation.offline import (
     AcceptanceCount,
     content_digest,
@@ -241,7 +242,7 @@ def _held_out(sample: CapturedRecord, percent: int) -> bool:
     request the target answered with no token is never held out: it has nothing to
     verify, and as a request judged it would only narrow the margins of error.
     """
-    return _answered(sample) and content_fraction(sample.input_ids) * 100 < percent
+    return _in_band(sample, 0, percent)
 
 
 def _answered(sample: CapturedRecord) -> bool:
@@ -271,18 +272,45 @@ def _reserved(sample: CapturedRecord, cycle: CycleConfig) -> bool:
     """In the band of the content hash past the held-out one (``cycle.held_out_reserve_
     percent``): judged, when older, for a segment too thin to judge on held-out requests."""
     low = cycle.held_out_percent
-    return _answered(sample) and low <= content_fraction(sample.input_ids) * 100 < low + (
-        cycle.held_out_reserve_percent
-    )
+    return _in_band(sample, low, low + cycle.held_out_reserve_percent)
+
+
+def _in_band(sample: CapturedRecord, low: float, high: float) -> bool:
+    """Answered, and its content hash (as a percentage) in ``[low, high)``: copies of a
+    request fall in one band together."""
+    return _answered(sample) and low <= content_fraction(sample.input_ids) * 100 < high
 
 
 @dataclasses.dataclass
-class _OlderJudged:
-    """The older requests the gate judges, with their segments, in the order chosen; and
-    the input tokens of every older request read, by segment (the older shares)."""
+class _WindowRead:
+    """What the window holds, as the older held-out reading needs it: input tokens of
+    every request and output tokens of the held-out ones judged, by segment; and the
+    digest of every request (trained on or judged, never an older request to judge)."""
 
-    judged: list[tuple[str, CapturedRecord]]
     tokens: dict[str, int]
+    evidence: dict[str, int]
+    digests: set[bytes]
+
+
+@dataclasses.dataclass
+class _Reserve:
+    """A segment's reserved requests, in the order read, a copy once: kept only while
+    they hold fewer output tokens than the gate's minimum (all a thin segment needs)."""
+
+    samples: dict[bytes, CapturedRecord] = dataclasses.field(default_factory=dict)
+    output_tokens: int = 0
+
+    def keep(self, digest: bytes, sample: CapturedRecord, minimum: int | None) -> None:
+        """Keep ``sample`` unless a copy is kept or the kept ones hold ``minimum`` output
+        tokens (None: keep every one)."""
+        full = minimum is not None and self.output_tokens >= minimum
+        if not full and digest not in self.samples:
+            self.samples[digest] = sample
+            self.output_tokens += int(sample.loss_mask.sum())
+
+
+def _reserved_name(cycle_id: str) -> str:
+    return f"cycles/{cycle_id}-reserved.json"
 
 
 def _older_held_out(
@@ -292,32 +320,38 @@ def _older_held_out(
     seen: set[bytes],
     *,
     segmenter: Segmenter,
-    window_evidence: dict[str, int],
-    trained: set[bytes],
-) -> _OlderJudged:
-    """The older requests the gate judges, read from the snapshot's older commits in
-    order: held out (:func:`_held_out`) and not ``seen`` before (whose digests this adds
-    to). The cycle's export and the gate read the same ones.
+    window: _WindowRead,
+    judge: Callable[[str, CapturedRecord], None],
+    reserved: set[bytes] | None = None,
+) -> tuple[dict[str, int], set[bytes]]:
+    """Hand ``judge`` the older requests the gate judges, read from the snapshot's older
+    commits in order: held out (:func:`_held_out`) and not ``seen`` before (whose digests
+    this adds to). Returns the input tokens of every older request read, by segment (the
+    older shares), and the digests of the reserved requests judged.
 
     Once ``cycle.held_out_older_tokens`` tokens are judged, only requests of segments
     judged on fewer than ``gate.min_segment_tokens`` output tokens are (counting the
-    window's held-out ones, ``window_evidence``), up to twice the budget: a segment of
-    short requests beside long ones (English chat beside documents and law texts) is
-    read on until the gate can protect it alone. A budget in tokens fills with long
-    requests: the short ones beside them would be too thin to protect however much of
-    the older traffic they are. A segment of the older traffic still that thin is judged
-    on its reserved requests too (:func:`_reserved`, none the window trains on:
-    ``trained``), which the cycle then neither replays nor learns again.
+    window's held-out ones), up to twice the budget: a segment of short requests beside
+    long ones (English chat beside documents and law texts) is read on until the gate can
+    protect it alone. A budget in tokens fills with long requests: the short ones beside
+    them would be too thin to protect however much of the older traffic they are.
+
+    A segment the gate protects that is still that thin is judged on its reserved
+    requests too (:func:`_reserved`; none of the window's), the thinnest segment first,
+    until it has the minimum; the cycle then neither replays nor learns them again. The
+    export decides which (``reserved`` None) and keeps the list in the cycle's state; the
+    gate judges the ones listed (``reserved``), so that a shard lost in between can only
+    leave a request unjudged, never judge one the cycle trained on.
     """
     judged_tokens, budget = 0, config.cycle.held_out_older_tokens
     minimum = config.gate.min_segment_tokens
-    evidence = dict(window_evidence)  # judged output tokens per segment
-    found = _OlderJudged([], {})
-    reserve: dict[str, list[CapturedRecord]] = {}
+    evidence = dict(window.evidence)  # judged output tokens per segment
+    older_tokens: dict[str, int] = {}
+    reserve: dict[str, _Reserve] = {}
 
-    def judge(name: str, sample: CapturedRecord) -> None:
+    def take(name: str, sample: CapturedRecord) -> None:
         nonlocal judged_tokens
-        found.judged.append((name, sample))
+        judge(name, sample)
         judged_tokens += int(sample.input_ids.numel())
         evidence[name] = evidence.get(name, 0) + int(sample.loss_mask.sum())
 
@@ -328,36 +362,50 @@ def _older_held_out(
 
     for sample in reader.iter_records(markers_of(reader, snapshot.held_out_older)):
         name = segment_of(sample, segmenter)
-        found.tokens[name] = found.tokens.get(name, 0) + int(sample.input_ids.numel())
+        older_tokens[name] = older_tokens.get(name, 0) + int(sample.input_ids.numel())
         digest = content_digest(sample.input_ids)
         if _held_out(sample, config.cycle.held_out_percent) and wanted(name):
             if digest not in seen:
-                judge(name, sample)
+                take(name, sample)
             seen.add(digest)
-        elif _reserved(sample, config.cycle) and digest not in trained:
-            _keep_reserve(reserve.setdefault(name, []), sample, minimum)
-    shares = token_shares(found.tokens)
-    for name, candidates in sorted(reserve.items()):
-        if shares[name] < config.gate.min_segment_share:
-            continue  # not protected by its share: its few requests train
-        for sample in candidates:
-            digest = content_digest(sample.input_ids)
-            if evidence.get(name, 0) >= minimum or judged_tokens >= 2 * budget:
+        elif _reserved(sample, config.cycle) and digest not in window.digests:
+            if reserved is None:  # the export: enough to bring a thin segment to the minimum
+                reserve.setdefault(name, _Reserve()).keep(digest, sample, minimum)
+            elif digest in reserved:  # the gate: the ones the export listed
+                reserve.setdefault(name, _Reserve()).keep(digest, sample, None)
+    chosen: set[bytes] = set()
+    if reserved is None:
+        names = _thinnest_first(config, reserve, evidence, window.tokens, older_tokens)
+    else:
+        names = list(reserve)
+    for name in names:
+        for digest, sample in reserve[name].samples.items():
+            full = evidence.get(name, 0) >= minimum or judged_tokens >= 2 * budget
+            if reserved is None and full:
                 break
             if digest not in seen:
-                judge(name, sample)
+                take(name, sample)
                 seen.add(digest)
-    return found
+                chosen.add(digest)
+    return older_tokens, chosen
 
 
-def _keep_reserve(kept: list[CapturedRecord], sample: CapturedRecord, minimum: int) -> None:
-    """Keep ``sample`` among a segment's reserved requests while they hold fewer than
-    ``minimum`` output tokens (all a thin segment can need), a copy once."""
-    if sum(int(s.loss_mask.sum()) for s in kept) >= minimum:
-        return
-    digest = content_digest(sample.input_ids)
-    if all(content_digest(s.input_ids) != digest for s in kept):
-        kept.append(sample)
+def _thinnest_first(
+    config: TideConfig,
+    reserve: dict[str, _Reserve],
+    evidence: dict[str, int],
+    window_tokens: dict[str, int],
+    older_tokens: dict[str, int],
+) -> list[str]:
+    """The segments with reserved requests that the gate protects by their share (of
+    the window or of the older traffic), the fewest judged output tokens first."""
+    protected = protected_segments(
+        list(reserve),
+        token_shares(window_tokens),
+        token_shares(older_tokens),
+        config.gate.min_segment_share,
+    )
+    return sorted(protected, key=lambda name: (evidence.get(name, 0), name))
 
 
 WINDOW_DIR = DataDirs.WINDOW  # export_training_data's layout: the trainer tells new traffic
@@ -457,18 +505,10 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         return plan.relearns(segment_as_grouped(sample, plan.segmenter, segmenter))
 
     window_judged = len(judged)
-    held_out = _older_held_out(
-        config,
-        snapshot,
-        reader,
-        judged,
-        segmenter=segmenter,
-        window_evidence=evidence,
-        trained=carried,
+    window = _WindowRead(window_tokens, evidence, carried)
+    reserved = _export_older_judged(
+        config, snapshot, reader, judged, segmenter=segmenter, window=window, out=out
     )
-    for index, (segment, sample) in enumerate(held_out.judged, start=window_judged):
-        # older traffic the gate judges forgetting on: scored as traffic to keep
-        sample.save_specforge(out / JUDGED_DIR / DataDirs.OLDER, index, segment=segment)
     replay, older = _choose_replay(
         config,
         snapshot,
@@ -493,16 +533,47 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     logger.info(
         "cycle %s: %d window training samples (%d of them earlier requests of the segments "
         "it learns), %d replay samples, and the %d held-out requests of the window and %d "
-        "of older traffic the gate judges on (scored while training, never trained on)",
+        "of older traffic (%d of them reserved for a thin segment) the gate judges on "
+        "(scored while training, never trained on)",
         snapshot.cycle_id,
         counts[WINDOW_DIR],
         counts[WINDOW_DIR] - window_requests,
         counts[REPLAY_DIR],
         window_judged,
         len(judged) - window_judged,
+        reserved,
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} export")
     return TrainingSet(requests=counts, tokens=tokens)
+
+
+def _export_older_judged(
+    config: TideConfig,
+    snapshot: Snapshot,
+    reader: LakeReader,
+    judged: set[bytes],
+    *,
+    segmenter: Segmenter,
+    window: _WindowRead,
+    out: Path,
+) -> int:
+    """Write the older requests the gate judges to ``held_out/older/`` (scored as traffic
+    to keep while training, never trained on; ``judged`` gains their digests, so they are
+    neither replayed nor learned again) and keep the list of the reserved ones among them
+    in the cycle's state for the gate (:func:`_older_held_out`); return how many those are."""
+    index = len(judged)
+
+    def write(segment: str, sample: CapturedRecord) -> None:
+        nonlocal index
+        sample.save_specforge(out / JUDGED_DIR / DataDirs.OLDER, index, segment=segment)
+        index += 1
+
+    _tokens, reserved = _older_held_out(
+        config, snapshot, reader, judged, segmenter=segmenter, window=window, judge=write
+    )
+    listed = json.dumps(sorted(digest.hex() for digest in reserved)).encode()
+    write_state(config, _reserved_name(snapshot.cycle_id), listed)
+    return len(reserved)
 
 
 def _any_file(folder: Path) -> bool:
@@ -702,7 +773,8 @@ def _choose_replay(
     (``relearned``: earlier requests of a segment the cycle learns).
 
     The candidates are the requests of the older held-out commits that the gate does
-    not hold out (the content hash decides, so a key is never a held-out request);
+    not judge (held out by the content hash, or in ``judged``: reserved for a thin
+    segment);
     this pass keeps their segments and sizes, not their states (the caller reads the
     commits of the chosen ones again). Requests learned again take no replay budget:
     the budget is split by the older traffic left to keep.
@@ -745,7 +817,8 @@ def _choose_replay(
 
 @dataclasses.dataclass
 class HeldOutTraffic:
-    """What the gate judges on, by segment: held-out requests and token shares.
+    """What the gate judges on, by segment: held-out requests (with the reserved ones of
+    a thin segment, :func:`_older_held_out`) and token shares.
 
     ``window_tokens`` counts every request of the window (held out or not): the
     weights of the gate; ``window_held_out`` how many of each segment's samples (the
@@ -808,19 +881,27 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
         segment: sum(int(sample.loss_mask.sum()) for sample in judged)
         for segment, judged in samples.items()
     }
-    older = _older_held_out(
+    older_tokens, _reserved = _older_held_out(
         config,
         snapshot,
         reader,
         seen,
         segmenter=segmenter,
-        window_evidence=evidence,
-        trained=window_digests,
+        window=_WindowRead(window_tokens, evidence, window_digests),
+        judge=lambda segment, sample: samples.setdefault(segment, []).append(sample),
+        reserved=_exported_reserve(config, snapshot.cycle_id),
     )
-    for segment, sample in older.judged:
-        samples.setdefault(segment, []).append(sample)
     log_debris(reader, f"cycle {snapshot.cycle_id} held-out")
-    return HeldOutTraffic(samples, window_tokens, older.tokens, key, window_held_out)
+    return HeldOutTraffic(samples, window_tokens, older_tokens, key, window_held_out)
+
+
+def _exported_reserve(config: TideConfig, cycle_id: str) -> set[bytes] | None:
+    """The reserved requests the cycle's export set aside for the gate (None: no export
+    kept a list, as before a cycle trains: the gate then chooses them as it would)."""
+    listed = read_state(config, _reserved_name(cycle_id))
+    if listed is None:
+        return None
+    return {bytes.fromhex(digest) for digest in json.loads(listed)}
 
 
 def held_out_samples(config: TideConfig, snapshot: Snapshot) -> dict[str, list[CapturedRecord]]:
