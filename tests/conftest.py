@@ -47,6 +47,10 @@ TAKEN_PORT_STACK_PORTS = 20400 + _OFFSET
 STOPPED_STACK_PORTS = 20500 + _OFFSET
 ENGINE_PORTS = 21000 + _OFFSET  # + up to 1000 by pid: engine processes
 DEMO_ENGINE_PORTS = 22000 + _OFFSET
+# The multi-host test's `data` host. Its namespace has ports to itself, but SeaweedFS
+# names its unix sockets by port in /tmp, which every namespace shares: at the default
+# ports they would take over the sockets of a developer's `tide stack` on this machine.
+MULTIHOST_DATA_PORTS = 20600 + _OFFSET
 
 
 def stack_config(state_dir: Path, port_base: int, **sections: object) -> TideConfig:

@@ -42,6 +42,7 @@ import pytest
 import redis
 from pydantic import SecretStr
 
+from tests.conftest import MULTIHOST_DATA_PORTS
 from tests.multihost import netns
 from tests.prometheus import metric_value
 from tide_lib.config import TideConfig, load_config
@@ -57,6 +58,18 @@ TARGET_ID = "tiny"
 PREFIX = "multihost"
 POSTGRES_RELAY, REDIS_RELAY, BROKER_DB = 15432, 16379, 8
 ENGINE_PORT, AIRFLOW_PORT = 30000, 8080
+# The data host's stack ports: see MULTIHOST_DATA_PORTS (SeaweedFS's sockets in /tmp).
+S3_PORT, MASTER_PORT, VOLUME_PORT, FILER_PORT, ADMIN_PORT, MLFLOW_PORT = range(
+    MULTIHOST_DATA_PORTS, MULTIHOST_DATA_PORTS + 6
+)
+DATA_STACK_PORTS = {
+    "TIDE_STACK__S3_PORT": str(S3_PORT),
+    "TIDE_STACK__MASTER_PORT": str(MASTER_PORT),
+    "TIDE_STACK__VOLUME_PORT": str(VOLUME_PORT),
+    "TIDE_STACK__FILER_PORT": str(FILER_PORT),
+    "TIDE_STACK__ADMIN_PORT": str(ADMIN_PORT),
+    "TIDE_STACK__MLFLOW_PORT": str(MLFLOW_PORT),
+}
 TIDE = str(Path(sys.executable).parent / "tide")
 # Every engine requires SGLang's keys (they listen on the bridge); Airflow's fleet client
 # sends them. The session's other secrets (S3, MLflow, Airflow logins) come from conftest.
@@ -113,9 +126,9 @@ def _common_env(data: str) -> dict[str, str]:
     return {
         **{name: os.environ[name] for name in SECRETS_OF_EVERY_HOST},
         **ENGINE_KEYS,
-        "TIDE_STORE__ENDPOINT": f"http://{data}:8333",
+        "TIDE_STORE__ENDPOINT": f"http://{data}:{S3_PORT}",
         "TIDE_STORE__TIMEOUT_S": "2",
-        "TIDE_MLFLOW__TRACKING_URI": f"http://{data}:5000",
+        "TIDE_MLFLOW__TRACKING_URI": f"http://{data}:{MLFLOW_PORT}",
         "TIDE_LAKE__PREFIX": PREFIX,
         "TIDE_LAKE__COMMIT_SETTLE_S": "2",
         "TIDE_SCRATCH_DIR": "scratch",  # relative: each host's own working directory
@@ -203,8 +216,8 @@ def topology(
     with netns.network(HOST_NAMES) as net:
         data = net.hosts["data"].address
         config = load_config(
-            store={"endpoint": f"http://{data}:8333", "timeout_s": 2.0},
-            mlflow={"tracking_uri": f"http://{data}:5000"},
+            store={"endpoint": f"http://{data}:{S3_PORT}", "timeout_s": 2.0},
+            mlflow={"tracking_uri": f"http://{data}:{MLFLOW_PORT}"},
             lake={"prefix": PREFIX, "spool_dir": root / "test-spool", "commit_settle_s": 0},
         )
         top = Topology(net, root, config, {}, {})
@@ -225,6 +238,7 @@ def topology(
                 ["seaweedfs", "mlflow"],
                 {
                     **_common_env(data),
+                    **DATA_STACK_PORTS,
                     "TIDE_STACK__STATE_DIR": "stack",
                     "TIDE_STACK__HOST": data,
                     "TIDE_STACK__AIRFLOW": "false",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,7 @@ def test_export_separates_window_and_replay(
     reader = cycle.sample_reader(config)
     window_held = {
         content_digest(sample.input_ids)
-        for held, sample in cycle._window_split(config, snapshot, reader)
+        for held, sample, _digest in cycle._window_split(config, snapshot, reader)
         if held
     }
     gate = {
@@ -258,7 +259,7 @@ def test_a_segment_of_short_requests_is_read_on_until_the_gate_can_judge_it(
 
 
 def test_a_thin_older_segment_is_judged_on_its_reserved_requests_too(
-    config: TideConfig, lake_store: ObjectStore, tmp_path: Path
+    config: TideConfig, lake_store: ObjectStore, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Older traffic: a few long documents and twenty short chat requests (6 output
     # tokens each); the window is documents alone, so chat is older traffic to keep.
@@ -317,6 +318,13 @@ def test_a_thin_older_segment_is_judged_on_its_reserved_requests_too(
         for segment, samples in traffic.samples.items()
         for sample in samples[traffic.window_held_out.get(segment, 0) :]
     }
+    # An unreadable list (a corrupt state file) does not stop the gate: it chooses as the
+    # export would, and its warning names the file.
+    cycle.write_state(changed, cycle._reserved_name("c2"), b"[not json")
+    with caplog.at_level(logging.WARNING, logger=cycle.__name__):
+        fallback = cycle.held_out_traffic(changed, snapshot)
+    assert {content_digest(s.input_ids) for s in fallback.samples["chat"]} == judged
+    assert "c2-reserved.json" in caplog.text
 
 
 def test_the_replay_favours_the_segment_the_window_lost(
@@ -504,9 +512,10 @@ def test_the_window_first_answered_request_is_held_out(
     answered = [_record(10 + i, CENTERS[1], "korean law") for i in range(6)]
     _write(lake_store, config, unanswered + answered)
     snapshot = cycle.snapshot_window(config, "c1")
+    reader = cycle.sample_reader(config)
     held = [
         sample.request_id
-        for judged, sample in cycle._window_split(config, snapshot, cycle.sample_reader(config))
+        for judged, sample, _digest in cycle._window_split(config, snapshot, reader)
         if judged and not content_fraction(sample.input_ids) * 100 < 1
     ]
     assert held == [answered[0].request_id]

@@ -40,6 +40,7 @@ __all__ = [
     "acceptance_counts",
     "content_digest",
     "content_fraction",
+    "digest_fraction",
     "drop_margin",
     "fall_below",
     "length_margin",
@@ -87,7 +88,12 @@ def content_fraction(input_ids: torch.Tensor, salt: bytes = b"") -> float:
     of what the cycle kept) need different ``salt``: the same hash would put every
     survivor of the first split above the second's threshold.
     """
-    digest = content_digest(input_ids)
+    return digest_fraction(content_digest(input_ids), salt)
+
+
+def digest_fraction(digest: bytes, salt: bytes = b"") -> float:
+    """:func:`content_fraction` of a request whose :func:`content_digest` is at hand (a
+    loop that needs both hashes the tokens once)."""
     if salt:
         digest = hashlib.sha256(salt + digest).digest()
     return int.from_bytes(digest[:8], "big") / 2**64

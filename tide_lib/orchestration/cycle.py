@@ -33,7 +33,7 @@ from tide_lib.evaluation.gate import protected_segments
 from tide_lib.evaluation.offline import (
     AcceptanceCount,
     content_digest,
-    content_fraction,
+    digest_fraction,
     drop_margin,
     no_room_to_gain,
 )
@@ -234,15 +234,16 @@ def _take(reader: LakeReader, keys: list[str], budget_tokens: float) -> list[Com
     return taken
 
 
-def _held_out(sample: CapturedRecord, percent: int) -> bool:
+def _held_out(sample: CapturedRecord, percent: int, digest: bytes | None = None) -> bool:
     """Held out of training in every cycle: judges forgetting once the traffic is older.
 
     A hash of the request's tokens, not of its id: copies of one request (a prompt the
     fleet sees again and again) are all held out or all trained on, never both. A
     request the target answered with no token is never held out: it has nothing to
     verify, and as a request judged it would only narrow the margins of error.
+    ``digest``: the sample's :func:`content_digest`, when the caller has it already.
     """
-    return _in_band(sample, 0, percent)
+    return _in_band(sample, 0, percent, digest)
 
 
 def _answered(sample: CapturedRecord) -> bool:
@@ -252,8 +253,9 @@ def _answered(sample: CapturedRecord) -> bool:
 
 def _window_split(
     config: TideConfig, snapshot: Snapshot, reader: LakeReader
-) -> Iterator[tuple[bool, CapturedRecord]]:
-    """The window's requests in commit order, each with whether it is held out.
+) -> Iterator[tuple[bool, CapturedRecord, bytes]]:
+    """The window's requests in commit order, each with whether it is held out and its
+    :func:`content_digest`.
 
     The one held-out rule (a hash of the request's tokens), so a request judged now is
     never trained on later as replay, and train and evaluate agree on any host
@@ -263,22 +265,26 @@ def _window_split(
     """
     percent, first = config.cycle.held_out_percent, True
     for sample in reader.iter_records(markers_of(reader, snapshot.window)):
-        answered = _answered(sample)
-        yield (first and answered) or _held_out(sample, percent), sample
+        answered, digest = _answered(sample), content_digest(sample.input_ids)
+        yield (first and answered) or _held_out(sample, percent, digest), sample, digest
         first = first and not answered
 
 
-def _reserved(sample: CapturedRecord, cycle: CycleConfig) -> bool:
+def _reserved(sample: CapturedRecord, cycle: CycleConfig, digest: bytes | None = None) -> bool:
     """In the band of the content hash past the held-out one (``cycle.held_out_reserve_
     percent``): judged, when older, for a segment too thin to judge on held-out requests."""
     low = cycle.held_out_percent
-    return _in_band(sample, low, low + cycle.held_out_reserve_percent)
+    return _in_band(sample, low, low + cycle.held_out_reserve_percent, digest)
 
 
-def _in_band(sample: CapturedRecord, low: float, high: float) -> bool:
+def _in_band(sample: CapturedRecord, low: float, high: float, digest: bytes | None = None) -> bool:
     """Answered, and its content hash (as a percentage) in ``[low, high)``: copies of a
-    request fall in one band together."""
-    return _answered(sample) and low <= content_fraction(sample.input_ids) * 100 < high
+    request fall in one band together. ``digest``: the sample's :func:`content_digest`,
+    when the caller has it already (the tokens are hashed once per record read)."""
+    if not _answered(sample):
+        return False
+    fraction = digest_fraction(digest or content_digest(sample.input_ids))
+    return low <= fraction * 100 < high
 
 
 @dataclasses.dataclass
@@ -307,6 +313,37 @@ class _Reserve:
         if not full and digest not in self.samples:
             self.samples[digest] = sample
             self.output_tokens += int(sample.loss_mask.sum())
+
+
+def _read_window(
+    config: TideConfig,
+    snapshot: Snapshot,
+    reader: LakeReader,
+    segmenter: Segmenter,
+    judged: set[bytes],
+    *,
+    judge: Callable[[str, CapturedRecord], None],
+    learn: Callable[[str, CapturedRecord], None] | None = None,
+) -> _WindowRead:
+    """Read the window once, in commit order (:func:`_window_split`): hand ``judge`` each
+    held-out request not judged before, by segment (``judged`` gains its digest: copies
+    are judged once and never trained on), and ``learn`` every other request; return what
+    the window holds. The export and the gate read the window through this one loop, so
+    they agree on which requests are judged."""
+    read = _WindowRead({}, {}, set())
+    for held, sample, digest in _window_split(config, snapshot, reader):
+        segment = segment_of(sample, segmenter)
+        read.tokens[segment] = read.tokens.get(segment, 0) + int(sample.input_ids.numel())
+        read.digests.add(digest)
+        if digest in judged:
+            continue
+        if held:
+            judge(segment, sample)
+            judged.add(digest)
+            read.evidence[segment] = read.evidence.get(segment, 0) + int(sample.loss_mask.sum())
+        elif learn is not None:
+            learn(segment, sample)
+    return read
 
 
 def _reserved_name(cycle_id: str) -> str:
@@ -364,11 +401,11 @@ def _older_held_out(
         name = segment_of(sample, segmenter)
         older_tokens[name] = older_tokens.get(name, 0) + int(sample.input_ids.numel())
         digest = content_digest(sample.input_ids)
-        if _held_out(sample, config.cycle.held_out_percent) and wanted(name):
+        if _held_out(sample, config.cycle.held_out_percent, digest) and wanted(name):
             if digest not in seen:
                 take(name, sample)
             seen.add(digest)
-        elif _reserved(sample, config.cycle) and digest not in window.digests:
+        elif _reserved(sample, config.cycle, digest) and digest not in window.digests:
             if reserved is None:  # the export: enough to bring a thin segment to the minimum
                 reserve.setdefault(name, _Reserve()).keep(digest, sample, minimum)
             elif digest in reserved:  # the gate: the ones the export listed
@@ -478,34 +515,33 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         counts[part] += 1
         tokens[part] += int(sample.input_ids.numel())
 
-    window_tokens: dict[str, int] = {}  # what the window carries, by segment
-    judged: set[bytes] = set()  # the window's held-out requests: a copy is never trained on
-    evidence: dict[str, int] = {}  # and their output tokens, by segment
-    carried: set[bytes] = set()  # the window's requests: an older copy is not learned again
-    for held, sample in _window_split(config, snapshot, reader):
-        segment, digest = segment_of(sample, segmenter), content_digest(sample.input_ids)
-        window_tokens[segment] = window_tokens.get(segment, 0) + int(sample.input_ids.numel())
-        carried.add(digest)
-        if held:
-            if digest not in judged:  # scored while training, never trained on
-                part = WINDOW_DIR if learned(sample) else REPLAY_DIR
-                sample.save_specforge(out / JUDGED_DIR / part, len(judged), segment=segment)
-                evidence[segment] = evidence.get(segment, 0) + int(sample.loss_mask.sum())
-            judged.add(digest)
-        elif digest not in judged:
-            save(sample, segment, window=True)
+    judged: set[bytes] = set()  # the held-out requests: a copy is never trained on
+
+    def judge(segment: str, sample: CapturedRecord) -> None:  # scored while training
+        part = WINDOW_DIR if learned(sample) else REPLAY_DIR
+        sample.save_specforge(out / JUDGED_DIR / part, len(judged), segment=segment)
+
+    window = _read_window(
+        config,
+        snapshot,
+        reader,
+        segmenter,
+        judged,
+        judge=judge,
+        learn=lambda segment, sample: save(sample, segment, window=True),
+    )
+    window_tokens = window.tokens  # what the window carries, by segment
     window_requests = counts[WINDOW_DIR]
     # replay/ so far: the window's requests it keeps (its first files)
     kept_requests, kept_tokens = counts[REPLAY_DIR], tokens[REPLAY_DIR]
     _write_gate_figure(config, out, window_tokens)
 
     def relearned(sample: CapturedRecord, segment: str, digest: bytes) -> bool:
-        if digest in carried or (segment not in window_tokens and not plan.consolidating):
+        if digest in window.digests or (segment not in window_tokens and not plan.consolidating):
             return False
         return plan.relearns(segment_as_grouped(sample, plan.segmenter, segmenter))
 
     window_judged = len(judged)
-    window = _WindowRead(window_tokens, evidence, carried)
     reserved = _export_older_judged(
         config, snapshot, reader, judged, segmenter=segmenter, window=window, out=out
     )
@@ -754,9 +790,10 @@ def _consolidation_recipe(config: TideConfig, from_floor: bool) -> dict[str, Any
     }
 
 
-def _replay_key(sample: CapturedRecord) -> str:
-    """A record's identity for the replay: its request id and content (ids can repeat)."""
-    return f"{sample.request_id}/{content_digest(sample.input_ids).hex()}"
+def _replay_key(sample: CapturedRecord, digest: bytes | None = None) -> str:
+    """A record's identity for the replay: its request id and content (ids can repeat;
+    ``digest``: its :func:`content_digest`, when the caller has it already)."""
+    return f"{sample.request_id}/{(digest or content_digest(sample.input_ids)).hex()}"
 
 
 def _choose_replay(
@@ -786,11 +823,12 @@ def _choose_replay(
         for sample in reader.iter_records([marker]):
             segment, tokens = segment_of(sample, segmenter), int(sample.input_ids.numel())
             older_tokens[segment] = older_tokens.get(segment, 0) + tokens
-            if _held_out(sample, config.cycle.held_out_percent):
-                continue
             digest = content_digest(sample.input_ids)
+            if _held_out(sample, config.cycle.held_out_percent, digest):
+                continue
             if digest not in judged:
-                candidate = ReplayCandidate(_replay_key(sample), segment, tokens, marker.key)
+                key = _replay_key(sample, digest)
+                candidate = ReplayCandidate(key, segment, tokens, marker.key)
                 (learned if relearned(sample, segment, digest) else candidates).append(candidate)
     # a segment learned again, none of it kept, takes no share of the replay budget (the
     # drift check's groups can split a cluster: one with requests to keep keeps its share)
@@ -858,50 +896,47 @@ def held_out_traffic(config: TideConfig, snapshot: Snapshot) -> HeldOutTraffic:
     segmenter, key = cycle_segmenter(config, snapshot)
     reader = sample_reader(config)
     samples: dict[str, list[CapturedRecord]] = {}
-    window_tokens: dict[str, int] = {}
     seen: set[bytes] = set()  # a request judged once, however often it was sent
-    window_digests: set[bytes] = set()  # the window's requests: trained on or judged
 
-    def judge(segment: str, sample: CapturedRecord) -> bool:
-        digest = content_digest(sample.input_ids)
-        if digest in seen:
-            return False
-        seen.add(digest)
+    def judge(segment: str, sample: CapturedRecord) -> None:
         samples.setdefault(segment, []).append(sample)
-        return True
 
-    for held, sample in _window_split(config, snapshot, reader):
-        segment = segment_of(sample, segmenter)
-        window_tokens[segment] = window_tokens.get(segment, 0) + int(sample.input_ids.numel())
-        window_digests.add(content_digest(sample.input_ids))
-        if held:
-            judge(segment, sample)
+    window = _read_window(config, snapshot, reader, segmenter, seen, judge=judge)
     window_held_out = {segment: len(judged) for segment, judged in samples.items()}
-    evidence = {
-        segment: sum(int(sample.loss_mask.sum()) for sample in judged)
-        for segment, judged in samples.items()
-    }
     older_tokens, _reserved = _older_held_out(
         config,
         snapshot,
         reader,
         seen,
         segmenter=segmenter,
-        window=_WindowRead(window_tokens, evidence, window_digests),
-        judge=lambda segment, sample: samples.setdefault(segment, []).append(sample),
+        window=window,
+        judge=judge,
         reserved=_exported_reserve(config, snapshot.cycle_id),
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} held-out")
-    return HeldOutTraffic(samples, window_tokens, older_tokens, key, window_held_out)
+    return HeldOutTraffic(samples, window.tokens, older_tokens, key, window_held_out)
 
 
 def _exported_reserve(config: TideConfig, cycle_id: str) -> set[bytes] | None:
     """The reserved requests the cycle's export set aside for the gate (None: no export
-    kept a list, as before a cycle trains: the gate then chooses them as it would)."""
-    listed = read_state(config, _reserved_name(cycle_id))
+    kept a readable list, as before a cycle trains: the gate then chooses them as it
+    would)."""
+    name = _reserved_name(cycle_id)
+    listed = read_state(config, name)
     if listed is None:
         return None
-    return {bytes.fromhex(digest) for digest in json.loads(listed)}
+    try:
+        return {bytes.fromhex(digest) for digest in json.loads(listed)}
+    except (ValueError, TypeError) as error:  # not JSON, or not a list of hex digests
+        logger.warning(
+            "cycle %s: the export's list of reserved requests (%s) is unreadable (%s); "
+            "the gate chooses them as the export would. To judge exactly what the export "
+            "chose, clear export_training_data and the tasks after it.",
+            cycle_id,
+            state_key(config, name),
+            error,
+        )
+        return None
 
 
 def held_out_samples(config: TideConfig, snapshot: Snapshot) -> dict[str, list[CapturedRecord]]:
