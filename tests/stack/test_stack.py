@@ -16,7 +16,7 @@ from tests.conftest import (
 )
 from tide_lib.config import TideConfig
 from tide_lib.lake import ObjectStore
-from tide_lib.stack import SERVICES, StackError, StackManager, free_ports
+from tide_lib.stack import SERVICES, StackError, StackManager, free_ports, manager
 from tide_lib.stack.services import find_binary
 
 pytestmark = pytest.mark.slow
@@ -66,6 +66,31 @@ def test_taken_port_fails_with_a_clear_message(tmp_path: Path) -> None:
         with pytest.raises(StackError, match=rf"port\(s\) \[{config.stack.mlflow_port}\].*taken"):
             mlflow_only.up()
         assert not mlflow_only.status()[0].running
+
+
+def test_a_seaweedfs_on_the_same_ports_elsewhere_fails_with_a_clear_message(
+    tmp_path: Path,
+) -> None:
+    # Another SeaweedFS on the same ports in a network namespace of its own: its ports
+    # look free from here, but its unix sockets in /tmp (named by port) are shared, and
+    # starting would take them over from it.
+    config = stack_config(tmp_path, port_base=TAKEN_PORT_STACK_PORTS)
+    path = Path(f"/tmp/seaweedfs-master-grpc-{config.stack.master_port + 10000}.sock")
+    if path.exists():
+        assert not manager._socket_served(path), f"{path} is served: move the test's ports"
+        path.unlink()
+    seaweedfs_only = StackManager(config, services=(SERVICES[0],))
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as squatter:
+            squatter.bind(str(path))
+            squatter.listen()
+            with pytest.raises(StackError, match=rf"seaweedfs.*{path}.*TIDE_STACK__"):
+                seaweedfs_only.up()
+            assert not seaweedfs_only.status()[0].running
+        # The file a stopped one leaves behind is no conflict.
+        assert path.exists() and not manager._socket_served(path)
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def test_missing_binary_names_the_fix() -> None:

@@ -52,6 +52,18 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def _socket_served(path: Path) -> bool:
+    """Whether a process accepts connections on unix socket ``path`` (a file left behind
+    by one that stopped does not)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 def free_ports(count: int, start: int, *, twin_offset: int = 0) -> list[int]:
     """The first ``count`` ports from ``start`` that a service could bind on 127.0.0.1.
 
@@ -167,6 +179,14 @@ class StackManager:
                 f"cannot start {service.name}: port(s) {busy} on {self.config.stack.host} "
                 "are taken by another process. Stop it (`ss -ltnp` shows which), "
                 "or move TIDE's ports with TIDE_STACK__<NAME>_PORT"
+            )
+        served = [str(path) for path in service.sockets(self.config) if _socket_served(path)]
+        if served:
+            raise StackError(
+                f"cannot start {service.name}: another process serves its unix socket(s) "
+                f"{served}, most likely a {service.name} on the same ports in another "
+                "network namespace or a container that shares /tmp. Stop it, or move "
+                "TIDE's ports with TIDE_STACK__<NAME>_PORT"
             )
         service.before_start(self.config)
         command = service.command(self.config, self.state_dir)

@@ -30,6 +30,10 @@ from tide_lib.stack.secrets import mlflow_username
 __all__ = ["SERVICES", "Service", "airflow_env", "find_binary", "repo_root"]
 
 _GRPC_PORT_OFFSET = 10000  # SeaweedFS derives each gRPC port as http port + 10000
+# SeaweedFS 4.48 also listens on unix sockets named by port in /tmp (hard-coded): two
+# stacks on one machine with the same ports share them even in separate network
+# namespaces or containers that share /tmp, and the later one takes the earlier's over.
+_SEAWEEDFS_SOCKET_DIR = Path("/tmp")
 
 
 def find_binary(name: str, install_hint: str) -> str:
@@ -57,6 +61,9 @@ class Service:
     url: Callable[[TideConfig], str] = lambda _config: ""
     after_start: Callable[[TideConfig], None] = lambda _config: None
     before_start: Callable[[TideConfig], None] = lambda _config: None
+    # unix sockets it listens on whose names do not depend on its state dir: another
+    # process serving one of them is as much a conflict as a taken port
+    sockets: Callable[[TideConfig], list[Path]] = lambda _config: []
     enabled: Callable[[TideConfig], bool] = lambda _config: True
 
 
@@ -109,6 +116,22 @@ def _seaweedfs_ports(config: TideConfig) -> list[int]:
     stack = config.stack
     http_ports = [stack.master_port, stack.volume_port, stack.filer_port, stack.admin_port]
     return [stack.s3_port, *http_ports, *(port + _GRPC_PORT_OFFSET for port in http_ports)]
+
+
+def _seaweedfs_sockets(config: TideConfig) -> list[Path]:
+    stack = config.stack
+    grpc = {
+        "master": stack.master_port,
+        "volume": stack.volume_port,
+        "filer": stack.filer_port,
+        "s3": stack.s3_port,
+        "admin": stack.admin_port,
+    }
+    names = [
+        f"seaweedfs-{name}-grpc-{port + _GRPC_PORT_OFFSET}.sock" for name, port in grpc.items()
+    ]
+    names += [f"seaweedfs-filer-{stack.filer_port}.sock", f"seaweedfs-s3-{stack.s3_port}.sock"]
+    return [_SEAWEEDFS_SOCKET_DIR / name for name in names]
 
 
 def _stack_store_config(config: TideConfig) -> TideConfig:
@@ -443,6 +466,7 @@ SERVICES: tuple[Service, ...] = (
         command=_seaweedfs_command,
         ports=_seaweedfs_ports,
         healthy=_seaweedfs_healthy,
+        sockets=_seaweedfs_sockets,
         url=lambda config: f"http://{config.stack.host}:{config.stack.s3_port}",
         after_start=_create_buckets,
     ),
