@@ -185,7 +185,7 @@ class StackConfig(StrictModel):
 
     state_dir: Path = DEFAULT_HOME / "stack"
     host: str = "127.0.0.1"
-    s3_port: int = Field(8333, ge=1, le=65535)
+    s3_port: int = Field(8333, ge=1, le=55535)
     master_port: int = Field(9333, ge=1, le=55535)
     volume_port: int = Field(9340, ge=1, le=55535)
     filer_port: int = Field(8888, ge=1, le=55535)

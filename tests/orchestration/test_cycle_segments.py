@@ -320,11 +320,13 @@ def test_a_thin_older_segment_is_judged_on_its_reserved_requests_too(
     }
     # An unreadable list (a corrupt state file) does not stop the gate: it chooses as the
     # export would, and its warning names the file.
-    cycle.write_state(changed, cycle._reserved_name("c2"), b"[not json")
-    with caplog.at_level(logging.WARNING, logger=cycle.__name__):
-        fallback = cycle.held_out_traffic(changed, snapshot)
-    assert {content_digest(s.input_ids) for s in fallback.samples["chat"]} == judged
-    assert "c2-reserved.json" in caplog.text
+    for unreadable in (b"[not json", b"{}", b'["not hex"]'):
+        caplog.clear()
+        cycle.write_state(changed, cycle._reserved_name("c2"), unreadable)
+        with caplog.at_level(logging.WARNING, logger=cycle.__name__):
+            fallback = cycle.held_out_traffic(changed, snapshot)
+        assert {content_digest(s.input_ids) for s in fallback.samples["chat"]} == judged
+        assert "c2-reserved.json" in caplog.text
 
 
 def test_the_replay_favours_the_segment_the_window_lost(

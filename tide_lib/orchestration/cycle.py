@@ -926,11 +926,15 @@ def _exported_reserve(config: TideConfig, cycle_id: str) -> set[bytes] | None:
     if listed is None:
         return None
     try:
-        return {bytes.fromhex(digest) for digest in json.loads(listed)}
+        digests = json.loads(listed)
+        if not isinstance(digests, list):
+            raise TypeError(f"a JSON list of hex digests expected, not {type(digests).__name__}")
+        return {bytes.fromhex(digest) for digest in digests}
     except (ValueError, TypeError) as error:  # not JSON, or not a list of hex digests
         logger.warning(
             "cycle %s: the export's list of reserved requests (%s) is unreadable (%s); "
-            "the gate chooses them as the export would. To judge exactly what the export "
+            "the gate chooses them as the export would, and may judge one the cycle "
+            "replayed if a shard went missing since. To judge exactly what the export "
             "chose, clear export_training_data and the tasks after it.",
             cycle_id,
             state_key(config, name),

@@ -53,14 +53,17 @@ def _port_in_use(host: str, port: int) -> bool:
 
 
 def _socket_served(path: Path) -> bool:
-    """Whether a process accepts connections on unix socket ``path`` (a file left behind
-    by one that stopped does not)."""
+    """Whether a process listens on unix socket ``path`` (a file left behind by one that
+    stopped refuses the connection; one we may not connect to, or whose backlog is full,
+    is served all the same)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
         try:
             probe.connect(str(path))
-        except OSError:
+        except (FileNotFoundError, ConnectionRefusedError):
             return False
+        except (PermissionError, TimeoutError):
+            return True
     return True
 
 
@@ -184,8 +187,9 @@ class StackManager:
         if served:
             raise StackError(
                 f"cannot start {service.name}: another process serves its unix socket(s) "
-                f"{served}, most likely a {service.name} on the same ports in another "
-                "network namespace or a container that shares /tmp. Stop it, or move "
+                f"{served}: a {service.name} on the same ports (in another network "
+                "namespace, a container that shares /tmp, another user's, or one on "
+                "another address of this host). Stop it, or move "
                 "TIDE's ports with TIDE_STACK__<NAME>_PORT"
             )
         service.before_start(self.config)

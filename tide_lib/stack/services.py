@@ -115,7 +115,8 @@ def _seaweedfs_command(config: TideConfig, state: Path) -> list[str]:
 def _seaweedfs_ports(config: TideConfig) -> list[int]:
     stack = config.stack
     http_ports = [stack.master_port, stack.volume_port, stack.filer_port, stack.admin_port]
-    return [stack.s3_port, *http_ports, *(port + _GRPC_PORT_OFFSET for port in http_ports)]
+    http_ports.append(stack.s3_port)
+    return [*http_ports, *(port + _GRPC_PORT_OFFSET for port in http_ports)]
 
 
 def _seaweedfs_sockets(config: TideConfig) -> list[Path]:
