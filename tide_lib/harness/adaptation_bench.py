@@ -717,7 +717,7 @@ def run_adaptation_bench(
     from tide_lib.target_model import build_target  # noqa: PLC0415
 
     requests = load_workload(workload)
-    build_target(target_dir, preset_name=preset)
+    build_target(target_dir, preset_name=preset, seed=params.target_seed)
     train = train or config.training
     static_steps = params.static_steps or 4 * train.steps
     segments = list(dict.fromkeys(item["segment"] for item in requests))
@@ -812,6 +812,7 @@ def run_adaptation_bench(
         "oracle_data": loop.oracle_data,
         "oracle_seeds": params.oracle_seeds,
         "joint": params.joint,
+        "target_seed": params.target_seed,
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

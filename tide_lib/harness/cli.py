@@ -124,12 +124,11 @@ def _bench_adaptation(args: argparse.Namespace, config: TideConfig) -> int:
     """
     from tide_lib.harness.adaptation_bench import run_adaptation_bench  # noqa: PLC0415
 
+    params = config_from_args(args, AdaptationBenchParams())
+    seed = params.target_seed
+    default_target = DEFAULT_TARGETS / ("demo" if seed == 0 else f"demo-seed{seed}")
     result = run_adaptation_bench(
-        config,
-        args.workload,
-        args.json,
-        config_from_args(args, AdaptationBenchParams()),
-        target_dir=args.target or DEFAULT_TARGETS / "demo",
+        config, args.workload, args.json, params, target_dir=args.target or default_target
     )
     keys = (
         "al_ratio_adapted_static",

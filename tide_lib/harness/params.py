@@ -105,6 +105,13 @@ class AdaptationBenchParams(StrictModel):
         description="training steps of the static draft (0: 4 x training.steps, "
         "a draft fitted to its traffic as a deployed one is, not one a cycle still improves)",
     )
+    target_seed: int = Field(
+        0,
+        ge=0,
+        description="seed of the demo target's build (tide target build --seed): another "
+        "seed builds another target, so that figures need not rest on one build; its "
+        "default directory is .tide/targets/demo-seed<N>",
+    )
     oracle_seeds: int = Field(
         3,
         ge=1,
