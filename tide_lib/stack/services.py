@@ -112,24 +112,28 @@ def _seaweedfs_command(config: TideConfig, state: Path) -> list[str]:
     ]
 
 
-def _seaweedfs_ports(config: TideConfig) -> list[int]:
+def _seaweedfs_http_ports(config: TideConfig) -> dict[str, int]:
+    """SeaweedFS's components and their HTTP ports; each serves gRPC at port + 10000."""
     stack = config.stack
-    http_ports = [stack.master_port, stack.volume_port, stack.filer_port, stack.admin_port]
-    http_ports.append(stack.s3_port)
+    return {
+        "master": stack.master_port,
+        "volume": stack.volume_port,
+        "filer": stack.filer_port,
+        "admin": stack.admin_port,
+        "s3": stack.s3_port,
+    }
+
+
+def _seaweedfs_ports(config: TideConfig) -> list[int]:
+    http_ports = list(_seaweedfs_http_ports(config).values())
     return [*http_ports, *(port + _GRPC_PORT_OFFSET for port in http_ports)]
 
 
 def _seaweedfs_sockets(config: TideConfig) -> list[Path]:
     stack = config.stack
-    grpc = {
-        "master": stack.master_port,
-        "volume": stack.volume_port,
-        "filer": stack.filer_port,
-        "s3": stack.s3_port,
-        "admin": stack.admin_port,
-    }
     names = [
-        f"seaweedfs-{name}-grpc-{port + _GRPC_PORT_OFFSET}.sock" for name, port in grpc.items()
+        f"seaweedfs-{name}-grpc-{port + _GRPC_PORT_OFFSET}.sock"
+        for name, port in _seaweedfs_http_ports(config).items()
     ]
     names += [f"seaweedfs-filer-{stack.filer_port}.sock", f"seaweedfs-s3-{stack.s3_port}.sock"]
     return [_SEAWEEDFS_SOCKET_DIR / name for name in names]
