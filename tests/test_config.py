@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+import itertools
 import os
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 import tide_lib.config
 from tide_lib.config import ConfigError, load_config, load_secret_files
@@ -127,3 +131,38 @@ def test_a_config_error_never_shows_a_secret(monkeypatch: pytest.MonkeyPatch) ->
     assert "stack: Value error, CeleryExecutor needs a PostgreSQL" in message
     assert "serve.port" in message
     assert "never-shown" not in message and raised.value.__cause__ is None
+
+
+def test_every_attribute_docstring_is_its_fields_one_line_description() -> None:
+    """A field's docstring in ``config.py`` is its description: ``--help``, the trigger
+    form and the JSON schema read it, joined into one line. Pydantic reads docstrings from
+    the source, so a host that lost it would lose every description without an error."""
+    source = Path(inspect.getfile(tide_lib.config)).read_text()
+    documented: set[tuple[str, str]] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef):
+            for field, after in itertools.pairwise(node.body):
+                if (
+                    isinstance(field, ast.AnnAssign)
+                    and isinstance(field.target, ast.Name)
+                    and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant)
+                ):
+                    documented.add((node.name, field.target.id))
+    described = set()
+    for name, model in vars(tide_lib.config).items():
+        if (
+            isinstance(model, type)
+            and issubclass(model, BaseModel)
+            and model.__module__ == tide_lib.config.__name__
+        ):
+            schema = model.model_json_schema()["properties"]
+            for field, info in model.model_fields.items():
+                if info.description:
+                    described.add((name, field))
+                    assert "\n" not in info.description and "  " not in info.description
+                    assert schema[field]["description"] == info.description
+    assert len(documented) > 100
+    assert described == documented
+    held_out = tide_lib.config.CycleConfig.model_fields["held_out_percent"].description
+    assert held_out == "window requests kept for evaluation"

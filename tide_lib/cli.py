@@ -7,6 +7,8 @@ readable line (exit code 2) instead of a traceback.
 
 from __future__ import annotations
 
+__all__ = ["main"]
+
 import argparse
 import dataclasses
 import inspect
@@ -33,8 +35,6 @@ from tide_lib.errors import TideError
 
 if TYPE_CHECKING:
     from tide_lib.stack import ServiceStatus
-
-__all__ = ["main"]
 
 logger = logging.getLogger("tide")
 

@@ -9,9 +9,6 @@ re-export them.
 
 from __future__ import annotations
 
-import re
-from typing import Final
-
 __all__ = [
     "BASELINE",
     "CHALLENGER",
@@ -22,6 +19,9 @@ __all__ = [
     "registered_model_name",
     "target_slug",
 ]
+
+import re
+from typing import Final
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"

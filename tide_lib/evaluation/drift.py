@@ -44,16 +44,6 @@ no drift; drift trains anyway); the chain stops as soon as a cycle gains less
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING
-
-from tide_lib.evaluation.offline import fall_below
-
-if TYPE_CHECKING:
-    from tide_lib.evaluation.gate import GateDecision
-
 __all__ = [
     "DriftVerdict",
     "capped_reference",
@@ -63,6 +53,16 @@ __all__ = [
     "pooled_gain",
     "still_learning",
 ]
+
+import dataclasses
+import math
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from tide_lib.evaluation.offline import fall_below
+
+if TYPE_CHECKING:
+    from tide_lib.evaluation.gate import GateDecision
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,16 +51,6 @@ version tags (``tide.gate.*``, ``tide.al.*``; every name is built here),
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import re
-from collections.abc import Callable
-from typing import Any, Final
-
-from tide_lib.config import GateConfig
-from tide_lib.names import Tags
-
 __all__ = [
     "GateDecision",
     "PooledFigures",
@@ -73,6 +63,16 @@ __all__ = [
     "t95",
     "weighted_figure",
 ]
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable
+from typing import Any, Final
+
+from tide_lib.config import GateConfig
+from tide_lib.names import Tags
 
 # One-sided 95% quantiles of Student's t by degrees of freedom (held-out requests - 1):
 # a drop rejects (or, in the trainer, counts as forgetting) only beyond its margin.

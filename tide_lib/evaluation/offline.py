@@ -20,19 +20,6 @@ scores its held-out split with the same replay while it trains.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import math
-from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
-from typing import Any, Protocol
-
-import torch
-
-from tide_lib.evaluation.gate import t95
-from tide_lib.serving.acceptance import AcceptanceCount
-from tide_lib.serving.speculative import DraftRunner
-
 __all__ = [
     "AcceptanceCount",
     "ReplaySample",
@@ -51,6 +38,19 @@ __all__ = [
     "replay_sample",
     "significant_drop",
 ]
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from tide_lib.evaluation.gate import t95
+from tide_lib.serving.acceptance import AcceptanceCount
+from tide_lib.serving.speculative import DraftRunner
 
 
 class ReplaySample(Protocol):

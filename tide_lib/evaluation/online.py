@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["OnlineResult", "online_acceptance"]
+
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -10,8 +12,6 @@ from pydantic import SecretStr
 
 from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.fleet import EngineClient
-
-__all__ = ["OnlineResult", "online_acceptance"]
 
 
 @dataclasses.dataclass(frozen=True)

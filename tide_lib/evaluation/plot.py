@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 __all__ = ["plot_acceptance", "plot_timeline"]
+
+from pathlib import Path
 
 
 def plot_acceptance(

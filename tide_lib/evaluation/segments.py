@@ -18,6 +18,16 @@ draft a cycle registers points at the segmenter its figures were measured with.
 
 from __future__ import annotations
 
+__all__ = [
+    "CLUSTER_PREFIX",
+    "UNSEGMENTED",
+    "Segmenter",
+    "fit_segmenter",
+    "pooled_state",
+    "segment_as_grouped",
+    "segment_of",
+]
+
 import dataclasses
 import json
 import logging
@@ -30,16 +40,6 @@ from tide_lib.lake.schema import CLUSTER_PREFIX, UNSEGMENTED
 
 if TYPE_CHECKING:
     from tide_lib.lake.schema import CapturedRecord
-
-__all__ = [
-    "CLUSTER_PREFIX",
-    "UNSEGMENTED",
-    "Segmenter",
-    "fit_segmenter",
-    "pooled_state",
-    "segment_as_grouped",
-    "segment_of",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,8 @@ across versions; the Airflow view reads those metrics (:func:`logged_accept_leng
 
 from __future__ import annotations
 
+__all__ = ["log_acceptance_plot", "log_decision", "logged_accept_lengths"]
+
 import logging
 import tempfile
 from pathlib import Path
@@ -25,8 +27,6 @@ from tide_lib.names import Tags
 
 if TYPE_CHECKING:
     from tide_lib.registry import DraftRegistry, DraftVersion
-
-__all__ = ["log_acceptance_plot", "log_decision", "logged_accept_lengths"]
 
 logger = logging.getLogger(__name__)
 

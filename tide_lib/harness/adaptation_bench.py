@@ -37,6 +37,16 @@ so copies of a request are all held out or all served.
 
 from __future__ import annotations
 
+__all__ = [
+    "AdaptationBenchParams",
+    "WorkloadError",
+    "demo_workload",
+    "fresh_requests",
+    "held_out_indices",
+    "load_workload",
+    "run_adaptation_bench",
+]
+
 import dataclasses
 import hashlib
 import json
@@ -61,16 +71,6 @@ if TYPE_CHECKING:
     from tide_lib.registry import DraftRegistry
     from tide_lib.serving.acceptance import AcceptanceCount
     from tide_lib.serving.engine import Engine
-
-__all__ = [
-    "AdaptationBenchParams",
-    "WorkloadError",
-    "demo_workload",
-    "fresh_requests",
-    "held_out_indices",
-    "load_workload",
-    "run_adaptation_bench",
-]
 
 logger = logging.getLogger(__name__)
 ORACLE: Final = "oracle"  # the oracle seeds' drafts pooled; each is oracle-seed<i>

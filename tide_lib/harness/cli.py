@@ -7,6 +7,8 @@ imports the harness.
 
 from __future__ import annotations
 
+__all__ = ["add_bench_commands", "add_demo_command", "add_workload_commands"]
+
 import argparse
 import json
 import logging
@@ -34,8 +36,6 @@ from tide_lib.harness.params import (
     ServeBenchParams,
     TrainBenchParams,
 )
-
-__all__ = ["add_bench_commands", "add_demo_command", "add_workload_commands"]
 
 logger = logging.getLogger("tide")
 

@@ -17,6 +17,8 @@ benchmark's objects are deleted afterwards.
 
 from __future__ import annotations
 
+__all__ = ["CycleBenchParams", "CycleBenchResult", "ScaleFigures", "run_cycle_bench"]
+
 import dataclasses
 import logging
 import time
@@ -34,8 +36,6 @@ from tide_lib.lake import CapturedRecord, LakeReader, LakeWriter, ObjectStore, t
 from tide_lib.lake.layout import commit_key, new_shard_id, shard_key
 from tide_lib.lake.schema import NUM_AUX_LAYERS
 from tide_lib.lake.store import StoreIO, process_io
-
-__all__ = ["CycleBenchParams", "CycleBenchResult", "ScaleFigures", "run_cycle_bench"]
 
 logger = logging.getLogger(__name__)
 

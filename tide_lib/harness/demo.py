@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+__all__ = ["DemoSettings", "run_demo"]
+
 import contextlib
 import json
 import logging
@@ -35,8 +37,6 @@ from tide_lib.harness.params import DemoSettings
 from tide_lib.names import Tags
 from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.stack.airflow_api import AirflowAPI
-
-__all__ = ["DemoSettings", "run_demo"]
 
 logger = logging.getLogger(__name__)
 _COMMIT_SETTLE_S = 15.0  # one local store: markers land in milliseconds, not minutes

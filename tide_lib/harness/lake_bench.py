@@ -9,6 +9,8 @@ states do; the benchmark's own shards are deleted afterwards.
 
 from __future__ import annotations
 
+__all__ = ["HEADLINE_KEYS", "LakeBenchParams", "run_lake_bench"]
+
 import json
 import logging
 import os
@@ -31,8 +33,6 @@ from tide_lib.lake.reader import LakeReader
 from tide_lib.lake.schema import NUM_AUX_LAYERS, CapturedRecord
 from tide_lib.lake.store import ObjectStore, StoreUnavailableError
 from tide_lib.lake.writer import LakeWriter
-
-__all__ = ["HEADLINE_KEYS", "LakeBenchParams", "run_lake_bench"]
 
 logger = logging.getLogger(__name__)
 

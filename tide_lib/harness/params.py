@@ -7,13 +7,6 @@ JSON's "params" come from one place.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal
-
-from pydantic import Field
-
-from tide_lib.config import StrictModel, TrainConfig
-
 __all__ = [
     "AdaptationBenchParams",
     "CycleBenchParams",
@@ -22,6 +15,13 @@ __all__ = [
     "ServeBenchParams",
     "TrainBenchParams",
 ]
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from tide_lib.config import StrictModel, TrainConfig
 
 
 class LakeBenchParams(StrictModel):

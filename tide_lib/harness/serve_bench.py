@@ -15,6 +15,21 @@ untimed warm-up requests (training prompts), so the figures are steady state.
 
 from __future__ import annotations
 
+__all__ = [
+    "HEADLINE_KEYS",
+    "PlainOn",
+    "ServeBenchParams",
+    "adaptive_report",
+    "bootstrap_draft",
+    "greedy_records",
+    "paired_ratio",
+    "pass_ratios",
+    "run_serve_bench",
+    "settle",
+    "side_by_side",
+    "turn_orders",
+]
+
 import concurrent.futures
 import dataclasses
 import json
@@ -41,21 +56,6 @@ from tide_lib.serving.engine import Engine, EngineRequest, EngineResult
 from tide_lib.serving.speculative import SpeculativeDecoder
 from tide_lib.target_model import build_target, load_corpus, render_prompt
 from tide_lib.training.trainer import train_draft
-
-__all__ = [
-    "HEADLINE_KEYS",
-    "PlainOn",
-    "ServeBenchParams",
-    "adaptive_report",
-    "bootstrap_draft",
-    "greedy_records",
-    "paired_ratio",
-    "pass_ratios",
-    "run_serve_bench",
-    "settle",
-    "side_by_side",
-    "turn_orders",
-]
 
 logger = logging.getLogger(__name__)
 

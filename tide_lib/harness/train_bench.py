@@ -11,6 +11,8 @@ down, because the ratio depends on how large the target is next to the draft.
 
 from __future__ import annotations
 
+__all__ = ["TrainBenchParams", "run_train_bench"]
+
 import json
 import logging
 import resource
@@ -27,8 +29,6 @@ from tide_lib.lake import LakeReader, LakeWriter, ObjectStore, target_slug
 from tide_lib.target_model import build_target, load_corpus
 from tide_lib.target_model.hidden import capture_records
 from tide_lib.training.trainer import train_draft
-
-__all__ = ["TrainBenchParams", "run_train_bench"]
 
 logger = logging.getLogger(__name__)
 

@@ -4,12 +4,6 @@ Serving writes through :class:`LakeWriter`; training, evaluation and the Airflow
 sensors read through :class:`LakeReader`. Only committed shards are ever read.
 """
 
-from tide_lib.lake.layout import CommitMarker, target_slug
-from tide_lib.lake.reader import CorruptShardError, LakeReader, watermark
-from tide_lib.lake.schema import RECORD_SCHEMA, CapturedRecord, InvalidRecordError
-from tide_lib.lake.store import ObjectStore, StoreUnavailableError
-from tide_lib.lake.writer import LakeWriter, WriterStats
-
 __all__ = [
     "RECORD_SCHEMA",
     "CapturedRecord",
@@ -24,3 +18,9 @@ __all__ = [
     "target_slug",
     "watermark",
 ]
+
+from tide_lib.lake.layout import CommitMarker, target_slug
+from tide_lib.lake.reader import CorruptShardError, LakeReader, watermark
+from tide_lib.lake.schema import RECORD_SCHEMA, CapturedRecord, InvalidRecordError
+from tide_lib.lake.store import ObjectStore, StoreUnavailableError
+from tide_lib.lake.writer import LakeWriter, WriterStats

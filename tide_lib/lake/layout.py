@@ -21,16 +21,6 @@ marker log does not pollute queries over the shards.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import re
-import uuid
-from datetime import UTC, datetime, timedelta
-from typing import Any, Final
-
-from tide_lib.errors import TideError
-from tide_lib.names import target_slug
-
 __all__ = [
     "CommitMarker",
     "InvalidMarkerError",
@@ -46,6 +36,16 @@ __all__ = [
     "target_prefix",
     "target_slug",
 ]
+
+import dataclasses
+import json
+import re
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final
+
+from tide_lib.errors import TideError
+from tide_lib.names import target_slug
 
 MARKER_VERSION: Final = 1
 _MARKER_NAME = re.compile(

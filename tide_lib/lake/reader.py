@@ -19,6 +19,15 @@ taken by when it landed (see :func:`~tide_lib.lake.layout.commit_position`).
 
 from __future__ import annotations
 
+__all__ = [
+    "CorruptShardError",
+    "DebrisCounts",
+    "LakeReader",
+    "PartitionStats",
+    "partition_stats",
+    "watermark",
+]
+
 import contextlib
 import dataclasses
 import hashlib
@@ -58,15 +67,6 @@ from tide_lib.lake.store import NoSuchObjectError, ObjectInfo, ObjectStore
 
 if TYPE_CHECKING:
     import torch
-
-__all__ = [
-    "CorruptShardError",
-    "DebrisCounts",
-    "LakeReader",
-    "PartitionStats",
-    "partition_stats",
-    "watermark",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -19,19 +19,6 @@ schema version 2 have no ``segment`` column and read as unlabelled.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
-import re
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, Final
-
-import numpy as np
-import pyarrow as pa
-
-from tide_lib.errors import TideError
-
 __all__ = [
     "CLUSTER_PREFIX",
     "HIDDEN_DTYPES",
@@ -53,6 +40,19 @@ __all__ = [
     "validate_record",
     "values_problem",
 ]
+
+import dataclasses
+import json
+import logging
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import pyarrow as pa
+
+from tide_lib.errors import TideError
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,15 @@ capture writer can spool instead of stalling serving threads.
 
 from __future__ import annotations
 
+__all__ = [
+    "NoSuchObjectError",
+    "ObjectInfo",
+    "ObjectStore",
+    "StoreIO",
+    "StoreUnavailableError",
+    "process_io",
+]
+
 import dataclasses
 import io
 import logging
@@ -23,15 +32,6 @@ from minio.error import S3Error
 
 from tide_lib.config import ObjectStoreConfig
 from tide_lib.errors import TideError
-
-__all__ = [
-    "NoSuchObjectError",
-    "ObjectInfo",
-    "ObjectStore",
-    "StoreIO",
-    "StoreUnavailableError",
-    "process_io",
-]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -26,6 +26,8 @@ finished ``.parquet.tmp``), and only the uploader removes a shard, once committe
 
 from __future__ import annotations
 
+__all__ = ["LakeWriter", "WriterStats"]
+
 import dataclasses
 import fcntl
 import hashlib
@@ -54,8 +56,6 @@ from tide_lib.lake.schema import (
     values_problem,
 )
 from tide_lib.lake.store import ObjectStore, StoreUnavailableError
-
-__all__ = ["LakeWriter", "WriterStats"]
 
 logger = logging.getLogger(__name__)
 _TICK = timedelta(microseconds=1)

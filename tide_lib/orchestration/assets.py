@@ -19,6 +19,8 @@ cycle starts: an asset watcher cannot count tokens.
 
 from __future__ import annotations
 
+__all__ = ["champion_asset", "draft_asset", "emit", "lake_asset"]
+
 from typing import TYPE_CHECKING, Any
 
 from tide_lib.config import load_config
@@ -26,8 +28,6 @@ from tide_lib.names import CHAMPION, registered_model_name, target_slug
 
 if TYPE_CHECKING:
     from airflow.sdk import Asset
-
-__all__ = ["champion_asset", "draft_asset", "emit", "lake_asset"]
 
 _GROUP = "tide"
 

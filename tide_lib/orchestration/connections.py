@@ -27,6 +27,8 @@ starts, so the role's session must outlast the task (training included).
 
 from __future__ import annotations
 
+__all__ = ["ConnectionSettings", "connection_settings", "mlflow_settings", "store_settings"]
+
 import logging
 import os
 import threading
@@ -34,8 +36,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tide_lib.config import ConfigError, TideConfig
-
-__all__ = ["ConnectionSettings", "connection_settings", "mlflow_settings", "store_settings"]
 
 logger = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ disk. Off with ``cycle.continue_training: false``.
 
 from __future__ import annotations
 
+__all__ = ["drop_continuation", "fetch_continuation", "keep_continuation"]
+
 import logging
 from pathlib import Path
 
 from tide_lib.config import TideConfig
 from tide_lib.orchestration.state import lake_store, state_key
-
-__all__ = ["drop_continuation", "fetch_continuation", "keep_continuation"]
 
 logger = logging.getLogger(__name__)
 

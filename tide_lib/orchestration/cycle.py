@@ -18,6 +18,27 @@ cycle trains at all is :mod:`tide_lib.orchestration.drift_check`.
 
 from __future__ import annotations
 
+__all__ = [
+    "HeldOutTraffic",
+    "TrainingSet",
+    "advance_watermark",
+    "apply_retention",
+    "check_drift",
+    "cycle_segmenter",
+    "evaluate_and_gate",
+    "export_training_data",
+    "held_out_samples",
+    "held_out_traffic",
+    "new_tokens",
+    "promote",
+    "read_watermark",
+    "register",
+    "rollback",
+    "snapshot_window",
+    "task_scratch",
+    "train",
+]
+
 import dataclasses
 import hashlib
 import json
@@ -82,27 +103,6 @@ if TYPE_CHECKING:
     from tide_lib.evaluation.gate import GateDecision, PooledFigures
     from tide_lib.registry import DraftRegistry
     from tide_lib.serving.fleet import FleetManager
-
-__all__ = [
-    "HeldOutTraffic",
-    "TrainingSet",
-    "advance_watermark",
-    "apply_retention",
-    "check_drift",
-    "cycle_segmenter",
-    "evaluate_and_gate",
-    "export_training_data",
-    "held_out_samples",
-    "held_out_traffic",
-    "new_tokens",
-    "promote",
-    "read_watermark",
-    "register",
-    "rollback",
-    "snapshot_window",
-    "task_scratch",
-    "train",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,20 @@ read back by a rerun or a retry.
 
 from __future__ import annotations
 
+__all__ = [
+    "REPLAY_RULE",
+    "Baseline",
+    "champion_baseline",
+    "check_drift",
+    "drift_key",
+    "evidenced_figures",
+    "keep_champion_baseline",
+    "saved_drift",
+    "settle_tried_segments",
+    "store_baseline",
+    "version_acceptance",
+]
+
 import dataclasses
 import json
 import logging
@@ -40,20 +54,6 @@ from tide_lib.orchestration.handoff import Drift, Snapshot
 if TYPE_CHECKING:
     from tide_lib.evaluation.gate import GateDecision
     from tide_lib.registry import DraftRegistry
-
-__all__ = [
-    "REPLAY_RULE",
-    "Baseline",
-    "champion_baseline",
-    "check_drift",
-    "drift_key",
-    "evidenced_figures",
-    "keep_champion_baseline",
-    "saved_drift",
-    "settle_tried_segments",
-    "store_baseline",
-    "version_acceptance",
-]
 
 logger = logging.getLogger(__name__)
 

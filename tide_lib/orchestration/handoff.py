@@ -11,13 +11,13 @@ the edge with the field named.
 
 from __future__ import annotations
 
+__all__ = ["Decision", "Drift", "HandOff", "Promotion", "Snapshot", "Trained"]
+
 from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tide_lib.registry.uris import PORTABLE_SCHEMES, is_portable
-
-__all__ = ["Decision", "Drift", "HandOff", "Promotion", "Snapshot", "Trained"]
 
 
 class HandOff(BaseModel):

@@ -10,14 +10,14 @@ the dag-processor that parsed the file.
 
 from __future__ import annotations
 
+__all__ = ["adaptation_schedule", "config_from_params", "cycle_params", "param_schema"]
+
 from datetime import timedelta
 from typing import Any
 
 from pydantic import BaseModel
 
 from tide_lib.config import CycleConfig, GateConfig, TideConfig, load_config
-
-__all__ = ["adaptation_schedule", "config_from_params", "cycle_params", "param_schema"]
 
 _GATE_FIELDS = ("margin", "tolerance")
 _PARSE_TIME_FIELDS = frozenset({"schedule_minutes"})  # DAG settings, not per-run ones

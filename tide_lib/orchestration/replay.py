@@ -27,10 +27,6 @@ out) and writes the chosen ones (:func:`tide_lib.orchestration.cycle.export_trai
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-from collections.abc import Iterable
-
 __all__ = [
     "ReplayCandidate",
     "choose_replay",
@@ -38,6 +34,10 @@ __all__ = [
     "replay_quotas",
     "token_shares",
 ]
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

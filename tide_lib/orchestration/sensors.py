@@ -6,6 +6,8 @@ LIST + small GETs) from the triggerer's event loop.
 
 from __future__ import annotations
 
+__all__ = ["LakeTokensSensor", "LakeTokensTrigger", "LakeUnreadableError"]
+
 import asyncio
 import logging
 from collections.abc import AsyncIterator
@@ -16,8 +18,6 @@ from airflow.sdk import BaseSensorOperator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from tide_lib.errors import TideError
-
-__all__ = ["LakeTokensSensor", "LakeTokensTrigger", "LakeUnreadableError"]
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,21 @@ registers is tagged with that key.
 
 from __future__ import annotations
 
+__all__ = [
+    "cycle_segmenter",
+    "draft_registry",
+    "lake_store",
+    "log_debris",
+    "markers_of",
+    "read_state",
+    "sample_reader",
+    "segmenter_key",
+    "state_key",
+    "stored_segmenter",
+    "task_scratch",
+    "write_state",
+]
+
 import contextlib
 import dataclasses
 import json
@@ -33,21 +48,6 @@ from tide_lib.orchestration.handoff import Snapshot
 
 if TYPE_CHECKING:
     from tide_lib.registry import DraftRegistry
-
-__all__ = [
-    "cycle_segmenter",
-    "draft_registry",
-    "lake_store",
-    "log_debris",
-    "markers_of",
-    "read_state",
-    "sample_reader",
-    "segmenter_key",
-    "state_key",
-    "stored_segmenter",
-    "task_scratch",
-    "write_state",
-]
 
 logger = logging.getLogger(__name__)
 

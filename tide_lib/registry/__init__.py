@@ -12,6 +12,17 @@ version it registered before instead of adding a second one.
 
 from __future__ import annotations
 
+__all__ = [
+    "BASELINE",
+    "CHALLENGER",
+    "CHAMPION",
+    "DRAFT_MODEL_TYPE",
+    "PREVIOUS_CHAMPION",
+    "DraftRegistry",
+    "DraftVersion",
+    "registered_model_name",
+]
+
 import dataclasses
 import json
 import logging
@@ -30,17 +41,6 @@ from tide_lib.names import (
 )
 from tide_lib.registry.uris import is_portable, logged_model_id, logged_model_uri
 from tide_lib.training.draft import validate_draft_dir
-
-__all__ = [
-    "BASELINE",
-    "CHALLENGER",
-    "CHAMPION",
-    "DRAFT_MODEL_TYPE",
-    "PREVIOUS_CHAMPION",
-    "DraftRegistry",
-    "DraftVersion",
-    "registered_model_name",
-]
 
 logger = logging.getLogger(__name__)
 

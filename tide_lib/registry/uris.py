@@ -11,14 +11,6 @@ so a host keeps no copy it did not ask for.
 
 from __future__ import annotations
 
-import logging
-import re
-from pathlib import Path
-from typing import Final
-
-from tide_lib.config import TideConfig
-from tide_lib.errors import TideError
-
 __all__ = [
     "MLFLOW_SCHEMES",
     "PORTABLE_SCHEMES",
@@ -29,6 +21,14 @@ __all__ = [
     "logged_model_uri",
     "object_destination",
 ]
+
+import logging
+import re
+from pathlib import Path
+from typing import Final
+
+from tide_lib.config import TideConfig
+from tide_lib.errors import TideError
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ Per-request pairs are kept, for margins of error, unless ``keep_requests`` is of
 
 from __future__ import annotations
 
+__all__ = ["AcceptanceCount"]
+
 import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
-
-__all__ = ["AcceptanceCount"]
 
 
 @dataclasses.dataclass

@@ -19,14 +19,6 @@ to the network by accident. Keys are never logged or echoed.
 
 from __future__ import annotations
 
-import ipaddress
-import secrets
-
-from pydantic import SecretStr
-
-from tide_lib.config import ServeConfig
-from tide_lib.errors import TideError
-
 __all__ = [
     "ADMIN_ROUTES",
     "InsecureBindError",
@@ -36,6 +28,14 @@ __all__ = [
     "is_loopback",
     "require_keys_off_loopback",
 ]
+
+import ipaddress
+import secrets
+
+from pydantic import SecretStr
+
+from tide_lib.config import ServeConfig
+from tide_lib.errors import TideError
 
 ADMIN_ROUTES = frozenset({"/update_weights_from_disk"})
 _OPEN_PREFIXES = ("/health", "/metrics")

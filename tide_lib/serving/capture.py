@@ -7,11 +7,11 @@ serves well, as Moreh's SGLang fork does) mean the same thing on either.
 
 from __future__ import annotations
 
+__all__ = ["capture_wanted", "sampled", "serves_well"]
+
 import random
 
 from tide_lib.config import ServeConfig
-
-__all__ = ["capture_wanted", "sampled", "serves_well"]
 
 
 def serves_well(serve: ServeConfig, accepted_draft_tokens: int, drafted_tokens: int) -> bool:

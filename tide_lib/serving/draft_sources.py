@@ -18,6 +18,8 @@ of processes that died are removed when the next one starts.
 
 from __future__ import annotations
 
+__all__ = ["DraftCache", "DraftRefusedError", "DraftSources", "local_draft"]
+
 import contextlib
 import dataclasses
 import hashlib
@@ -35,8 +37,6 @@ from tide_lib.config import ServeConfig, TideConfig
 from tide_lib.errors import TideError
 from tide_lib.registry.uris import MLFLOW_SCHEMES, fetch_draft
 from tide_lib.stack.manager import pid_alive
-
-__all__ = ["DraftCache", "DraftRefusedError", "DraftSources", "local_draft"]
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,8 @@ captured record.
 
 from __future__ import annotations
 
+__all__ = ["Engine", "EngineBusyError", "EngineRequest", "EngineResult", "RequestError"]
+
 import concurrent.futures
 import dataclasses
 import logging
@@ -51,8 +53,6 @@ from tide_lib.serving.metrics import EngineMetrics
 from tide_lib.serving.speculative import DraftRunner, Generation, SpeculativeDecoder
 from tide_lib.training.draft import DraftTarget, InvalidCheckpointError, load_draft
 from tide_lib.training.specforge_runtime import prepare_specforge
-
-__all__ = ["Engine", "EngineBusyError", "EngineRequest", "EngineResult", "RequestError"]
 
 logger = logging.getLogger(__name__)
 

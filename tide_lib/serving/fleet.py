@@ -12,6 +12,16 @@ registry's champion, and the promotion fails loudly: never a mixed fleet.
 
 from __future__ import annotations
 
+__all__ = [
+    "EngineClient",
+    "FleetError",
+    "FleetManager",
+    "RestartLauncher",
+    "ServerState",
+    "sglang_launch_args",
+    "write_sglang_key_file",
+]
+
 import dataclasses
 import logging
 import os
@@ -32,16 +42,6 @@ from tide_lib.errors import TideError
 from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.auth import bearer_for
 from tide_lib.serving.k_policy import KChoice, recommend_k
-
-__all__ = [
-    "EngineClient",
-    "FleetError",
-    "FleetManager",
-    "RestartLauncher",
-    "ServerState",
-    "sglang_launch_args",
-    "write_sglang_key_file",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -39,15 +39,6 @@ soon, under the same load.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import math
-import statistics
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
-
 __all__ = [
     "MAX_SEGMENTS",
     "MIN_MEASURED_FORWARDS",
@@ -64,6 +55,15 @@ __all__ = [
     "geometric_acceptance",
     "recommend_k",
 ]
+
+import dataclasses
+import logging
+import math
+import statistics
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 

@@ -11,6 +11,8 @@ adding ``--config <file>``; an image uses it as its entrypoint::
 
 from __future__ import annotations
 
+__all__ = ["main"]
+
 import logging
 import os
 import sys
@@ -18,8 +20,6 @@ from pathlib import Path
 
 from tide_lib.config import load_config
 from tide_lib.serving.fleet import write_sglang_key_file
-
-__all__ = ["main"]
 
 logger = logging.getLogger(__name__)
 DEFAULT_KEY_FILE = "/run/tide/sglang-keys.yaml"

@@ -12,6 +12,8 @@ several engines in one process (tests, benchmarks) never mix their series.
 
 from __future__ import annotations
 
+__all__ = ["CONTENT_TYPE", "EngineMetrics"]
+
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +23,6 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from tide_lib.serving.engine import Engine
-
-__all__ = ["CONTENT_TYPE", "EngineMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _ACCEPT_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)

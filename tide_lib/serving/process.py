@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["EngineProcess"]
+
 import os
 import subprocess
 import sys
@@ -9,8 +11,6 @@ import time
 from pathlib import Path
 
 import httpx
-
-__all__ = ["EngineProcess"]
 
 
 class EngineProcess:

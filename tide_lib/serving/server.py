@@ -25,6 +25,8 @@ without both bearer keys.
 
 from __future__ import annotations
 
+__all__ = ["GenerateRequest", "UpdateWeightsRequest", "create_app", "run_server"]
+
 import asyncio
 import json
 import logging
@@ -53,8 +55,6 @@ from tide_lib.serving.engine import (
 from tide_lib.serving.metrics import CONTENT_TYPE
 from tide_lib.serving.sglang_swap import is_draft_reference
 from tide_lib.training.draft import InvalidCheckpointError
-
-__all__ = ["GenerateRequest", "UpdateWeightsRequest", "create_app", "run_server"]
 
 logger = logging.getLogger(__name__)
 

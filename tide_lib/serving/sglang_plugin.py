@@ -53,6 +53,14 @@ the assembly of records is tested there on SGLang-shaped blocks, see
 
 from __future__ import annotations
 
+__all__ = [
+    "ENABLE_ENV",
+    "SUPPORTED_SGLANG_VERSION",
+    "RequestStates",
+    "SGLangCapture",
+    "register",
+]
+
 import collections
 import dataclasses
 import logging
@@ -79,14 +87,6 @@ from tide_lib.serving.sglang_swap import (
     keep_target_model_info,
 )
 from tide_lib.stack.manager import pid_alive
-
-__all__ = [
-    "ENABLE_ENV",
-    "SUPPORTED_SGLANG_VERSION",
-    "RequestStates",
-    "SGLangCapture",
-    "register",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,14 @@ old draft keeps serving.
 
 from __future__ import annotations
 
+__all__ = [
+    "MODEL_INFO_TARGET",
+    "SWAP_TARGET",
+    "draft_only_swap",
+    "is_draft_reference",
+    "keep_target_model_info",
+]
+
 import dataclasses
 import json
 import logging
@@ -32,14 +40,6 @@ from typing import Any
 import torch
 
 from tide_lib.errors import TideError
-
-__all__ = [
-    "MODEL_INFO_TARGET",
-    "SWAP_TARGET",
-    "draft_only_swap",
-    "is_draft_reference",
-    "keep_target_model_info",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,8 @@ draft step's hidden output instead of target features, at the next position.
 
 from __future__ import annotations
 
+__all__ = ["MIN_TEMPERATURE", "DraftRunner", "Generation", "SpeculativeDecoder"]
+
 import dataclasses
 import time
 from datetime import datetime
@@ -26,8 +28,6 @@ import torch
 from tide_lib.lake.schema import CapturedRecord
 from tide_lib.serving.k_policy import RoundTimings
 from tide_lib.target_model.hidden import HiddenStateCapture
-
-__all__ = ["MIN_TEMPERATURE", "DraftRunner", "Generation", "SpeculativeDecoder"]
 
 
 @dataclasses.dataclass

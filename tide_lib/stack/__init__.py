@@ -5,9 +5,6 @@ triggerer; LocalExecutor, or CeleryExecutor with one worker per queue).
 Used by ``make demo``, by the tests and by anyone trying TIDE on one machine.
 """
 
-from tide_lib.stack.manager import ServiceStatus, StackError, StackManager, free_ports, pid_alive
-from tide_lib.stack.services import SERVICES, Service
-
 __all__ = [
     "SERVICES",
     "Service",
@@ -17,3 +14,6 @@ __all__ = [
     "free_ports",
     "pid_alive",
 ]
+
+from tide_lib.stack.manager import ServiceStatus, StackError, StackManager, free_ports, pid_alive
+from tide_lib.stack.services import SERVICES, Service

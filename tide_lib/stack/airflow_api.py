@@ -8,6 +8,8 @@ all-admins Airflow) no header is sent.
 
 from __future__ import annotations
 
+__all__ = ["AirflowAPI", "AirflowAuthError"]
+
 from typing import Any
 
 import httpx
@@ -15,8 +17,6 @@ from pydantic import SecretStr
 
 from tide_lib.config import TideConfig
 from tide_lib.errors import TideError
-
-__all__ = ["AirflowAPI", "AirflowAuthError"]
 
 
 class AirflowAuthError(TideError, RuntimeError):

@@ -8,6 +8,8 @@ healthy service is left alone, a dead one is restarted.
 
 from __future__ import annotations
 
+__all__ = ["ServiceStatus", "StackError", "StackManager", "free_ports", "pid_alive"]
+
 import dataclasses
 import errno
 import logging
@@ -22,8 +24,6 @@ from tide_lib.config import TideConfig
 from tide_lib.errors import TideError
 from tide_lib.stack.secrets import ensure_stack_secrets
 from tide_lib.stack.services import SERVICES, Service
-
-__all__ = ["ServiceStatus", "StackError", "StackManager", "free_ports", "pid_alive"]
 
 logger = logging.getLogger(__name__)
 

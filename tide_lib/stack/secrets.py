@@ -10,6 +10,14 @@ same files (:func:`tide_lib.config.load_secret_files`). Only names and paths are
 
 from __future__ import annotations
 
+__all__ = [
+    "AUTH_SECRETS",
+    "ENGINE_SECRETS",
+    "STORE_SECRETS",
+    "ensure_stack_secrets",
+    "mlflow_username",
+]
+
 import logging
 import os
 import secrets
@@ -18,14 +26,6 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from tide_lib.config import TideConfig, secrets_dir
-
-__all__ = [
-    "AUTH_SECRETS",
-    "ENGINE_SECRETS",
-    "STORE_SECRETS",
-    "ensure_stack_secrets",
-    "mlflow_username",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,8 @@ Production runs the same roles on MinIO and a Postgres-backed MLflow (docker/).
 
 from __future__ import annotations
 
+__all__ = ["SERVICES", "Service", "airflow_env", "find_binary", "repo_root"]
+
 import dataclasses
 import json
 import os
@@ -26,8 +28,6 @@ from urllib.parse import urlparse
 from tide_lib.config import TideConfig
 from tide_lib.lake.store import ObjectStore
 from tide_lib.stack.secrets import mlflow_username
-
-__all__ = ["SERVICES", "Service", "airflow_env", "find_binary", "repo_root"]
 
 _GRPC_PORT_OFFSET = 10000  # SeaweedFS derives each gRPC port as http port + 10000
 # SeaweedFS 4.48 also listens on unix sockets named by port in /tmp (hard-coded): two

@@ -1,9 +1,5 @@
 """The target model side: the demo target TIDE builds, and hidden-state capture from HF models."""
 
-from tide_lib.target_model.build import PRESETS, build_target, encode_document, render_prompt
-from tide_lib.target_model.corpus import DOMAINS, Corpus, Document, load_corpus
-from tide_lib.target_model.hidden import HiddenStateCapture, eagle_aux_layer_ids
-
 __all__ = [
     "DOMAINS",
     "PRESETS",
@@ -16,3 +12,7 @@ __all__ = [
     "load_corpus",
     "render_prompt",
 ]
+
+from tide_lib.target_model.build import PRESETS, build_target, encode_document, render_prompt
+from tide_lib.target_model.corpus import DOMAINS, Corpus, Document, load_corpus
+from tide_lib.target_model.hidden import HiddenStateCapture, eagle_aux_layer_ids

@@ -17,6 +17,16 @@ Builds are deterministic for a preset and seed, and cached: a directory whose
 
 from __future__ import annotations
 
+__all__ = [
+    "ASSISTANT",
+    "PRESETS",
+    "USER",
+    "TargetPreset",
+    "build_target",
+    "encode_document",
+    "render_prompt",
+]
+
 import dataclasses
 import json
 import logging
@@ -30,16 +40,6 @@ from tqdm import tqdm
 
 from tide_lib.target_model.corpus import DOMAINS, Corpus, Document, load_corpus
 from tide_lib.training.schedule import warmup_cosine
-
-__all__ = [
-    "ASSISTANT",
-    "PRESETS",
-    "USER",
-    "TargetPreset",
-    "build_target",
-    "encode_document",
-    "render_prompt",
-]
 
 logger = logging.getLogger(__name__)
 

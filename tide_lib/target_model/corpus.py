@@ -10,6 +10,8 @@ of the text, so that the split does not depend on file order.
 
 from __future__ import annotations
 
+__all__ = ["DOMAINS", "Corpus", "Document", "load_corpus", "package_dir"]
+
 import dataclasses
 import hashlib
 import importlib.util
@@ -18,8 +20,6 @@ from pathlib import Path
 from typing import Final
 
 import yaml
-
-__all__ = ["DOMAINS", "Corpus", "Document", "load_corpus", "package_dir"]
 
 logger = logging.getLogger(__name__)
 

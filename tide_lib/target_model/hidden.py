@@ -10,13 +10,13 @@ keeping every layer's output as ``output_hidden_states`` would.
 
 from __future__ import annotations
 
+__all__ = ["HiddenStateCapture", "eagle_aux_layer_ids"]
+
 import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-
-__all__ = ["HiddenStateCapture", "eagle_aux_layer_ids"]
 
 MIN_LAYERS = 4
 

@@ -17,6 +17,8 @@ renormalised there; a token only the student can draft has parent probability 0.
 
 from __future__ import annotations
 
+__all__ = ["LogitTap", "LossMaskTap", "distill_kl", "teacher_columns"]
+
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -24,8 +26,6 @@ from typing import Any
 import torch
 
 from tide_lib.training.draft import draft_tokens
-
-__all__ = ["LogitTap", "LossMaskTap", "distill_kl", "teacher_columns"]
 
 
 def teacher_columns(student_d2t: torch.Tensor, teacher_d2t: torch.Tensor) -> torch.Tensor:

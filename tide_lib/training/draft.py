@@ -18,6 +18,21 @@ this one check, so a checkpoint one accepts the other accepts too.
 
 from __future__ import annotations
 
+__all__ = [
+    "DRAFT_ARCHITECTURE",
+    "DraftTarget",
+    "InvalidCheckpointError",
+    "build_vocab_mapping",
+    "check_vocab_mapping",
+    "draft_config_for",
+    "draft_tokens",
+    "export_draft",
+    "load_draft",
+    "load_target_tensor",
+    "new_draft",
+    "validate_draft_dir",
+]
+
 import contextlib
 import dataclasses
 import io
@@ -37,21 +52,6 @@ from tide_lib.target_model.hidden import eagle_aux_layer_ids
 
 if TYPE_CHECKING:
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
-
-__all__ = [
-    "DRAFT_ARCHITECTURE",
-    "DraftTarget",
-    "InvalidCheckpointError",
-    "build_vocab_mapping",
-    "check_vocab_mapping",
-    "draft_config_for",
-    "draft_tokens",
-    "export_draft",
-    "load_draft",
-    "load_target_tensor",
-    "new_draft",
-    "validate_draft_dir",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -19,6 +19,8 @@ Run ``python -m tide_lib.training.launch JOB.json`` (what ``torchrun`` starts).
 
 from __future__ import annotations
 
+__all__ = ["CheckpointMirror", "TrainJob", "run_training"]
+
 import logging
 import os
 import subprocess
@@ -30,8 +32,6 @@ from pydantic import BaseModel, ConfigDict
 
 from tide_lib.config import TideConfig, TrainConfig, load_config
 from tide_lib.training.trainer import CHECKPOINT_DIR, TrainResult, train_draft
-
-__all__ = ["CheckpointMirror", "TrainJob", "run_training"]
 
 logger = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ never exceeds them, and its learning rate is scaled down.
 
 from __future__ import annotations
 
+__all__ = ["StepPlan", "step_plan", "warmup_cosine"]
+
 import dataclasses
 import math
 
 from tide_lib.config import TrainConfig
-
-__all__ = ["StepPlan", "step_plan", "warmup_cosine"]
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, floor: float = 0.1) -> float:

@@ -36,6 +36,18 @@ them is all window).
 
 from __future__ import annotations
 
+__all__ = [
+    "JUDGED",
+    "OLDER_PREFIX",
+    "BestDraft",
+    "Evaluation",
+    "HeldOut",
+    "Selection",
+    "judged_by_the_gate",
+    "sample_split",
+    "split_held_out",
+]
+
 import copy
 import dataclasses
 import json
@@ -59,18 +71,6 @@ from tide_lib.evaluation.offline import (
     significant_drop,
 )
 from tide_lib.names import DataDirs
-
-__all__ = [
-    "JUDGED",
-    "OLDER_PREFIX",
-    "BestDraft",
-    "Evaluation",
-    "HeldOut",
-    "Selection",
-    "judged_by_the_gate",
-    "sample_split",
-    "split_held_out",
-]
 
 logger = logging.getLogger(__name__)
 _EPSILON = 1e-9  # as the gate's: a drop at the threshold passes it, whatever rounding did

@@ -10,14 +10,14 @@ and picked by device, never a flag buried in training code.
 
 from __future__ import annotations
 
+__all__ = ["LOSS_BACKENDS", "LossBackend", "prepare_specforge", "resolve_loss_backend"]
+
 import logging
 import os
 from collections.abc import Callable
 from typing import Any, Final, Literal
 
 import torch
-
-__all__ = ["LOSS_BACKENDS", "LossBackend", "prepare_specforge", "resolve_loss_backend"]
 
 logger = logging.getLogger(__name__)
 

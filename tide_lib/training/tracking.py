@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+__all__ = ["MlflowMetricSink"]
+
 import logging
 import time
-
-__all__ = ["MlflowMetricSink"]
 
 logger = logging.getLogger(__name__)
 

@@ -35,6 +35,17 @@ skipped: then the data, not one sample, is the problem.
 
 from __future__ import annotations
 
+__all__ = [
+    "MetricSink",
+    "TargetHead",
+    "TrainResult",
+    "draw_counts",
+    "evaluate_draft",
+    "list_samples",
+    "load_sample",
+    "train_draft",
+]
+
 import copy
 import dataclasses
 import hashlib
@@ -73,17 +84,6 @@ from tide_lib.training.selection import (
     split_held_out,
 )
 from tide_lib.training.specforge_runtime import prepare_specforge
-
-__all__ = [
-    "MetricSink",
-    "TargetHead",
-    "TrainResult",
-    "draw_counts",
-    "evaluate_draft",
-    "list_samples",
-    "load_sample",
-    "train_draft",
-]
 
 logger = logging.getLogger(__name__)
 

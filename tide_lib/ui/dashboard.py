@@ -11,6 +11,8 @@ page in MLflow.
 
 from __future__ import annotations
 
+__all__ = ["create_app", "dashboard_data", "render_dashboard"]
+
 import base64
 import html
 import logging
@@ -24,8 +26,6 @@ from fastapi.responses import HTMLResponse
 
 from tide_lib.config import TideConfig, load_config
 from tide_lib.names import Tags
-
-__all__ = ["create_app", "dashboard_data", "render_dashboard"]
 
 logger = logging.getLogger(__name__)
 
