@@ -93,26 +93,22 @@ class DebrisCounts:
     skewed_markers: int = 0  # stamped far from the store's Last-Modified (a writer's clock)
 
 
+@dataclasses.dataclass(eq=False, repr=False)  # no repr: never print the store's client
 class LakeReader:
     """Lists, counts and streams committed shards of one target.
 
     ``limits`` are the target's (:func:`~tide_lib.lake.schema.target_limits`):
     records that disagree are skipped; records with NaN/inf states are skipped always.
+    What it skips and passes over is counted in ``debris``.
     """
 
-    def __init__(
-        self,
-        store: ObjectStore,
-        config: LakeConfig,
-        *,
-        limits: TargetLimits | None = None,
-    ) -> None:
-        self.store = store
-        self.config = config
-        self.limits = limits
-        self.debris = DebrisCounts()
-        self._markers: dict[str, CommitMarker] = {}
-        self._noted: set[str] = set()  # keys already logged (a sensor lists every poke)
+    store: ObjectStore
+    config: LakeConfig
+    limits: TargetLimits | None = dataclasses.field(default=None, kw_only=True)
+    debris: DebrisCounts = dataclasses.field(default_factory=DebrisCounts, init=False)
+    _markers: dict[str, CommitMarker] = dataclasses.field(default_factory=dict, init=False)
+    # keys already logged (a sensor lists every poke)
+    _noted: set[str] = dataclasses.field(default_factory=set, init=False)
 
     # -- listing ---------------------------------------------------------------------
 

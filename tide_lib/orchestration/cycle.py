@@ -87,6 +87,7 @@ from tide_lib.orchestration.replay import (
 from tide_lib.orchestration.state import (
     cycle_segmenter,
     draft_registry,
+    lake_reader,
     lake_store,
     log_debris,
     markers_of,
@@ -107,10 +108,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _reader(config: TideConfig) -> LakeReader:
-    return LakeReader(lake_store(config), config.lake)
-
-
 def read_watermark(config: TideConfig) -> str | None:
     """The order (a commit key, see ``CommitMarker.order``) up to which the lake is consumed."""
     saved = read_state(config, _WATERMARK)
@@ -121,7 +118,7 @@ def read_watermark(config: TideConfig) -> str | None:
 def new_tokens(config: TideConfig) -> int:
     """Captured tokens committed after the watermark (what the sensor waits on)."""
     slug = target_slug(config.cycle.target_id)
-    return _reader(config).count_tokens(slug, after=read_watermark(config), settled=True)
+    return lake_reader(config).count_tokens(slug, after=read_watermark(config), settled=True)
 
 
 def cycle_tokens(config: TideConfig, cycle_id: str) -> int:
@@ -158,7 +155,7 @@ def snapshot_window(config: TideConfig, cycle_id: str) -> Snapshot:
         logger.info("cycle %s: reusing its snapshot (%d shards)", cycle_id, len(saved.window))
         return saved
     slug = target_slug(config.cycle.target_id)
-    reader = _reader(config)
+    reader = lake_reader(config)
     before = read_watermark(config)
     window = reader.list_shards(slug, after=before, settled=True)
     if not window:
@@ -1544,7 +1541,7 @@ def apply_retention(config: TideConfig, now: Any = None) -> dict[str, int]:
     """
     from datetime import UTC, datetime, timedelta  # noqa: PLC0415
 
-    store, reader = lake_store(config), _reader(config)
+    store, reader = lake_store(config), lake_reader(config)
     slug = target_slug(config.cycle.target_id)
     consumed_until = read_watermark(config)
     cutoff = (now or datetime.now(UTC)) - timedelta(days=config.lake.retention_days)

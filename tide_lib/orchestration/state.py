@@ -18,6 +18,7 @@ from __future__ import annotations
 __all__ = [
     "cycle_segmenter",
     "draft_registry",
+    "lake_reader",
     "lake_store",
     "log_debris",
     "markers_of",
@@ -76,6 +77,11 @@ def read_state(config: TideConfig, name: str) -> bytes | None:
 def write_state(config: TideConfig, name: str, document: bytes) -> None:
     """Keep ``document`` (JSON) under ``name``: tasks on other hosts read it over S3."""
     lake_store(config).put_bytes(state_key(config, name), document, content_type="application/json")
+
+
+def lake_reader(config: TideConfig) -> LakeReader:
+    """A reader that lists and counts commits; it reads no record (see sample_reader)."""
+    return LakeReader(lake_store(config), config.lake)
 
 
 def sample_reader(config: TideConfig) -> LakeReader:
