@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __all__ = ["HEADLINE_KEYS", "LakeBenchParams", "run_lake_bench"]
 
+import dataclasses
 import json
 import logging
 import os
@@ -46,16 +47,27 @@ HEADLINE_KEYS = (
 )
 
 
-def _payloads(params: LakeBenchParams, rng: np.random.Generator) -> list[tuple[np.ndarray, ...]]:
+def _payloads(
+    params: LakeBenchParams, target_id: str, rng: np.random.Generator
+) -> list[CapturedRecord]:
+    """Records of random tokens and float16 states that the benchmark submits in turn."""
     tokens, hidden = params.tokens_per_record, params.hidden_size
+    created = datetime.now(UTC)
     return [
-        (
-            rng.integers(0, 32000, tokens, dtype=np.int32),
-            (rng.random(tokens) < 0.7).astype(np.int8),
-            rng.standard_normal((tokens, hidden), dtype=np.float32).astype(np.float16),
-            rng.standard_normal((tokens, hidden * NUM_AUX_LAYERS), dtype=np.float32).astype(
+        CapturedRecord(
+            request_id="bench",
+            target_id=target_id,
+            draft_version="bench",
+            started_at=created,
+            finished_at=created,
+            input_ids=rng.integers(0, 32000, tokens, dtype=np.int32),
+            loss_mask=(rng.random(tokens) < 0.7).astype(np.int8),
+            hidden_states=rng.standard_normal((tokens, hidden), dtype=np.float32).astype(
                 np.float16
             ),
+            aux_hidden_states=rng.standard_normal(
+                (tokens, hidden * NUM_AUX_LAYERS), dtype=np.float32
+            ).astype(np.float16),
         )
         for _ in range(params.distinct_payloads)
     ]
@@ -71,7 +83,7 @@ def run_lake_bench(
         )
     store.ensure_bucket()
     target_id = f"tide-bench/lake-{uuid.uuid4().hex[:8]}"
-    payloads = _payloads(params, np.random.default_rng(0))
+    payloads = _payloads(params, target_id, np.random.default_rng(0))
     total_tokens = params.records * params.tokens_per_record
     raw_fp16_per_token = params.hidden_size * (1 + NUM_AUX_LAYERS) * 2
 
@@ -83,18 +95,12 @@ def run_lake_bench(
         submit_seconds: list[float] = []
         started = time.perf_counter()
         for index in tqdm(range(params.records), desc="write", unit="rec"):
-            ids, mask, hidden, aux = payloads[index % len(payloads)]
             now = datetime.now(UTC)
-            record = CapturedRecord(
+            record = dataclasses.replace(
+                payloads[index % len(payloads)],
                 request_id=f"bench-{index}",
-                target_id=target_id,
-                draft_version="bench",
                 started_at=now,
                 finished_at=now,
-                input_ids=ids,
-                loss_mask=mask,
-                hidden_states=hidden,
-                aux_hidden_states=aux,
             )
             before = time.perf_counter()
             accepted = writer.submit(record)
