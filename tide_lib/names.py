@@ -62,12 +62,13 @@ class Tags:
     BEST_IS_PARENT: Final = "tide.best_is_parent"  # on a run: its best checkpoint was the parent
     # on a run that kept its parent: its held-out gain per segment (JSON), what it learned
     LEARNED_GAINS: Final = "tide.learned_gains"
-    SPECFORGE_VERSION: Final = "tide.specforge_version"
+    SPECFORGE_VERSION: Final = "tide.specforge_version"  # the SpecForge that trained it
+    # its window: the commits after one watermark, up to and with the next
     WINDOW_AFTER: Final = "tide.window.after"
     WINDOW_UNTIL: Final = "tide.window.until"
     WINDOW_TOKENS: Final = "tide.window.tokens"
-    REPLAY_TOKENS: Final = "tide.replay.tokens"
-    PROMOTED: Final = "tide.promoted"
+    REPLAY_TOKENS: Final = "tide.replay.tokens"  # older traffic replayed beside the window
+    PROMOTED: Final = "tide.promoted"  # "true" once it has been champion
     SEGMENTER: Final = "tide.segmenter"  # lake key of the segmenter the figures grouped by
     # how the gate replayed the drafts ("every_position"); figures without it are an older
     # release's engine rounds, never a baseline for today's measurements
@@ -80,9 +81,9 @@ class Tags:
     # on the window's held-out requests alone: what the gain is measured on
     WINDOW_ACCEPT_LENGTH: Final = "tide.gate.window_al.{segment}.k{k}"
     CHAMPION_WINDOW_ACCEPT_LENGTH: Final = "tide.gate.champion_window_al.{segment}.k{k}"
-    WEIGHT: Final = "tide.gate.weight.{segment}"
-    OLDER_SHARE: Final = "tide.gate.older_share.{segment}"
-    PROTECTED: Final = "tide.gate.protected"
+    WEIGHT: Final = "tide.gate.weight.{segment}"  # its share of the window's tokens
+    OLDER_SHARE: Final = "tide.gate.older_share.{segment}"  # its share of older traffic
+    PROTECTED: Final = "tide.gate.protected"  # segments that may not fall (JSON list)
     PROTECTED_TOGETHER: Final = "tide.gate.protected_together"  # traffic to keep, pooled
     REASON: Final = "tide.gate.reason"
     WEIGHTED: Final = "tide.gate.weighted_accept_length"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 __all__ = ["TrainBenchParams", "run_train_bench"]
 
+import dataclasses
 import json
 import logging
 import resource
@@ -26,7 +27,7 @@ import torch
 from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.harness.params import TrainBenchParams
 from tide_lib.lake import LakeReader, LakeWriter, ObjectStore, target_slug
-from tide_lib.target_model import build_target, load_corpus
+from tide_lib.target_model import PRESETS, build_target, load_corpus, model_config
 from tide_lib.target_model.hidden import capture_records
 from tide_lib.training.trainer import train_draft
 
@@ -34,25 +35,16 @@ logger = logging.getLogger(__name__)
 
 
 def _scaled_llama_8b(demo_target: Path, out_dir: Path) -> Path:
-    """Llama-3.1-8B's shape (32 layers, FFN 3.5x, GQA 4:1) at 1/16 width, random weights."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+    """Llama-3.1-8B's shape (32 layers, FFN 3.5x, GQA 4:1) at the demo's width (1/16 of
+    its 4096), over the demo's tokenizer, random weights."""
+    from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: PLC0415
 
     tokenizer = AutoTokenizer.from_pretrained(demo_target)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=896,
-        num_hidden_layers=32,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    shape = dataclasses.replace(
+        PRESETS["demo"], num_layers=32, num_kv_heads=1, intermediate_size=896
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out_dir)
+    LlamaForCausalLM(model_config(shape, tokenizer)).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 

@@ -40,6 +40,7 @@ soon, under the same load.
 from __future__ import annotations
 
 __all__ = [
+    "DEFAULT_MIN_GAIN",
     "MAX_SEGMENTS",
     "MIN_MEASURED_FORWARDS",
     "RECHECK_AFTER",
@@ -69,6 +70,8 @@ logger = logging.getLogger(__name__)
 
 # Labels come from clients: at most this many segments are tracked (least recent dropped).
 MAX_SEGMENTS = 64
+# What a speculating k must beat plain decoding by to be chosen (a share: 2 %).
+DEFAULT_MIN_GAIN = 0.02
 _COST_EMA = 0.2  # weight of a request (a mean-sized one in realized rates) in running averages
 # Weight of one target forward in its token count's running cost: a request's short last
 # verify is one noisy forward and moves the figure by 5 %, a request of 14 rounds by half.
@@ -167,7 +170,7 @@ def recommend_k(
     draft_cost_ratio: float,
     verify_token_cost_ratio: float = 0.0,
     max_k: int | None = None,
-    min_gain: float = 0.02,
+    min_gain: float = DEFAULT_MIN_GAIN,
 ) -> KChoice:
     """The k to relaunch a fixed-k server with, from its acceptance length at ``launch_k``.
 
@@ -629,7 +632,7 @@ class KController:
         adaptive: bool,
         speculative: bool = True,
         explore_every: int = 16,
-        min_gain: float = 0.02,
+        min_gain: float = DEFAULT_MIN_GAIN,
         decay: float = 0.995,
         probe_rounds: int = 8,
     ) -> None:

@@ -10,9 +10,16 @@ __all__ = [
     "eagle_aux_layer_ids",
     "encode_document",
     "load_corpus",
+    "model_config",
     "render_prompt",
 ]
 
-from tide_lib.target_model.build import PRESETS, build_target, encode_document, render_prompt
+from tide_lib.target_model.build import (
+    PRESETS,
+    build_target,
+    encode_document,
+    model_config,
+    render_prompt,
+)
 from tide_lib.target_model.corpus import DOMAINS, Corpus, Document, load_corpus
 from tide_lib.target_model.hidden import HiddenStateCapture, eagle_aux_layer_ids

@@ -24,6 +24,7 @@ __all__ = [
     "TargetPreset",
     "build_target",
     "encode_document",
+    "model_config",
     "render_prompt",
 ]
 
@@ -82,8 +83,8 @@ PRESETS: Final[dict[str, TargetPreset]] = {
         hidden_size=256,
         num_layers=6,
         num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=688,
+        num_kv_heads=2,  # grouped-query attention, as in Llama 3
+        intermediate_size=688,  # SwiGLU's 8/3 x hidden_size, up to a multiple of 16
         seq_len=128,
         batch_size=16,
         steps=320,
@@ -147,7 +148,8 @@ def _train_tokenizer(corpus: Corpus, vocab_size: int) -> Any:
     return fast
 
 
-def _model_config(preset: TargetPreset, tokenizer: Any) -> Any:
+def model_config(preset: TargetPreset, tokenizer: Any) -> Any:
+    """The Llama configuration of ``preset``'s shape over ``tokenizer``'s vocabulary."""
     from transformers import LlamaConfig  # noqa: PLC0415
 
     return LlamaConfig(
@@ -233,7 +235,7 @@ def build_target(
         preset_name,
     )
 
-    model = LlamaForCausalLM(_model_config(preset, tokenizer))
+    model = LlamaForCausalLM(model_config(preset, tokenizer))
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.learning_rate, weight_decay=0.01)
     warmup = max(1, preset.steps // 10)

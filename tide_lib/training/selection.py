@@ -418,32 +418,28 @@ class BestDraft:
         return cls(int(state["step"]), float(state["accept_length"]), state["state"])
 
 
+@dataclasses.dataclass(eq=False)
 class Selection:
-    """The run's evaluations and best draft; survives a resume through the checkpoint."""
+    """The run's evaluations and best draft; survives a resume through the checkpoint.
 
-    def __init__(
-        self,
-        held_out: HeldOut | None,
-        log: Callable[[dict[str, float], int], None] | None = None,
-        *,
-        forgetting_tolerance: float = float("inf"),
-        forgetting_min_tokens: int = 0,
-        gain_beyond_noise: bool = True,
-        min_gain_requests: int = 0,
-    ) -> None:
-        self.held_out = held_out
-        self.log = log
-        self.forgetting_tolerance = forgetting_tolerance
-        self.forgetting_min_tokens = forgetting_min_tokens
-        self.gain_beyond_noise = gain_beyond_noise  # training.warm_gain
-        self.min_gain_requests = min_gain_requests
-        self.evaluations: list[Evaluation] = []
-        self.best: BestDraft | None = None
-        self.warm = False  # step 0 is a parent that serves: replacing it must be no noise
-        # a warm start's best trained step above the parent that forgot nothing (nor lost
-        # more on traffic to keep than it gained), kept or not: where a next run on the
-        # same parent can go on (see ``continuation``)
-        self.candidate: BestDraft | None = None
+    The rules come from ``training.*``: ``forgetting_tolerance``, ``forgetting_min_tokens``,
+    ``min_gain_requests``, and ``gain_beyond_noise`` (``warm_gain``)."""
+
+    held_out: HeldOut | None
+    log: Callable[[dict[str, float], int], None] | None = None
+    _: dataclasses.KW_ONLY
+    forgetting_tolerance: float = float("inf")
+    forgetting_min_tokens: int = 0
+    gain_beyond_noise: bool = True
+    min_gain_requests: int = 0
+    evaluations: list[Evaluation] = dataclasses.field(default_factory=list, init=False)
+    best: BestDraft | None = dataclasses.field(default=None, init=False)
+    # step 0 is a parent that serves: replacing it must be no noise
+    warm: bool = dataclasses.field(default=False, init=False)
+    # a warm start's best trained step above the parent that forgot nothing (nor lost
+    # more on traffic to keep than it gained), kept or not: where a next run on the
+    # same parent can go on (see ``continuation``)
+    candidate: BestDraft | None = dataclasses.field(default=None, init=False)
 
     def begin(
         self, draft: torch.nn.Module, parent: torch.nn.Module | None, saved: dict[str, Any] | None
