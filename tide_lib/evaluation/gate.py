@@ -412,32 +412,40 @@ def decide(
     if forgotten or together.forgotten or below:
         why = forgotten or together.forgotten or below or ""
         return verdict(False, why, weighted_champion, together.judged)
-    gain = weighted_common - weighted_champion
+    promote, reason = _gain_verdict(
+        config, (weighted_common, weighted_champion), together, protected, thin
+    )
+    return verdict(promote, reason, weighted_champion, together.judged)
+
+
+def _gain_verdict(
+    config: GateConfig,
+    weighted: tuple[float, float],
+    together: _Together,
+    protected: tuple[str, ...],
+    thin: list[str],
+) -> tuple[bool, str]:
+    """Rules 4 and 5, once nothing protected is forgotten: the window-weighted gain
+    (``weighted``: challenger, champion) must reach ``gate.margin``, and traffic to keep,
+    pooled, may not lose more than both the tolerance and that gain (``gate.net_gain``)."""
+    challenger, champion = weighted
+    gain = challenger - champion
     if gain < config.margin - _EPSILON:
-        return verdict(
-            False,
-            f"window-weighted acceptance length: {weighted_common:.3f} vs champion "
-            f"{weighted_champion:.3f} (gain {gain:+.3f} < margin {config.margin:.3f})",
-            weighted_champion,
-            together.judged,
+        return False, (
+            f"window-weighted acceptance length: {challenger:.3f} vs champion "
+            f"{champion:.3f} (gain {gain:+.3f} < margin {config.margin:.3f})"
         )
     if config.net_gain and together.drop > max(config.tolerance, gain) + _EPSILON:
-        return verdict(
-            False,
+        return False, (
             f"traffic to keep loses more than the window gains: {together.measured} (drop "
             f"{together.drop:.3f} > window-weighted gain {gain:+.3f} and tolerance "
-            f"{config.tolerance:.3f})",
-            weighted_champion,
-            together.judged,
+            f"{config.tolerance:.3f})"
         )
-    return verdict(
-        True,
-        f"window-weighted acceptance length {weighted_common:.3f} vs champion "
-        f"{weighted_champion:.3f} (gain {gain:+.3f} >= margin {config.margin:.3f}); no "
+    return True, (
+        f"window-weighted acceptance length {challenger:.3f} vs champion "
+        f"{champion:.3f} (gain {gain:+.3f} >= margin {config.margin:.3f}); no "
         f"protected segment ({', '.join(protected) or 'none'}) drops by more than "
-        f"{config.tolerance:.3f}{_unjudged(thin, together.figures)}",
-        weighted_champion,
-        together.judged,
+        f"{config.tolerance:.3f}{_unjudged(thin, together.figures)}"
     )
 
 

@@ -796,28 +796,42 @@ def run_adaptation_bench(
         "served_measured": {segment: len(samples) for segment, samples in seen.items()},
         "fresh_measured": {segment: len(samples) for segment, samples in fresh.items()},
     }
-    result["params"] = {
-        "cycle_tokens": cycle_tokens,
-        "max_new_tokens": max_new_tokens,
-        "ks": list(ks),
-        "held_out_percent": held_out_percent,
+    result["params"] = _recorded_params(
+        params, train, workload, static_steps=static_steps, oracle_data=loop.oracle_data
+    )
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _recorded_params(
+    params: AdaptationBenchParams,
+    train: TrainConfig,
+    workload: Path,
+    *,
+    static_steps: int,
+    oracle_data: str,
+) -> dict[str, Any]:
+    """The settings a run's JSON records, so that its figures can be told apart."""
+    return {
+        "cycle_tokens": params.cycle_tokens,
+        "max_new_tokens": params.max_new_tokens,
+        "ks": list(params.ks),
+        "held_out_percent": params.held_out_percent,
         "timing_passes": params.timing_passes,
         "settle_requests": params.settle,
         "train_steps_per_cycle": train.steps,
         "warm_lr_scale": train.warm_lr_scale,
         "static_steps": static_steps,
         "fresh_per_segment": params.fresh,
-        "labels": labels,
+        "labels": params.labels,
         "workload": str(workload),
-        "oracle_data": loop.oracle_data,
+        "oracle_data": oracle_data,
         "oracle_seeds": params.oracle_seeds,
         "joint": params.joint,
         "target_seed": params.target_seed,
     }
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
-    return result
 
 
 def _result(

@@ -551,14 +551,8 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
         judged=judged,  # the older requests judged too: never replayed nor learned
         relearned=relearned,
     )
-    chosen = {candidate.key: (candidate, False) for candidate in replay}
-    chosen |= {candidate.key: (candidate, True) for candidate in older}
-    commits = sorted({candidate.commit for candidate, _learn in chosen.values()})
-    for sample in reader.iter_records(markers_of(reader, commits)):  # only those holding one
-        found = chosen.pop(_replay_key(sample), None)  # copies under one id: saved once
-        if found is not None:
-            candidate, learn = found
-            save(sample, candidate.segment, window=learn)
+    for sample, segment, learn in _read_chosen(reader, replay, older):
+        save(sample, segment, window=learn)
     if not counts[WINDOW_DIR] and not _any_file(out / JUDGED_DIR / WINDOW_DIR):
         window_requests = _learn_kept_window(
             out, (kept_requests, kept_tokens), counts, tokens, snapshot.cycle_id
@@ -578,6 +572,21 @@ def export_training_data(config: TideConfig, snapshot: Snapshot, out: Path) -> T
     )
     log_debris(reader, f"cycle {snapshot.cycle_id} export")
     return TrainingSet(requests=counts, tokens=tokens)
+
+
+def _read_chosen(
+    reader: LakeReader, replay: list[ReplayCandidate], relearned: list[ReplayCandidate]
+) -> Iterator[tuple[CapturedRecord, str, bool]]:
+    """The chosen older requests, read from the commits that hold one, each once (copies
+    under one id are one request): (sample, its segment, whether it is learned again)."""
+    chosen = {candidate.key: (candidate, False) for candidate in replay}
+    chosen |= {candidate.key: (candidate, True) for candidate in relearned}
+    commits = sorted({candidate.commit for candidate, _learn in chosen.values()})
+    for sample in reader.iter_records(markers_of(reader, commits)):
+        found = chosen.pop(_replay_key(sample), None)
+        if found is not None:
+            candidate, learn = found
+            yield sample, candidate.segment, learn
 
 
 def _export_older_judged(

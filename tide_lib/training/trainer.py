@@ -721,29 +721,57 @@ def train_draft(
             on_checkpoint(saved)
 
     last = run.loop(int(resumed["step"]) if resumed else 0, metrics, on_step, checkpoint)
-    seconds = time.perf_counter() - started
-    if rank == 0 and metrics is not None and selection.best is not None:
+    return _finish(
+        run,
+        (draft, parent),
+        out_dir,
+        metrics=metrics,
+        last=last,
+        seconds=time.perf_counter() - started,
+        resumed_from_step=int(resumed["step"]) if resumed else None,
+        loss_backend=backend,
+        validation_samples=len(held_paths),
+    )
+
+
+def _finish(
+    run: _Run,
+    drafts: tuple[Any, Any | None],
+    out_dir: Path,
+    *,
+    metrics: MetricSink | None,
+    last: dict[str, float],
+    seconds: float,
+    resumed_from_step: int | None,
+    loss_backend: str,
+    validation_samples: int,
+) -> TrainResult:
+    """Export the selected draft (``drafts``: the trained one and its parent), and a
+    continuation where one is kept, from rank 0; say what the run did."""
+    draft, parent = drafts
+    selection, plan = run.selection, run.plan
+    if run.rank == 0 and metrics is not None and selection.best is not None:
         metrics.log_metrics(selection.summary_metrics(), step=plan.steps)
-    best = selection.best if config.export == "best" else None
+    best = selection.best if run.config.export == "best" else None
     draft_dir = out_dir / DRAFT_DIR
     continuation = selection.continuation() if best is not None else None
-    if rank == 0:
+    if run.rank == 0:
         _export_best(draft, parent, best, plan.steps, draft_dir)
         if continuation is not None:
             _export_continuation(draft, continuation, out_dir / CONTINUATION_DIR)
-    if world > 1:
+    if run.world > 1:
         torch.distributed.barrier()
     return TrainResult(
         draft_dir=draft_dir,
         steps=plan.steps,
-        resumed_from_step=int(resumed["step"]) if resumed else None,
+        resumed_from_step=resumed_from_step,
         final_loss=last.get("loss", math.nan),
         accuracy=[last[key] for key in sorted(k for k in last if k.startswith("acc_"))],
         trained_tokens=run.trained_tokens,
         seconds=seconds,
-        loss_backend=backend,
+        loss_backend=loss_backend,
         skipped_steps=run.nonfinite.skipped,
-        validation_samples=len(held_paths),
+        validation_samples=validation_samples,
         learning_rate=plan.learning_rate,
         batch_size=plan.batch_size,
         continuation_dir=out_dir / CONTINUATION_DIR if continuation is not None else None,
