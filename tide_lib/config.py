@@ -277,8 +277,11 @@ class TrainConfig(StrictModel):
     batch_size: int = Field(4, gt=0)
     """samples per optimizer step (per process)"""
     learning_rate: float = Field(1e-3, gt=0)
+    """AdamW's peak rate (warm starts scale it by warm_lr_scale)"""
     warmup_steps: int = Field(10, ge=0)
+    """linear warmup before the cosine decay"""
     max_grad_norm: float = Field(0.5, gt=0)
+    """gradients are clipped to this norm"""
     ttt_length: int = Field(7, gt=0)
     """training-time-test unroll (SpecForge default 7)"""
     ploss_decay: float = Field(0.8, gt=0, le=1)
@@ -286,6 +289,7 @@ class TrainConfig(StrictModel):
     max_len: int = Field(512, gt=1)
     """tokens kept per sample"""
     draft_vocab_size: int = Field(2048, gt=0)
+    """tokens the draft can propose (d2t/t2d map them to the target's)"""
     vocab_mapping: Literal["mix", "parent"] = "mix"
     """warm starts rebuild d2t/t2d from the token frequencies of the training mix (window and
     replay, weighted by how often each sample is drawn), keeping the parent's lm_head rows of tokens
@@ -298,7 +302,9 @@ class TrainConfig(StrictModel):
     """warm starts train this many passes over the training samples (steps clamped to
     warm_min_steps..warm_max_steps, batch to the sample count); 0: use steps as given"""
     warm_min_steps: int = Field(10, ge=0)
+    """fewest steps of a warm start (see warm_epochs)"""
     warm_max_steps: int = Field(200, ge=1)
+    """most steps of a warm start (see warm_epochs)"""
     validation_fraction: float = Field(0.15, ge=0, lt=1)
     """share of samples (by a hash of their tokens, window and replay alike) held out, never trained
     on, to score offline acceptance during training, besides the window's held-out requests the
@@ -334,9 +340,13 @@ class TrainConfig(StrictModel):
     """warm starts: weight of the KL(parent || student) term on replay samples, which keeps the
     draft's distribution on older traffic close to the champion's"""
     checkpoint_every: int = Field(50, gt=0)
+    """steps between checkpoints a retried run resumes from"""
     keep_checkpoints: int = Field(2, gt=0)
+    """checkpoints kept, the newest"""
     log_every: int = Field(10, gt=0)
+    """steps between logged loss and accuracy"""
     seed: int = 0
+    """the draft's initialisation and the order samples are drawn in"""
     features: Literal["captured", "recompute"] = "captured"
     """captured: train on the hidden states serving stored (reuse); recompute: re-run the target on
     the token ids every step (the baseline TIDE's reuse avoids)"""

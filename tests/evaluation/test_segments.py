@@ -208,13 +208,13 @@ def test_a_segmenter_with_no_clusters_reads_back() -> None:
 def test_copies_of_a_request_fall_on_the_same_side_of_the_held_out_split() -> None:
     """The cycle's held-out rule hashes the tokens, not the request id: the same prompt
     answered the same way by two requests is held out or trained on, never both."""
-    from tide_lib.orchestration import cycle
+    from tide_lib.orchestration import export
 
     rng, center = np.random.default_rng(5), _centers(1)[0]
     sides = set()
     for index in range(200):
         sample = _sample(f"r{index}", center, rng)
         copy = dataclasses.replace(sample, request_id=f"copy-of-r{index}")
-        assert cycle._held_out(sample, 20) == cycle._held_out(copy, 20)
-        sides.add(cycle._held_out(sample, 20))
+        assert export._held_out(sample, 20) == export._held_out(copy, 20)
+        sides.add(export._held_out(sample, 20))
     assert sides == {True, False}

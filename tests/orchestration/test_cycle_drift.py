@@ -22,7 +22,7 @@ from tide_lib.evaluation.drift import judge_drift
 from tide_lib.evaluation.gate import GateDecision, decision_tags
 from tide_lib.evaluation.offline import length_margin
 from tide_lib.names import Tags
-from tide_lib.orchestration import cycle, drift_check, state
+from tide_lib.orchestration import cycle, drift_check, export, state
 from tide_lib.orchestration.handoff import Drift
 from tide_lib.registry import DraftRegistry
 
@@ -609,11 +609,11 @@ def test_the_end_of_a_learning_chain_trains_one_consolidation_cycle_on_every_seg
     assert check.champion_version == end and check.drifted == [] and check.fitting is None
 
     # Every segment's older requests are learned with the window's; nothing is replayed.
-    together = cycle.export_training_data(config, snapshot, tmp_path / "together").as_params()
+    together = export.export_training_data(config, snapshot, tmp_path / "together").as_params()
     drift_json = "cycles/c2/drift.json"
     plain = check.model_copy(update={"consolidate": False})  # the same check, no chain
     state.write_state(config, drift_json, plain.model_dump_json().encode())
-    apart = cycle.export_training_data(config, snapshot, tmp_path / "apart").as_params()
+    apart = export.export_training_data(config, snapshot, tmp_path / "apart").as_params()
     state.write_state(config, drift_json, check.model_dump_json().encode())
     assert apart["trained_replay_requests"] > 0 and together["trained_replay_requests"] == 0
     learned_apart = apart["trained_window_requests"] + apart["trained_replay_requests"]

@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import make_record
 from tide_lib.config import GateConfig
-from tide_lib.orchestration import cycle
+from tide_lib.orchestration import cycle, export
 from tide_lib.serving.acceptance import AcceptanceCount
 
 
@@ -43,10 +43,10 @@ def test_a_request_answered_with_no_token_is_never_held_out() -> None:
         )
         for record in (make_record(index) for index in range(200))
     ]
-    held = [record for record in records if cycle._held_out(record, 50)]
+    held = [record for record in records if export._held_out(record, 50)]
     assert held  # about half of the answered ones
     silent = [dataclasses.replace(r, loss_mask=torch.zeros_like(r.loss_mask)) for r in held]
-    assert not any(cycle._held_out(record, 50) for record in silent)
+    assert not any(export._held_out(record, 50) for record in silent)
 
 
 def test_a_window_that_leaves_the_champion_no_room_is_judged_with_its_older_requests() -> None:

@@ -18,7 +18,7 @@ from tests.conftest import make_record
 from tide_lib.config import LakeConfig, TideConfig
 from tide_lib.lake import LakeReader, LakeWriter, ObjectStore, target_slug
 from tide_lib.lake.layout import CommitMarker, commit_key, commit_prefix
-from tide_lib.orchestration import cycle
+from tide_lib.orchestration import cycle, export
 
 pytestmark = pytest.mark.slow
 TARGET = "demo/target"
@@ -63,10 +63,10 @@ def test_defect1_export_goes_on_when_a_window_shard_is_gone(
     gone = _shards(lake_store, config)[1]
     lake_store.remove(gone.shard_key)  # retention crashed between the shard and its marker
 
-    count = cycle.export_training_data(config, snapshot, tmp_path / "data").total
+    count = export.export_training_data(config, snapshot, tmp_path / "data").total
     assert count == 3  # 4 requests of the other two shards, less the first (held out)
     assert not lake_store.exists(gone.key)  # quarantined: the next cycle does not meet it
-    assert any(cycle.held_out_samples(config, snapshot).values())
+    assert any(export.held_out_samples(config, snapshot).values())
     cycle.advance_watermark(config, snapshot)
     assert cycle.new_tokens(config) == 0
 
@@ -92,7 +92,7 @@ def test_defect4_export_skips_records_unfit_for_the_target(
     _write(lake_store, config, [3, 4], hidden=8)  # another target's width: wrong for this one
     time.sleep(1.5)
     snapshot = cycle.snapshot_window(config, "c1")
-    assert cycle.export_training_data(config, snapshot, tmp_path / "data").total == 2  # req-0 out
+    assert export.export_training_data(config, snapshot, tmp_path / "data").total == 2  # req-0 out
 
 
 def test_defect6_retention_deletes_the_marker_before_the_shard(

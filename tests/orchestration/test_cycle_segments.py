@@ -24,8 +24,8 @@ from tide_lib.evaluation.offline import content_digest, content_fraction
 from tide_lib.evaluation.segments import Segmenter
 from tide_lib.lake import LakeWriter, ObjectStore, target_slug
 from tide_lib.lake.schema import CapturedRecord
-from tide_lib.orchestration import cycle, drift_check
-from tide_lib.orchestration.cycle import HeldOutTraffic
+from tide_lib.orchestration import cycle, drift_check, export
+from tide_lib.orchestration.export import HeldOutTraffic
 from tide_lib.orchestration.handoff import Drift
 
 pytestmark = pytest.mark.slow
@@ -112,7 +112,7 @@ def test_held_out_traffic_is_grouped_by_segment_with_window_and_older_shares(
         + [_record(300 + i, CENTERS[0], "english") for i in range(10)],
     )
     snapshot = cycle.snapshot_window(config, "c2")
-    traffic = cycle.held_out_traffic(config, snapshot)
+    traffic = export.held_out_traffic(config, snapshot)
 
     (cluster,) = [name for name in traffic.window_tokens if name.startswith("cluster-")]
     assert traffic.window_tokens == {"korean law": 10 * 12, cluster: 30 * 12, "english": 120}
@@ -128,7 +128,7 @@ def test_held_out_traffic_is_grouped_by_segment_with_window_and_older_shares(
     assert 0 < first < len(english), english
     assert min(english[:first]) >= 300 and max(english[first:]) < 20
     assert traffic.window_held_out[cluster] == len(traffic.samples[cluster])
-    assert cycle.held_out_samples(config, snapshot).keys() == traffic.samples.keys()
+    assert export.held_out_samples(config, snapshot).keys() == traffic.samples.keys()
 
     # The segmenter is stored once under the cycle's state and read back as is.
     stored = Segmenter.from_json(lake_store.get_bytes(traffic.segmenter_key))
@@ -144,11 +144,11 @@ def test_the_next_cycle_keeps_the_cluster_names(
 ) -> None:
     _write(lake_store, config, [_record(i, CENTERS[i % 2], None) for i in range(30)])
     first = cycle.snapshot_window(config, "c1")
-    names_before = cycle.held_out_traffic(config, first).window_tokens.keys()
+    names_before = export.held_out_traffic(config, first).window_tokens.keys()
     cycle.advance_watermark(config, first)
     _write(lake_store, config, [_record(300 + i, CENTERS[i % 2], None) for i in range(30)])
     second = cycle.snapshot_window(config, "c2")
-    traffic = cycle.held_out_traffic(config, second)
+    traffic = export.held_out_traffic(config, second)
     assert traffic.window_tokens.keys() == names_before and len(names_before) == 2
 
 
@@ -161,7 +161,7 @@ def test_export_separates_window_and_replay(
     _write(lake_store, config, [_record(100 + i, CENTERS[1], None) for i in range(10)])
     snapshot = cycle.snapshot_window(config, "c2")
     assert snapshot.replay  # the older commit is drawn, its requests replay candidates
-    exported = cycle.export_training_data(config, snapshot, tmp_path / "data")
+    exported = export.export_training_data(config, snapshot, tmp_path / "data")
     window = sorted((tmp_path / "data" / "window").glob("*.ckpt"))
     replay = sorted((tmp_path / "data" / "replay").glob("*.ckpt"))
     assert window and replay and exported.total == len(window) + len(replay)
@@ -180,12 +180,12 @@ def test_export_separates_window_and_replay(
     reader = cycle.sample_reader(config)
     window_held = {
         content_digest(sample.input_ids)
-        for held, sample, _digest in cycle._window_split(config, snapshot, reader)
+        for held, sample, _digest in export._window_split(config, snapshot, reader)
         if held
     }
     gate = {
         content_digest(sample.input_ids)
-        for samples in cycle.held_out_samples(config, snapshot).values()
+        for samples in export.held_out_samples(config, snapshot).values()
         for sample in samples
     }
     assert digests(judged) == gate and window_held < gate  # older English judged too
@@ -194,7 +194,7 @@ def test_export_separates_window_and_replay(
     assert digests(judged).isdisjoint(digests(window + replay))
     # and how the gate figures the window, so the trainer keeps no step below its parent
     figure = json.loads((tmp_path / "data" / "gate_figure.json").read_text())
-    shares = cycle.held_out_traffic(config, snapshot).window_shares
+    shares = export.held_out_traffic(config, snapshot).window_shares
     assert figure["shares"] == pytest.approx(shares) and figure["k"] == config.gate.k
     assert figure["min_segment_tokens"] == config.gate.min_segment_tokens
     assert (figure["tolerance"], figure["net_gain"]) == (config.gate.tolerance, True)
@@ -220,7 +220,7 @@ def test_a_segment_of_short_requests_is_read_on_until_the_gate_can_judge_it(
         gate = config.gate.model_copy(update={"min_segment_tokens": min_tokens})
         budget = config.cycle.model_copy(update={"held_out_older_tokens": 600})
         small = config.model_copy(update={"cycle": budget, "gate": gate})
-        traffic = cycle.held_out_traffic(small, snapshot)
+        traffic = export.held_out_traffic(small, snapshot)
 
         def older(segment: str) -> list[CapturedRecord]:
             return traffic.samples[segment][traffic.window_held_out.get(segment, 0) :]
@@ -244,7 +244,7 @@ def test_a_segment_of_short_requests_is_read_on_until_the_gate_can_judge_it(
             "gate": config.gate.model_copy(update={"min_segment_tokens": in_window + 40}),
         }
     )
-    cycle.export_training_data(small, snapshot, tmp_path / "data")
+    export.export_training_data(small, snapshot, tmp_path / "data")
     exported = (tmp_path / "data" / "held_out" / "older").glob("*.ckpt")
     assert {
         content_digest(torch.load(path, weights_only=True)["input_ids"]) for path in exported
@@ -286,7 +286,7 @@ def test_a_thin_older_segment_is_judged_on_its_reserved_requests_too(
                 "gate": config.gate.model_copy(update={"min_segment_tokens": min_tokens}),
             }
         )
-        samples = cycle.held_out_traffic(changed, snapshot).samples["chat"]
+        samples = export.held_out_traffic(changed, snapshot).samples["chat"]
         return changed, {content_digest(sample.input_ids) for sample in samples}
 
     enough = 6 * len(held)
@@ -300,7 +300,7 @@ def test_a_thin_older_segment_is_judged_on_its_reserved_requests_too(
     }
     assert judged_chat(0, 10_000)[1] == held  # the band off: held-out requests alone
     # The export scores the trainer's steps on those very requests and trains on none.
-    cycle.export_training_data(changed, snapshot, tmp_path / "data")
+    export.export_training_data(changed, snapshot, tmp_path / "data")
 
     def exported(folder: str) -> set[bytes]:
         paths = (tmp_path / "data" / folder).glob("*.ckpt")
@@ -311,7 +311,7 @@ def test_a_thin_older_segment_is_judged_on_its_reserved_requests_too(
     assert scored.isdisjoint(exported("replay") | exported("window"))
     # The gate judges the reserved requests the export set aside, whatever it would
     # choose itself now (a shard lost in between, a setting changed): never one trained.
-    traffic = cycle.held_out_traffic(judged_chat(20, 10_000)[0], snapshot)
+    traffic = export.held_out_traffic(judged_chat(20, 10_000)[0], snapshot)
     assert {content_digest(s.input_ids) for s in traffic.samples["chat"]} == judged
     assert scored == {
         content_digest(sample.input_ids)
@@ -322,9 +322,9 @@ def test_a_thin_older_segment_is_judged_on_its_reserved_requests_too(
     # export would, and its warning names the file.
     for unreadable in (b"[not json", b"{}", b'["not hex"]'):
         caplog.clear()
-        cycle.write_state(changed, cycle._reserved_name("c2"), unreadable)
-        with caplog.at_level(logging.WARNING, logger=cycle.__name__):
-            fallback = cycle.held_out_traffic(changed, snapshot)
+        cycle.write_state(changed, export._reserved_name("c2"), unreadable)
+        with caplog.at_level(logging.WARNING, logger=export.__name__):
+            fallback = export.held_out_traffic(changed, snapshot)
         assert {content_digest(s.input_ids) for s in fallback.samples["chat"]} == judged
         assert "c2-reserved.json" in caplog.text
 
@@ -340,7 +340,7 @@ def test_the_replay_favours_the_segment_the_window_lost(
     cycle.advance_watermark(few, cycle.snapshot_window(few, "c1"))
     _write(lake_store, few, [_record(200 + i, CENTERS[0], "english") for i in range(20)])
     snapshot = cycle.snapshot_window(few, "c2")
-    cycle.export_training_data(few, snapshot, tmp_path / "data")
+    export.export_training_data(few, snapshot, tmp_path / "data")
     replayed = [
         torch.load(path, weights_only=True)["segment"]
         for path in (tmp_path / "data" / "replay").glob("*.ckpt")
@@ -367,7 +367,7 @@ def test_the_window_learns_every_segment_but_those_the_champion_still_fits(
     snapshot = cycle.snapshot_window(config, "c2")
     # The check fit English closely and could not judge Korean law (too few requests).
     _store_drift(lake_store, config, {"english": 3.0}, drifted=[], fitting=["english"])
-    cycle.export_training_data(config, snapshot, tmp_path / "data")
+    export.export_training_data(config, snapshot, tmp_path / "data")
 
     def segments(part: str) -> list[str]:
         files = (tmp_path / "data" / part).glob("*.ckpt")
@@ -389,7 +389,7 @@ def test_a_window_without_the_segments_to_learn_is_learned_whole(
     _write(lake_store, config, [_record(100 + i, CENTERS[0], "english") for i in range(10)])
     snapshot = cycle.snapshot_window(config, "c2")
     _store_drift(lake_store, config, {"english": 3.0}, drifted=["korean law"], fitting=["english"])
-    exported = cycle.export_training_data(config, snapshot, tmp_path / "data")
+    exported = export.export_training_data(config, snapshot, tmp_path / "data")
 
     def segments(part: Path) -> list[str]:
         return sorted(torch.load(path, weights_only=True)["segment"] for path in part.glob("*"))
@@ -402,9 +402,9 @@ def test_a_window_without_the_segments_to_learn_is_learned_whole(
     assert replayed and set(replayed) == {"korean law"}  # older traffic: replayed (share 4.0)
     assert exported.requests == {"window": len(learned), "replay": len(replayed)}
     assert exported.tokens == {"window": 12 * len(learned), "replay": 12 * len(replayed)}
-    judged = tmp_path / "data" / cycle.JUDGED_DIR  # its held-out requests: scored as learned
-    assert list((judged / cycle.WINDOW_DIR).glob("*.ckpt"))
-    assert not list((judged / cycle.REPLAY_DIR).glob("*.ckpt"))
+    judged = tmp_path / "data" / export.JUDGED_DIR  # its held-out requests: scored as learned
+    assert list((judged / export.WINDOW_DIR).glob("*.ckpt"))
+    assert not list((judged / export.REPLAY_DIR).glob("*.ckpt"))
 
 
 @pytest.mark.parametrize("relearn", [True, False])
@@ -436,7 +436,7 @@ def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
         drifted=["korean law"],
         fitting=["english"],
     )
-    exported = cycle.export_training_data(config, snapshot, tmp_path / "data")
+    exported = export.export_training_data(config, snapshot, tmp_path / "data")
 
     def ids(part: str) -> dict[str, set[tuple[int, ...]]]:
         found: dict[str, set[tuple[int, ...]]] = {}
@@ -445,7 +445,7 @@ def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
             found.setdefault(raw["segment"], set()).add(tuple(raw["input_ids"].tolist()))
         return found
 
-    gate = cycle.held_out_traffic(config, snapshot).samples  # held out, or reserved
+    gate = export.held_out_traffic(config, snapshot).samples  # held out, or reserved
     judged = {tuple(s.input_ids.tolist()) for samples in gate.values() for s in samples}
 
     def trainable(records: list[CapturedRecord]) -> set[tuple[int, ...]]:  # the gate's rest
@@ -471,7 +471,7 @@ def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
         lake_store.put_bytes(
             drift_check.drift_key(config, "c2"), unchecked.model_dump_json().encode()
         )
-        cycle.export_training_data(config, snapshot, tmp_path / "unchecked")
+        export.export_training_data(config, snapshot, tmp_path / "unchecked")
         assert len(list((tmp_path / "unchecked" / "window").glob("*.ckpt"))) == len(
             trainable(window[1:])
         )
@@ -517,7 +517,7 @@ def test_the_window_first_answered_request_is_held_out(
     reader = cycle.sample_reader(config)
     held = [
         sample.request_id
-        for judged, sample, _digest in cycle._window_split(config, snapshot, reader)
+        for judged, sample, _digest in export._window_split(config, snapshot, reader)
         if judged and not content_fraction(sample.input_ids) * 100 < 1
     ]
     assert held == [answered[0].request_id]

@@ -147,7 +147,7 @@ def _older_lake(
 def _measure(
     config: TideConfig, cycle_id: str, work: Path
 ) -> tuple[dict[str, float], StoreIO, Any]:
-    from tide_lib.orchestration import cycle  # noqa: PLC0415
+    from tide_lib.orchestration import cycle, export  # noqa: PLC0415
 
     seconds: dict[str, float] = {}
     before = process_io()
@@ -155,10 +155,10 @@ def _measure(
     snapshot = cycle.snapshot_window(config, cycle_id)
     seconds["snapshot"] = time.perf_counter() - started
     mark = time.perf_counter()
-    samples = cycle.export_training_data(config, snapshot, work / cycle_id).total
+    samples = export.export_training_data(config, snapshot, work / cycle_id).total
     seconds["export"] = time.perf_counter() - mark
     mark = time.perf_counter()
-    cycle.held_out_samples(config, snapshot)
+    export.held_out_samples(config, snapshot)
     seconds["evaluation_io"] = time.perf_counter() - mark
     seconds["total"] = time.perf_counter() - started
     after = process_io()

@@ -15,15 +15,15 @@ __all__ = ["Decision", "Drift", "HandOff", "Promotion", "Snapshot", "Trained"]
 
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
+from tide_lib.config import StrictModel
 from tide_lib.registry.uris import PORTABLE_SCHEMES, is_portable
 
 
-class HandOff(BaseModel):
-    """Base of the hand-offs: immutable, unknown keys refused."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class HandOff(StrictModel):
+    """Base of the hand-offs: immutable, unknown keys refused, as configuration sections;
+    a field's docstring is its description."""
 
     def to_xcom(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -45,20 +45,18 @@ class Snapshot(HandOff):
     target_id: str
     watermark_before: str | None
     watermark_after: str
-    window: list[str] = Field(description="commits after the watermark: the new traffic")
-    replay: list[str] = Field(
-        description="older commits drawn first (the start of held_out_older); their tokens "
-        "size the draw, the replay itself is chosen by segment from all of held_out_older"
-    )
-    held_out_older: list[str] = Field(
-        description=(
-            "older commits whose held-out requests judge forgetting; their other requests "
-            "are the replay candidates, chosen by segment"
-        )
-    )
+    window: list[str]
+    """commits after the watermark: the new traffic"""
+    replay: list[str]
+    """older commits drawn first (the start of held_out_older); their tokens size the draw, the
+    replay itself is chosen by segment from all of held_out_older"""
+    held_out_older: list[str]
+    """older commits whose held-out requests judge forgetting; their other requests are the replay
+    candidates, chosen by segment"""
     window_tokens: int = Field(ge=0)
     replay_tokens: int = Field(ge=0)
-    older_listed: int = Field(ge=0, description="older commit keys listed to choose from")
+    older_listed: int = Field(ge=0)
+    """older commit keys listed to choose from"""
 
     def asset_extra(self) -> dict[str, Any]:
         """What the lake asset's event says about this window (no keys, just figures)."""
@@ -75,15 +73,12 @@ class Trained(HandOff):
     """The challenger a trainer host produced, stored where every host can read it."""
 
     run_id: str
-    draft_uri: str = Field(description="the exported draft as an MLflow artifact URI")
+    draft_uri: str
+    """the exported draft as an MLflow artifact URI"""
     parent_version: str | None
-    improved: bool = Field(
-        True,
-        description=(
-            "False when the best checkpoint on held-out traffic was the parent itself: "
-            "nothing worth registering"
-        ),
-    )
+    improved: bool = True
+    """False when the best checkpoint on held-out traffic was the parent itself: nothing worth
+    registering"""
 
     @field_validator("draft_uri")
     @classmethod
@@ -103,57 +98,49 @@ class Drift(HandOff):
     drift: bool
     reason: str
     champion_version: str | None
-    measured: dict[str, float] = Field(description="champion's acceptance length per segment")
-    margins: dict[str, float] = Field(
-        default_factory=dict,
-        description="one-sided 95% margin of error of each measured figure "
-        "(absent: too few requests to estimate one, so its fall cannot count)",
-    )
-    baseline: dict[str, float] = Field(description="its acceptance length at promotion")
-    ceilings: dict[str, float] = Field(
-        default_factory=dict,
-        description="the most any draft reaches on each measured segment's requests (what "
-        "their output lengths allow): no segment is held to more",
-    )
-    drifted: list[str] = Field(
-        default_factory=list,
-        description="segments it serves worse than its baseline (or, never judged, far "
-        "below its best segment), or those its promotion gained on (still learning). "
-        "Without `fitting`: these are learned and the rest of the window is kept (empty: "
-        "learn all)",
-    )
-    fitting: list[str] | None = Field(
-        None,
-        description="segments whose figure less its margin of error is within "
-        "drift_tolerance of its reference (its baseline; a segment new to the baseline: "
-        "the baseline's average; never judged: its best segment; at most its ceiling): "
-        "the window's requests of these are trained as traffic to keep, every other "
-        "segment is learned (one measured on too few requests, or too loosely, too). "
-        "None: every segment fits "
-        "(learn the whole window), still learning, or a record of an older release "
-        "(both: learn `drifted`)",
-    )
-    champion_judged: bool = Field(
-        True,
-        description="false: the champion was never judged on traffic (a seeded one's first "
-        "check); the segments far below its best are learned, but a gain over it must be "
-        "beyond the noise (training.warm_gain is left as set)",
-    )
-    saved_train_seconds: float | None = Field(
-        None, description="no drift: the last trained cycle's training time, not spent"
-    )
-    consolidate: bool = Field(
-        False,
-        description="the cycle consolidates (the champion was warm-started, or a chain of two "
-        "warm starts ended without drift): it learns every segment's older traffic in the "
-        "lookback with the window (cycle.consolidate)",
-    )
-    segmenter_key: str | None = Field(
-        None,
-        description="lake key of the segmenter whose segments `drifted`, `fitting` and the figures "
-        "name: the baseline's (so that a cluster means the same requests on both sides), "
-        "or the promoting gate's (still learning)",
-    )
+    measured: dict[str, float]
+    """champion's acceptance length per segment"""
+    margins: dict[str, float] = Field(default_factory=dict)
+    """one-sided 95% margin of error of each measured figure (absent: too few requests to estimate
+    one, so its fall cannot count)"""
+    baseline: dict[str, float]
+    """its acceptance length at promotion"""
+    ceilings: dict[str, float] = Field(default_factory=dict)
+    """the most any draft reaches on each measured segment's requests (what their output lengths
+    allow): no segment is held to more"""
+    drifted: list[str] = Field(default_factory=list)
+    """segments it serves worse than its baseline (or, never judged, far below its best segment), or
+    those its promotion gained on (still learning). Without `fitting`: these are learned and the
+    rest of the window is kept (empty: learn all)"""
+    fitting: list[str] | None = None
+    """segments whose figure less its margin of error is within drift_tolerance of its reference
+    (its baseline; a segment new to the baseline: the baseline's average; never judged: its best
+    segment; at most its ceiling): the window's requests of these are trained as traffic to keep,
+    every other segment is learned (one measured on too few requests, or too loosely, too). None:
+    every segment fits (learn the whole window), still learning, or a record of an older release
+    (both: learn `drifted`)"""
+    champion_judged: bool = True
+    """false: the champion was never judged on traffic (a seeded one's first check); the segments
+    far below its best are learned, but a gain over it must be beyond the noise (training.warm_gain
+    is left as set)"""
+    saved_train_seconds: float | None = None
+    """no drift: the last trained cycle's training time, not spent"""
+    consolidate: bool = False
+    """the cycle consolidates (the champion was warm-started, or a chain of two warm starts ended
+    without drift): it learns every segment's older traffic in the lookback with the window
+    (cycle.consolidate)"""
+    segmenter_key: str | None = None
+    """lake key of the segmenter whose segments `drifted`, `fitting` and the figures name: the
+    baseline's (so that a cluster means the same requests on both sides), or the promoting gate's
+    (still learning)"""
+
+    @property
+    def champion_drifted(self) -> bool:
+        """Did a champion's drift check name segments of the window it no longer fits (fell
+        on, far below its best segment, or still learning after a promotion for them)? Not
+        when training without such a finding: no champion yet, the check off, failed or
+        unable to judge, a champion without a baseline that fits every segment."""
+        return self.drift and self.champion_version is not None and bool(self.drifted)
 
 
 class Decision(HandOff):

@@ -22,7 +22,7 @@ proportion (:func:`floored_shares`). It is off by default: at 0.25, three benchm
 runs differed more between themselves than with and without it.
 
 Pure functions: the cycle reads the candidates (older requests that are not held
-out) and writes the chosen ones (:func:`tide_lib.orchestration.cycle.export_training_data`).
+out) and writes the chosen ones (:func:`tide_lib.orchestration.export.export_training_data`).
 """
 
 from __future__ import annotations
