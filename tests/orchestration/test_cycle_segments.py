@@ -24,7 +24,7 @@ from tide_lib.evaluation.offline import content_digest, content_fraction
 from tide_lib.evaluation.segments import Segmenter
 from tide_lib.lake import LakeWriter, ObjectStore, target_slug
 from tide_lib.lake.schema import CapturedRecord
-from tide_lib.orchestration import cycle, drift_check, export
+from tide_lib.orchestration import cycle, drift_check, export, state
 from tide_lib.orchestration.export import HeldOutTraffic
 from tide_lib.orchestration.handoff import Drift
 
@@ -177,7 +177,7 @@ def test_export_separates_window_and_replay(
     def digests(paths: list[Path]) -> set[bytes]:
         return {content_digest(torch.load(p, weights_only=True)["input_ids"]) for p in paths}
 
-    reader = cycle.sample_reader(config)
+    reader = state.sample_reader(config)
     window_held = {
         content_digest(sample.input_ids)
         for held, sample, _digest in export._window_split(config, snapshot, reader)
@@ -322,7 +322,7 @@ def test_a_thin_older_segment_is_judged_on_its_reserved_requests_too(
     # export would, and its warning names the file.
     for unreadable in (b"[not json", b"{}", b'["not hex"]'):
         caplog.clear()
-        cycle.write_state(changed, export._reserved_name("c2"), unreadable)
+        state.write_state(changed, export._reserved_name("c2"), unreadable)
         with caplog.at_level(logging.WARNING, logger=export.__name__):
             fallback = export.held_out_traffic(changed, snapshot)
         assert {content_digest(s.input_ids) for s in fallback.samples["chat"]} == judged
@@ -514,7 +514,7 @@ def test_the_window_first_answered_request_is_held_out(
     answered = [_record(10 + i, CENTERS[1], "korean law") for i in range(6)]
     _write(lake_store, config, unanswered + answered)
     snapshot = cycle.snapshot_window(config, "c1")
-    reader = cycle.sample_reader(config)
+    reader = state.sample_reader(config)
     held = [
         sample.request_id
         for judged, sample, _digest in export._window_split(config, snapshot, reader)

@@ -51,6 +51,7 @@ import torch
 from tide_lib.evaluation.gate import t95
 from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.speculative import DraftRunner
+from tide_lib.training.draft import TargetHead
 
 
 class ReplaySample(Protocol):
@@ -308,8 +309,6 @@ def offline_acceptance(
     every_position: bool = False,
 ) -> dict[str, dict[int, AcceptanceCount]]:
     """Acceptance length of ``draft`` per segment and per k, from captured states only."""
-    from tide_lib.training.trainer import TargetHead  # noqa: PLC0415
-
     return acceptance_counts(
         draft, TargetHead(target_dir), segments, ks, every_position=every_position
     )

@@ -13,7 +13,9 @@ it ends. Each step is safe to rerun:
 
 State lives in the lake bucket under ``<prefix>/_state/target=<slug>/``
 (:mod:`tide_lib.orchestration.state`); the drift check that decides whether a
-cycle trains at all is :mod:`tide_lib.orchestration.drift_check`.
+cycle trains at all is :mod:`tide_lib.orchestration.drift_check`; what the train
+and evaluate steps read of the lake (the window, its held-out requests, the
+replay) is :mod:`tide_lib.orchestration.export`.
 """
 
 from __future__ import annotations

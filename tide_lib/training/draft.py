@@ -22,6 +22,7 @@ __all__ = [
     "DRAFT_ARCHITECTURE",
     "DraftTarget",
     "InvalidCheckpointError",
+    "TargetHead",
     "build_vocab_mapping",
     "check_vocab_mapping",
     "draft_config_for",
@@ -414,3 +415,33 @@ def validate_draft_dir(draft_dir: Path, target: DraftTarget | None = None) -> An
     except InvalidCheckpointError as error:
         raise InvalidCheckpointError(f"{weights_path}: {error}") from error
     return config
+
+
+class TargetHead(torch.nn.Module):
+    """The target's frozen ``lm_head`` with SpecForge's ``TargetHead`` interface."""
+
+    def __init__(self, target_dir: Path) -> None:
+        super().__init__()
+        from transformers import AutoConfig  # noqa: PLC0415
+
+        config = AutoConfig.from_pretrained(target_dir)
+        key = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        weight = load_target_tensor(target_dir, key).float()
+        self.fc = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(weight)
+        self.fc.weight.requires_grad_(False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.fc(hidden.to(self.fc.weight.dtype))
+        return logits
+
+    def preprocess(
+        self, input_ids: torch.Tensor, target: torch.Tensor, loss_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from specforge.modeling.target.target_head import TargetHead  # noqa: PLC0415
+
+        result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = TargetHead.preprocess(
+            self, input_ids, target, loss_mask
+        )
+        return result

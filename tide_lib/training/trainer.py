@@ -37,7 +37,6 @@ from __future__ import annotations
 
 __all__ = [
     "MetricSink",
-    "TargetHead",
     "TrainResult",
     "draw_counts",
     "evaluate_draft",
@@ -65,12 +64,12 @@ from tide_lib.config import TrainConfig
 from tide_lib.training.distill import LogitTap, LossMaskTap, distill_kl, teacher_columns
 from tide_lib.training.draft import (
     WEIGHTS_FILE,
+    TargetHead,
     build_vocab_mapping,
     count_output_tokens,
     draft_tokens,
     export_draft,
     load_draft,
-    load_target_tensor,
     new_draft,
 )
 from tide_lib.training.schedule import StepPlan, step_plan, warmup_cosine
@@ -225,36 +224,6 @@ def list_samples(data_dir: Path) -> list[Path]:
 def load_sample(path: Path) -> dict[str, torch.Tensor]:
     sample: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
     return sample
-
-
-class TargetHead(torch.nn.Module):
-    """The target's frozen ``lm_head`` with SpecForge's ``TargetHead`` interface."""
-
-    def __init__(self, target_dir: Path) -> None:
-        super().__init__()
-        from transformers import AutoConfig  # noqa: PLC0415
-
-        config = AutoConfig.from_pretrained(target_dir)
-        key = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
-        weight = load_target_tensor(target_dir, key).float()
-        self.fc = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        with torch.no_grad():
-            self.fc.weight.copy_(weight)
-        self.fc.weight.requires_grad_(False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.fc(hidden.to(self.fc.weight.dtype))
-        return logits
-
-    def preprocess(
-        self, input_ids: torch.Tensor, target: torch.Tensor, loss_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from specforge.modeling.target.target_head import TargetHead  # noqa: PLC0415
-
-        result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = TargetHead.preprocess(
-            self, input_ids, target, loss_mask
-        )
-        return result
 
 
 class TargetFeatures:
