@@ -418,7 +418,7 @@ class BestDraft:
         return cls(int(state["step"]), float(state["accept_length"]), state["state"])
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, repr=False)
 class Selection:
     """The run's evaluations and best draft; survives a resume through the checkpoint.
 
