@@ -39,12 +39,18 @@ from __future__ import annotations
 
 __all__ = [
     "AdaptationBenchParams",
+    "Loop",
     "WorkloadError",
+    "acceptance",
     "demo_workload",
     "fresh_requests",
     "held_out_indices",
     "load_workload",
+    "request_prompt",
     "run_adaptation_bench",
+    "run_config",
+    "samples_by_segment",
+    "serve_workload",
 ]
 
 import dataclasses
@@ -117,7 +123,7 @@ WORKLOAD_SEGMENTS: Final = {
 }
 
 
-def _request_prompt(doc: Any) -> str:
+def request_prompt(doc: Any) -> str:
     """A chat turn as the engines are asked it; a document by its first words (continued)."""
     from tide_lib.target_model import render_prompt  # noqa: PLC0415
     from tide_lib.target_model.build import BOS  # noqa: PLC0415
@@ -141,7 +147,7 @@ def segments_workload(path: Path, plan: list[tuple[str, int]], *, max_new_tokens
     corpus = load_corpus()
     lines = [
         json.dumps(
-            {"prompt": _request_prompt(doc), "segment": name, "max_new_tokens": max_new_tokens}
+            {"prompt": request_prompt(doc), "segment": name, "max_new_tokens": max_new_tokens}
         )
         for name, count in plan
         for doc in corpus.domain(WORKLOAD_SEGMENTS[name])[:count]
@@ -182,7 +188,7 @@ def held_out_indices(requests: list[dict[str, Any]], percent: int) -> list[int]:
     return [index for index, item in enumerate(requests) if item["prompt"] in held]
 
 
-def _samples_by_segment(
+def samples_by_segment(
     target_dir: Path,
     items: list[dict[str, Any]],
     default_max: int,
@@ -218,7 +224,7 @@ def fresh_requests(
     fresh: list[dict[str, Any]] = []
     for segment in known:
         prompts = dict.fromkeys(
-            _request_prompt(doc) for doc in corpus.domain(WORKLOAD_SEGMENTS[segment])
+            request_prompt(doc) for doc in corpus.domain(WORKLOAD_SEGMENTS[segment])
         )
         unseen = [prompt for prompt in prompts if prompt not in sent][:per_segment]
         asked = next(
@@ -247,7 +253,7 @@ def _served_sample(served: list[dict[str, Any]], segments: list[str]) -> list[di
 
 
 @dataclasses.dataclass
-class _Loop:
+class Loop:
     """One bench run's moving parts: its configuration, registry and what the cycles did."""
 
     config: TideConfig
@@ -262,7 +268,7 @@ class _Loop:
     oracle_data: str = "the new segment's requests the cycles' windows held"
 
 
-def _run_config(
+def run_config(
     config: TideConfig,
     work: Path,
     *,
@@ -300,7 +306,7 @@ def _run_config(
     )
 
 
-def _run_cycle(loop: _Loop, engine: Engine, segment: str, cut: dict[str, int]) -> None:
+def _run_cycle(loop: Loop, engine: Engine, segment: str, cut: dict[str, int]) -> None:
     """One cycle through the DAG's functions; the engine swaps a new champion in.
 
     ``cut`` says where the window ends: the workload requests served by then, and the
@@ -321,8 +327,10 @@ def _run_cycle(loop: _Loop, engine: Engine, segment: str, cut: dict[str, int]) -
     if not drift.drift:
         entry["outcome"] = "no-drift"
     else:
+        training_started = time.perf_counter()
         trained = cycle.train(config, snapshot)
         entry["train_seconds"] = time.perf_counter() - crossed
+        entry["training_s"] = time.perf_counter() - training_started  # the accelerator's share
         if not trained.improved:
             entry["outcome"] = "parent-best"
         else:
@@ -344,8 +352,8 @@ def _run_cycle(loop: _Loop, engine: Engine, segment: str, cut: dict[str, int]) -
     logger.info("bench %s on %s traffic: %s", cycle_id, segment, entry["outcome"])
 
 
-def _serve_workload(
-    loop: _Loop,
+def serve_workload(
+    loop: Loop,
     engine: Engine,
     served: list[dict[str, Any]],
     max_new_tokens: int,
@@ -380,7 +388,7 @@ def _serve_workload(
 
 
 def _train_oracles(
-    loop: _Loop,
+    loop: Loop,
     served: list[dict[str, Any]],
     new_segment: str,
     target_dir: Path,
@@ -460,7 +468,7 @@ def _with_pooled_oracle(counts: Counts) -> Counts:
 Counts = dict[str, dict[str, dict[int, "AcceptanceCount"]]]  # draft -> segment -> k -> counts
 
 
-def _acceptance(
+def acceptance(
     versions: dict[str, Path],
     target_dir: Path,
     by_segment: dict[str, list[CapturedRecord]],
@@ -537,7 +545,7 @@ def _ratios(
 
 def _retention(
     counts: Counts,
-    loop: _Loop,
+    loop: Loop,
     segments: list[str],
     ks: tuple[int, ...],
     units: Units | None = None,
@@ -575,7 +583,7 @@ def _pooled(first: Counts, second: Counts) -> Counts:
 
 
 def _unseen_figures(
-    loop: _Loop,
+    loop: Loop,
     held_out: tuple[Counts, Units],
     fresh: tuple[Counts, list[dict[str, Any]]],
     segments: list[str],
@@ -641,7 +649,7 @@ def _new_segment_ratios(
 
 
 def _timing(
-    loop: _Loop,
+    loop: Loop,
     target_dir: Path,
     prompts: list[str],
     max_new_tokens: int,
@@ -727,7 +735,7 @@ def run_adaptation_bench(
     target_id = f"bench-adapt-{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="tide-bench-adapt-") as tmp:
         work = Path(tmp)
-        run_config = _run_config(
+        cycle_config = run_config(
             config,
             work,
             target_id=target_id,
@@ -742,9 +750,9 @@ def run_adaptation_bench(
         )
         registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
         registry.seed_champion(static_dir)
-        loop = _Loop(run_config, registry, work, {"static": static_dir})
+        loop = Loop(cycle_config, registry, work, {"static": static_dir})
         engine = reference_engine(
-            run_config,
+            cycle_config,
             target_dir,
             static_dir,
             capture=True,
@@ -752,25 +760,25 @@ def run_adaptation_bench(
             draft_sources=[str(work / "served")],  # where each promoted version is downloaded
         )
         try:
-            _serve_workload(loop, engine, served, max_new_tokens, labels)
+            serve_workload(loop, engine, served, max_new_tokens, labels)
         finally:
             engine.close()
         loop.versions |= _train_oracles(loop, served, new_segment, target_dir, params)
         held_items = [requests[i] for i in held]
-        by_segment = _samples_by_segment(
+        by_segment = samples_by_segment(
             target_dir, held_items, max_new_tokens, "held-out", segments
         )
-        counts = _with_pooled_oracle(_acceptance(loop.versions, target_dir, by_segment, ks))
-        seen = _samples_by_segment(
+        counts = _with_pooled_oracle(acceptance(loop.versions, target_dir, by_segment, ks))
+        seen = samples_by_segment(
             target_dir, _served_sample(served, segments), max_new_tokens, "served", segments[:-1]
         )
-        served_counts = _with_pooled_oracle(_acceptance(loop.versions, target_dir, seen, ks))
+        served_counts = _with_pooled_oracle(acceptance(loop.versions, target_dir, seen, ks))
         unseen = fresh_requests(requests, segments, params.fresh, max_new_tokens)
         fresh: dict[str, list[CapturedRecord]] = {segment: [] for segment in segments}
         fresh_counts: Counts = {}
         if unseen:  # else no target to load, no draft to replay
-            fresh = _samples_by_segment(target_dir, unseen, max_new_tokens, "fresh", segments)
-            fresh_counts = _with_pooled_oracle(_acceptance(loop.versions, target_dir, fresh, ks))
+            fresh = samples_by_segment(target_dir, unseen, max_new_tokens, "fresh", segments)
+            fresh_counts = _with_pooled_oracle(acceptance(loop.versions, target_dir, fresh, ks))
         units = {
             segment: [item["prompt"] for item in held_items if item["segment"] == segment]
             for segment in segments
@@ -835,7 +843,7 @@ def _recorded_params(
 
 
 def _result(
-    loop: _Loop,
+    loop: Loop,
     counts: Counts,
     timed: dict[str, EngineRun],
     segments: list[str],

@@ -34,6 +34,7 @@ from tide_lib.harness.params import (
     DemoSettings,
     LakeBenchParams,
     ServeBenchParams,
+    SuiteParams,
     TrainBenchParams,
 )
 
@@ -149,6 +150,35 @@ def _bench_adaptation(args: argparse.Namespace, config: TideConfig) -> int:
     return 0
 
 
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _bench_suite(args: argparse.Namespace, config: TideConfig) -> int:
+    """Draws --seeds workloads from the packaged corpora (kinds in turn: new, turns, gradual,
+    return, served, none; every second one with client labels), runs each through the loop,
+    and reports each workload and the suite's median and worst case for every figure, with
+    whether each goal holds. Shared drafts (static, one oracle per segment) are cached in
+    --cache-dir. Needs the S3 and MLflow servers up (`tide stack up`).
+    """
+    from tide_lib.harness.suite import run_suite  # noqa: PLC0415
+
+    params = config_from_args(args, SuiteParams())
+    seed = params.target_seed
+    default_target = DEFAULT_TARGETS / ("demo" if seed == 0 else f"demo-seed{seed}")
+    result = run_suite(config, params, args.target or default_target, args.json)
+    summary = result["summary"]
+    for name, figure in summary.items():
+        if isinstance(figure, dict) and "median" in figure:
+            median, worst = (_figure(figure[which]) for which in ("median", "worst"))
+            echo(f"{name:<28} median {median:>8}  worst {worst:>8}  of {figure['n']}")
+    for goal, holds in summary["goals"].items():
+        echo(f"{'met' if holds else 'MISSED':>6}  {goal}")
+    if args.json:
+        echo(f"wrote {args.json}")
+    return 0
+
+
 def _workload_segments(args: argparse.Namespace, _config: TideConfig) -> int:
     """Segments: english (conversation), english-docs (Python documentation), korean
     (conversation), korean-law (Korean law). A document request is its first words; the
@@ -243,6 +273,8 @@ def add_bench_commands(commands: Commands) -> None:
         "the k adaptive chose; accept length; swap latency",
         "adaptation": "the TIDE loop headless on a workload: AL per draft/segment/k, ratios, "
         "tokens/s",
+        "suite": "the loop on generated shifts, one workload per seed: each workload's figures, "
+        "the suite's median and worst case, the goals met",
     }
     parsers: dict[str, argparse.ArgumentParser] = {}
     for name, handler, params, runs_target in (
@@ -251,6 +283,7 @@ def add_bench_commands(commands: Commands) -> None:
         ("train", _bench_train, TrainBenchParams, True),
         ("serve", _bench_serve, ServeBenchParams, True),
         ("adaptation", _bench_adaptation, AdaptationBenchParams, True),
+        ("suite", _bench_suite, SuiteParams, True),
     ):
         parser = add_command(bench, (name, handler), summaries[name])
         parser.add_argument("--json", type=Path, help="write the results to this file")

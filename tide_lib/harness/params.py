@@ -13,6 +13,7 @@ __all__ = [
     "DemoSettings",
     "LakeBenchParams",
     "ServeBenchParams",
+    "SuiteParams",
     "TrainBenchParams",
 ]
 
@@ -132,6 +133,35 @@ class AdaptationBenchParams(StrictModel):
         "english-docs, korean or korean-law, drawn from the packaged corpus: retention and "
         "the new segment's ratios are measured on them too (a dozen held-out requests move "
         "them by tenths)",
+    )
+
+
+class SuiteParams(StrictModel):
+    """What ``tide bench suite`` draws and measures; its flags."""
+
+    seeds: int = Field(8, ge=1, description="workloads to draw, one per seed (kinds in turn)")
+    seed_base: int = Field(
+        0,
+        ge=0,
+        description="the first workload's seed; judge a change on seeds it was not tuned on",
+    )
+    kinds: tuple[str, ...] = Field(
+        (), description="only workloads of these kinds (new, turns, gradual, return, served, none)"
+    )
+    cycles: float = Field(6.0, gt=0, description="cycles of traffic each workload spans, about")
+    cycle_tokens: int = Field(700, ge=1, description="new tokens per cycle")
+    pool: int = Field(120, ge=4, description="distinct corpus requests per segment")
+    held_out_percent: int = Field(
+        20, ge=1, le=99, description="pool requests held out to measure on"
+    )
+    max_new_tokens: int = Field(48, ge=1, description="tokens generated per request")
+    k: int = Field(5, ge=1, description="draft tokens per verify the figures are at")
+    static_steps: int = Field(
+        480, ge=1, description="training steps of the static drafts and oracles (a fixed recipe)"
+    )
+    target_seed: int = Field(0, ge=0, description="seed of the demo target's build")
+    cache_dir: Path = Field(
+        Path(".tide/suite"), description="where the shared drafts are kept between runs"
     )
 
 
