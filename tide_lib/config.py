@@ -572,39 +572,37 @@ class CycleConfig(StrictModel):
     """most clusters of the target's states that segment unlabelled traffic (k-means, refit each
     cycle from the previous cycle's centroids)"""
     skip_without_drift: bool = True
-    """measure the champion on the window first and train only if a segment fell (drift_tolerance)
-    below its baseline; else record 'no drift' and move on"""
+    """measure the champion on the window first and train only where a segment has headroom (served
+    more than drift_tolerance below what a draft reaches on it); else record 'no headroom' and move
+    on"""
     continue_training: bool = True
     """a cycle whose training kept its champion (no step beat it beyond the noise of the held-out
     requests) leaves its best step that rose above it, forgetting nothing, in the lake; the next
     cycle on the same champion starts training there (the champion stays the draft to beat); off:
     every cycle starts from the champion"""
     drift_tolerance: float = Field(0.15, ge=0)
-    """acceptance-length fall of a segment that counts as drift"""
+    """headroom that counts: acceptance length a segment is served below its estimate (beyond the
+    margin of error); and the least gain on a segment a cycle must make not to have tried it in
+    vain"""
     relearn_older: bool = True
-    """a cycle the drift check sends to learn a segment it named (fallen, far below the champion's
-    best, or still being learned) also learns that segment's earlier requests among the older
-    traffic it reads (never held-out ones), not the window's alone; segments learned only because
-    the window held too little to judge keep theirs as replay; off: older traffic is only replayed
+    """a cycle the headroom check sends to learn a segment also learns that segment's earlier
+    requests among the older traffic it reads (never held-out ones), not the window's alone;
+    segments learned only because the window held too little to judge keep theirs as replay; off:
+    older traffic is only replayed
     (kept, not learned)"""
     drift_sample_tokens: int = Field(20000, ge=1)
     """window tokens the champion is measured on (an even sample)"""
-    learning_gain: float = Field(0.25, ge=0)
-    """a champion whose promotion gained at least this acceptance length on a segment the gate
-    protected (or window-weighted) trains once more at its first check, even without drift (that
-    traffic is still being learned; a cycle that gains less ends the chain). 0 turns the rule off"""
     consolidate: bool = True
     """warm starts never stack up: a cycle that would train again on a champion a warm start
-    promoted (its check found drift, or traffic still being learned) consolidates instead, and so
-    does the first check without drift that ends a chain of two such promotions. A consolidation
+    promoted (its check found headroom) consolidates instead. A consolidation
     learns the window and every segment's older traffic in the lookback together, nothing held by
     distillation, as one draft trained on it all at once would be (consolidate_from); the gate
     judges it like any challenger, and a consolidated champion is warm-started again, as is a
     champion whose consolidation replaced nothing (once per champion). Off: only warm starts"""
     consolidate_each_drift: bool = True
-    """with consolidate: every cycle a drift check sends to train consolidates, a consolidated or
-    seeded champion's too (not a seeded champion's first check, which has nothing to compare with),
-    not only one a warm start promoted (once per champion still: one whose consolidation replaced
+    """with consolidate: every cycle the headroom check sends to train a champion a cycle's gate
+    promoted consolidates, a consolidated one's too (never a seeded one: nothing shifted yet), not
+    only one a warm start promoted (once per champion still: one whose consolidation replaced
     nothing is warm-started). Off, a warm start from a consolidated champion may lose a segment of
     short answers, too thin for the gate to protect alone (Korean law 0.85 of its acceptance length
     on Korean last; 1.27 with it on)"""

@@ -59,9 +59,8 @@ from tide_lib.orchestration.continuation import (
 from tide_lib.orchestration.drift_check import (
     REPLAY_RULE,
     check_drift,
-    keep_champion_baseline,
+    record_trial,
     saved_drift,
-    settle_tried_segments,
     version_acceptance,
 )
 from tide_lib.orchestration.export import (
@@ -77,7 +76,6 @@ from tide_lib.orchestration.state import (
     lake_store,
     log_debris,
     read_state,
-    segmenter_key,
     state_key,
     task_scratch,
     write_state,
@@ -268,8 +266,8 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
     a retry on any trainer host resumes; the draft goes to the run's artifacts. The
     cycle has one MLflow run: a failed attempt marks it FAILED, a retry resumes it,
     and a retry after the draft was logged reuses that draft. A run whose best
-    checkpoint was the parent settles the segments it was sent to learn
-    (:func:`~tide_lib.orchestration.drift_check.settle_tried_segments`).
+    checkpoint was the parent records what it gained on the segments it was sent to learn
+    (:func:`~tide_lib.orchestration.drift_check.record_trial`).
     """
     registry = draft_registry(config)
     cycle_id = snapshot.cycle_id
@@ -296,15 +294,7 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
     if not improved and parent_version is not None:  # no step beat it beyond the noise
         # on a retry too (idempotent): the outcome may have been recorded before a crash;
         # a segment its best step gained on (kept back by the gate's figure) is not settled
-        settle_tried_segments(
-            config,
-            registry,
-            cycle_id,
-            parent_version,
-            gain=0.0,
-            segment_gains=_learned_gains(registry.run_tags(run_id)),
-            gains_key=segmenter_key(config, cycle_id),
-        )
+        record_trial(config, cycle_id, _learned_gains(registry.run_tags(run_id)), gain=0.0)
     return Trained(
         run_id=run_id, draft_uri=draft_uri, parent_version=parent_version, improved=improved
     )
@@ -509,6 +499,13 @@ def _clear_checkpoints(config: TideConfig, cycle_id: str) -> None:
     CheckpointMirror(config, prefix, config.training.keep_checkpoints).clear()
 
 
+def _record_gate_trial(config: TideConfig, cycle_id: str, decision: GateDecision) -> None:
+    """What the gate measured the challenger gain, per segment where it measured one and
+    on the window as a whole, kept for the next headroom checks (:func:`record_trial`)."""
+    whole = decision.weighted_challenger - (decision.weighted_champion or 0.0)
+    record_trial(config, cycle_id, decision.gains(), gain=whole)
+
+
 def evaluate_and_gate(
     config: TideConfig, snapshot: Snapshot, trained: Trained, version: str
 ) -> Decision:
@@ -531,15 +528,7 @@ def evaluate_and_gate(
     decision = decision_from_tags(tags, k)
     if decision is not None:
         logger.info("v%s was judged before: %s", version, decision.reason)
-        if tags.get(Tags.SEGMENTER):  # a retry after a crash before its baseline was kept
-            keep_champion_baseline(
-                config,
-                registry,
-                version,
-                decision,
-                segmenter_key=tags[Tags.SEGMENTER],
-                cycle_id=snapshot.cycle_id,
-            )
+        _record_gate_trial(config, snapshot.cycle_id, decision)  # a retry after a crash
     else:
         traffic = held_out_traffic(config, snapshot)
         registry.set_tags(
@@ -547,14 +536,7 @@ def evaluate_and_gate(
         )
         decision = _judge(config, registry, snapshot, version, traffic)
         log_decision(registry, version, decision, k)
-        keep_champion_baseline(
-            config,
-            registry,
-            version,
-            decision,
-            segmenter_key=traffic.segmenter_key,
-            cycle_id=snapshot.cycle_id,
-        )
+        _record_gate_trial(config, snapshot.cycle_id, decision)
     return Decision(
         promote=decision.promote or config.cycle.force_promote,
         reason=decision.reason,

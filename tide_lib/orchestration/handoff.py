@@ -92,8 +92,8 @@ class Trained(HandOff):
 
 
 class Drift(HandOff):
-    """Whether the cycle trains: the champion no longer fits the window's traffic (drift),
-    or it was just promoted for a large gain on traffic it is still learning."""
+    """Whether the cycle trains: the champion serves a segment of the window well below what
+    a draft reaches on it (headroom, :mod:`tide_lib.evaluation.headroom`)."""
 
     drift: bool
     reason: str
@@ -104,25 +104,19 @@ class Drift(HandOff):
     """one-sided 95% margin of error of each measured figure (absent: too few requests to estimate
     one, so its fall cannot count)"""
     baseline: dict[str, float]
-    """its acceptance length at promotion"""
+    """each segment's estimate of what a draft reaches on it, the check's reference"""
     ceilings: dict[str, float] = Field(default_factory=dict)
     """the most any draft reaches on each measured segment's requests (what their output lengths
     allow): no segment is held to more"""
     drifted: list[str] = Field(default_factory=list)
-    """segments it serves worse than its baseline (or, never judged, far below its best segment), or
-    those its promotion gained on (still learning). Without `fitting`: these are learned and the
-    rest of the window is kept (empty: learn all)"""
+    """segments with headroom (and thinner ones below their estimate): the segments learned.
+    Without `fitting`: these are learned and the rest of the window is kept (empty: learn all)"""
     fitting: list[str] | None = None
-    """segments whose figure less its margin of error is within drift_tolerance of its reference
-    (its baseline; a segment new to the baseline: the baseline's average; never judged: its best
-    segment; at most its ceiling): the window's requests of these are trained as traffic to keep,
-    every other segment is learned (one measured on too few requests, or too loosely, too). None:
-    every segment fits (learn the whole window), still learning, or a record of an older release
-    (both: learn `drifted`)"""
+    """segments without headroom: the window's requests of these are trained as traffic to keep,
+    the others learned. None: every segment has headroom (learn the whole window)"""
     champion_judged: bool = True
-    """false: the champion was never judged on traffic (a seeded one's first check); the segments
-    far below its best are learned, but a gain over it must be beyond the noise (training.warm_gain
-    is left as set)"""
+    """false: no cycle's gate promoted the champion (a seeded one): a gain over it must be beyond
+    the noise (training.warm_gain is left as set), and it does not consolidate"""
     saved_train_seconds: float | None = None
     """no drift: the last trained cycle's training time, not spent"""
     consolidate: bool = False
@@ -130,16 +124,13 @@ class Drift(HandOff):
     without drift): it learns every segment's older traffic in the lookback with the window
     (cycle.consolidate)"""
     segmenter_key: str | None = None
-    """lake key of the segmenter whose segments `drifted`, `fitting` and the figures name: the
-    baseline's (so that a cluster means the same requests on both sides), or the promoting gate's
-    (still learning)"""
+    """lake key of the segmenter whose segments `drifted`, `fitting` and the figures name (the
+    cycle's own)"""
 
     @property
     def champion_drifted(self) -> bool:
-        """Did a champion's drift check name segments of the window it no longer fits (fell
-        on, far below its best segment, or still learning after a promotion for them)? Not
-        when training without such a finding: no champion yet, the check off, failed or
-        unable to judge, a champion without a baseline that fits every segment."""
+        """Did a champion's check name segments of the window with headroom? Not when
+        training without such a finding: no champion yet, the check off or failed."""
         return self.drift and self.champion_version is not None and bool(self.drifted)
 
 
