@@ -279,7 +279,8 @@ def test_a_warm_started_champion_with_headroom_trains_one_consolidation_cycle_on
     # Every segment's older requests are learned with the window's; nothing is replayed.
     together = export.export_training_data(config, snapshot, tmp_path / "together").as_params()
     drift_json = "cycles/c2/drift.json"
-    plain = check.model_copy(update={"consolidate": False})  # the same check, no chain
+    # the same check as a warm start that names no segment: older traffic is replayed
+    plain = check.model_copy(update={"consolidate": False, "drifted": []})
     state.write_state(config, drift_json, plain.model_dump_json().encode())
     apart = export.export_training_data(config, snapshot, tmp_path / "apart").as_params()
     state.write_state(config, drift_json, check.model_dump_json().encode())
