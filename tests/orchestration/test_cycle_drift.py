@@ -17,7 +17,6 @@ import pytest
 from tests.orchestration.test_cycle_retries import _capture, _config
 from tide_lib.config import TideConfig
 from tide_lib.evaluation.gate import GateDecision, decision_tags
-from tide_lib.evaluation.headroom import HeadroomState
 from tide_lib.names import Tags
 from tide_lib.orchestration import cycle, drift_check, export, state
 from tide_lib.orchestration.handoff import Drift
@@ -55,57 +54,44 @@ def _never_drifting(
     return config, registry, registry.seed_champion(tiny_drafts["ko"]).version
 
 
-def test_a_champion_that_still_fits_skips_training_and_headroom_trains(
+def test_traffic_never_trained_on_is_probed_then_only_headroom_trains(
     stack: TideConfig, tmp_path: Path, tiny_target: Path, tiny_drafts: dict[str, Path]
 ) -> None:
     config = _drift_config(stack, tmp_path, tiny_target)
     registry = DraftRegistry(config.mlflow.tracking_uri, config.cycle.target_id)
     champion = registry.seed_champion(tiny_drafts["ko"]).version
 
-    # One segment served as well as any draft has reached it: no headroom, nothing trains.
+    # No cycle trained on this traffic yet: it is estimated at its ceiling, and probed.
     _capture(config, tiny_target, documents=12)
     first = cycle.snapshot_window(config, "c1")
-    fits = cycle.check_drift(config, first)
-    assert not fits.drift and "no headroom" in fits.reason
-    assert fits.margins and set(fits.margins) <= set(fits.measured)
-    assert fits.segmenter_key == state.segmenter_key(config, "c1")
-    assert cycle.check_drift(config, first) == fits  # decided once, read back on a rerun
-    reached = drift_check.read_headroom(config).reached
-    assert set(reached) == set(fits.measured)  # what the champion reaches counts
-    cycle.advance_watermark(config, first)
+    probe = cycle.check_drift(config, first)
+    assert probe.drift and "headroom on" in probe.reason and probe.champion_version == champion
+    assert probe.margins and set(probe.margins) <= set(probe.measured)
+    assert probe.baseline == probe.ceilings  # the estimate: what output lengths allow
+    assert probe.drifted == sorted(probe.measured) and probe.fitting is None  # learn it all
+    assert not probe.consolidate and not probe.champion_judged  # a seeded champion
+    assert probe.segmenter_key == state.segmenter_key(config, "c1")
+    assert cycle.check_drift(config, first) == probe  # decided once, read back on a rerun
+    assert set(drift_check.read_headroom(config).reached) == set(probe.measured)
 
-    # Another segment reached far more than this champion serves here: headroom, from the
-    # first window on, whatever the champion served before (its failure is no baseline).
-    raised = {s: v + 4 * config.cycle.drift_tolerance for s, v in fits.measured.items()}
-    known = HeadroomState(reached={"elsewhere": max(raised.values())})
-    state.write_state(
-        config,
-        "headroom.json",
-        json.dumps(
-            {"k": config.gate.k, "replay": drift_check.REPLAY_RULE, "state": known.model_dump()}
-        ).encode(),
-    )
+    # Its training gained nothing there: what was reached is the estimate, no headroom.
+    drift_check.record_trial(config, "c1", {}, gain=0.0)
+    assert drift_check.read_headroom(config).last_gain == dict.fromkeys(probe.drifted, 0.0)
+    cycle.advance_watermark(config, first)
     _capture(config, tiny_target, documents=12)
     second = cycle.snapshot_window(config, "c2")
-    room = cycle.check_drift(config, second)
-    assert room.drift and "headroom on" in room.reason and room.champion_version == champion
-    assert room.drifted == sorted(fits.measured) and room.fitting is None  # learn it all
-    assert not room.consolidate and not room.champion_judged  # a seeded champion
-    assert room.baseline == dict.fromkeys(room.measured, pytest.approx(max(raised.values())))
-
-    # The cycle trained and gained nothing there: tried in vain, the next check skips.
-    drift_check.record_trial(config, "c2", {}, gain=0.0)
-    assert set(drift_check.read_headroom(config).tried) == set(room.drifted)
+    fits = cycle.check_drift(config, second)
+    assert not fits.drift and "no headroom" in fits.reason
+    assert fits.saved_train_seconds is None or fits.saved_train_seconds >= 0
     cycle.advance_watermark(config, second)
+
+    # A cycle that gained a lot there: the next one trains again (half as much expected).
+    drift_check.record_trial(config, "c1", dict.fromkeys(probe.drifted, 1.0), gain=0.0)
+    learning = drift_check.read_headroom(config)
+    assert all(learning.reached[s] >= probe.measured[s] + 1.0 - 1e-9 for s in probe.drifted)
     _capture(config, tiny_target, documents=12)
     third = cycle.check_drift(config, cycle.snapshot_window(config, "c3"))
-    assert not third.drift and "no headroom" in third.reason
-    # A cycle that gained makes it untried again and raises what was reached there.
-    drift_check.record_trial(config, "c2", dict.fromkeys(room.drifted, 1.0), gain=0.0)
-    after = drift_check.read_headroom(config)
-    assert after.tried == {} and all(
-        after.reached[s] >= room.measured[s] + 1.0 - 1e-9 for s in room.drifted
-    )
+    assert third.drift and third.drifted == probe.drifted  # served below what was reached
 
 
 def test_without_a_champion_or_with_the_check_off_the_cycle_trains(
@@ -164,8 +150,9 @@ def test_a_cycle_whose_best_checkpoint_is_its_parent_registers_nothing(
 
     trained = cycle.train(config, snapshot)
     assert trained.improved is False and trained.parent_version == parent
-    # Learned in vain: the segment is tried, held to what was reached there from now on.
-    assert drift_check.read_headroom(config).tried == {"cluster-0": parent}
+    # Learned in vain: what it gained is the segment's last gain, and little is expected.
+    gained = drift_check.read_headroom(config).last_gain
+    assert set(gained) == {"cluster-0"} and gained["cluster-0"] <= config.cycle.drift_tolerance
     assert trained.draft_uri == registry.model_uri(parent)
     assert cycle.train(config, snapshot) == trained  # a retry reads the outcome back
     run = registry.client.get_run(trained.run_id)
@@ -268,9 +255,6 @@ def test_a_warm_started_champion_with_headroom_trains_one_consolidation_cycle_on
     room = config.model_copy(
         update={"cycle": config.cycle.model_copy(update={"drift_tolerance": 0.1})}
     )
-    reached = HeadroomState(reached={"elsewhere": 50.0})  # far above any figure here
-    payload = {"k": config.gate.k, "replay": drift_check.REPLAY_RULE, "state": reached.model_dump()}
-    state.write_state(config, "headroom.json", json.dumps(payload).encode())
     snapshot = cycle.snapshot_window(room, "c2")
     check = cycle.check_drift(room, snapshot)
     assert check.drift and check.consolidate and "was warm-started" in check.reason

@@ -3,23 +3,19 @@
 A cycle trains when some segment holding a real share of the window is served by
 the champion well below an *estimate* of what a draft reaches on that traffic;
 otherwise it records "no headroom" and spends nothing. The estimate never comes
-from the champion's own failure there (a draft at 1.0 on traffic it never served
-well has not "not drifted": it never fitted):
+from the champion's own figure there (a draft at 1.0 on traffic it never served
+well has not "not drifted": it never fitted). It comes from what training did:
 
-- ``reached``: the most any draft reached on the segment: the champions measured on
-  the windows, and the challengers a cycle trained (each cycle's training is a probe
-  of what the traffic allows);
-- a segment no cycle has tried in vain is also credited the most reached on any
-  segment (*the prior*): traffic is assumed as learnable as the best served until a
-  cycle tried it and gained nothing;
-- no segment is held above its *ceiling*, what its requests' output lengths allow a
-  draft that is never wrong.
-
-So a new language trains from its first window and keeps training while cycles
-gain on it; a cycle that trains on it and gains nothing (its best checkpoint the
-parent, or a challenger no better there) marks it *tried*, and its estimate falls
-back to what was reached there, until a later cycle gains on it. A segment that
-falls below what was reached there has headroom too: drift is one case of it.
+- a segment no cycle has trained on yet is estimated at its *ceiling*, what its
+  requests' output lengths allow a draft that is never wrong: new traffic is
+  probed by the next cycle, whatever the champion served before;
+- once a cycle trained on it, at what was *reached* there (the most any draft
+  reached: the champions measured on the windows, and the cycles' challengers) plus
+  half the *last gain* a cycle made there: a learning curve that flattens. A cycle
+  that gained a lot trains again; one that gained little (its best checkpoint the
+  parent, or a challenger no better there) leaves no headroom;
+- a segment that falls below what was reached there has headroom again: drift is
+  one case of it. No estimate exceeds the ceiling.
 
 Everything here is a pure function of one :class:`HeadroomState` and the
 champion's figures on the window; :mod:`tide_lib.orchestration.drift_check` reads
@@ -49,17 +45,16 @@ class HeadroomState(StrictModel):
 
     reached: dict[str, float] = Field(default_factory=dict)
     """the most any draft reached on each segment (a lower bound: figure less its margin)"""
-    tried: dict[str, str] = Field(default_factory=dict)
-    """segment -> the champion version under which a cycle trained on it and gained nothing
-    (until a later cycle gains on it)"""
+    last_gain: dict[str, float] = Field(default_factory=dict)
+    """what the last cycle that trained on each segment gained there over its champion"""
 
-    def estimate(self, segment: str, ceiling: float | None = None) -> float:
-        """What a draft reaches on ``segment``: the most reached there, or, untried, the
-        most reached on any segment; at most ``ceiling``."""
-        own = self.reached.get(segment, 0.0)
-        prior = max(self.reached.values(), default=0.0)
-        value = own if segment in self.tried else max(own, prior)
-        return value if ceiling is None else min(value, ceiling)
+    def estimate(self, segment: str, ceiling: float | None) -> float:
+        """What a draft reaches on ``segment``: its ``ceiling`` until a cycle trained on it
+        (None: unknown, no bound), then what was reached there plus half the last gain."""
+        bound = math.inf if ceiling is None else ceiling
+        if segment not in self.last_gain:
+            return bound
+        return min(bound, self.reached.get(segment, 0.0) + max(self.last_gain[segment], 0.0) / 2)
 
     def with_reached(self, figures: Mapping[str, float]) -> HeadroomState:
         """This state with ``figures`` (segment -> a draft's lower bound) counted as reached."""
@@ -69,15 +64,10 @@ class HeadroomState(StrictModel):
                 reached[segment] = max(reached.get(segment, 0.0), value)
         return self.model_copy(update={"reached": reached})
 
-    def after_trial(
-        self, gains: Mapping[str, float], champion: str, tolerance: float
-    ) -> HeadroomState:
-        """This state after a cycle trained on the segments of ``gains`` (segment -> what its
-        best draft gained there over ``champion``): one gained on is untried again (there is
-        more to learn), one gained ``tolerance`` or less on is tried in vain."""
-        tried = {s: v for s, v in self.tried.items() if gains.get(s, 0.0) <= tolerance}
-        tried |= {s: champion for s, gain in gains.items() if gain <= tolerance}
-        return self.model_copy(update={"tried": tried})
+    def after_trial(self, gains: Mapping[str, float]) -> HeadroomState:
+        """This state after a cycle trained on the segments of ``gains`` (segment -> what
+        its draft gained there over the champion)."""
+        return self.model_copy(update={"last_gain": self.last_gain | dict(gains)})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,11 +3,10 @@
 Train only when it pays (:mod:`tide_lib.evaluation.headroom` holds the rule as pure
 functions). Before training, the champion is replayed offline on an even sample of
 the window, per segment, and each segment's figure is compared with an estimate of
-what a draft reaches on that traffic, kept in the lake (``_state/.../headroom.json``)
-and grown by every cycle: what the champions reached on the windows, and what each
-cycle's training gained (:func:`record_trial`). No headroom: the cycle trains
-nothing. The verdict is decided once per cycle (``cycles/<id>/drift.json``) and read
-back by a rerun or a retry.
+what a draft reaches on that traffic, from what the cycles' training found there
+(:func:`record_trial`), kept in the lake (``_state/.../headroom.json``). No headroom:
+the cycle trains nothing. The verdict is decided once per cycle
+(``cycles/<id>/drift.json``) and read back by a rerun or a retry.
 """
 
 from __future__ import annotations
@@ -138,7 +137,6 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
     assert champion is not None  # no champion trains unconditionally
     window = _measure_window(config, registry, snapshot, version=champion.version)
     figures = window.figures
-    # what the champion reaches here counts too: its best segment is every other's prior
     known = read_headroom(config).with_reached({s: f.lower for s, f in figures.items()})
     verdict = judge_headroom(
         figures,
@@ -170,24 +168,19 @@ def record_trial(
 ) -> None:
     """What the cycle's training found, kept for the next checks: each segment it learned
     gained ``gains[segment]`` (else ``gain``, on all its held-out traffic) over the
-    champion. A gain raises what was reached there; a segment gained too little on is
-    tried in vain (:meth:`HeadroomState.after_trial`). Idempotent: a retry records the
-    same. Not for a consolidation (it learns everything, not the headroom)."""
+    champion, which raises what was reached there and is the segment's last gain
+    (:meth:`HeadroomState.after_trial`). Idempotent: a retry records the same."""
     drift = saved_drift(config, cycle_id)
-    if drift is None or not drift.drift or drift.consolidate or drift.champion_version is None:
+    if drift is None or not drift.drift or drift.champion_version is None:
         return
-    champion_version = drift.champion_version
     learned = {s: gains.get(s, gain) for s in drift.drifted if s in drift.measured}
     reached = {s: drift.measured[s] + g for s, g in learned.items() if g > 0}
-    known = read_headroom(config).with_reached(reached)
-    updated = known.after_trial(learned, champion_version, config.cycle.drift_tolerance)
-    _write_headroom(config, updated)
+    _write_headroom(config, read_headroom(config).with_reached(reached).after_trial(learned))
     logger.info(
-        "cycle %s on v%s gained %s; tried in vain: %s",
+        "cycle %s on v%s gained %s",
         cycle_id,
-        champion_version,
+        drift.champion_version,
         ", ".join(f"{s} {g:+.3f}" for s, g in sorted(learned.items())) or "nothing measured",
-        ", ".join(sorted(updated.tried)) or "none",
     )
 
 
