@@ -324,6 +324,8 @@ def _run_cycle(loop: Loop, engine: Engine, segment: str, cut: dict[str, int]) ->
     drift = cycle.check_drift(config, snapshot)
     entry["drift"] = drift.reason
     entry["consolidation"] = drift.consolidate
+    # the check's reference per segment (what a draft reaches there) and the champion's figure
+    entry["estimates"], entry["measured"] = drift.baseline, drift.measured
     if not drift.drift:
         entry["outcome"] = "no-drift"
     else:

@@ -38,6 +38,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import random
 import statistics
 import tempfile
@@ -411,6 +412,7 @@ def workload_figures(
     figures["lag"] = {
         s: _lag(workload, s, cycles, lengths, oracle[s]) for s in workload.segments[1:]
     }
+    figures["estimator_error"] = _estimator_error(workload, cycles, oracle)
     outcomes = [entry["outcome"] for entry in cycles]
     figures["cycles"] = len(cycles)
     figures["cycle_outcomes"] = {o: outcomes.count(o) for o in sorted(set(outcomes))}
@@ -418,6 +420,21 @@ def workload_figures(
     figures["training_s"] = sum(entry.get("training_s", 0.0) for entry in cycles)
     figures["cycle_log"] = [dict(entry) for entry in cycles]
     return figures
+
+
+def _estimator_error(
+    workload: SuiteWorkload, cycles: Sequence[Mapping[str, Any]], oracle: Mapping[str, float]
+) -> dict[str, float]:
+    """The headroom check's last finite estimate of each segment over its oracle, less 1
+    (labelled workloads only: clusters name other traffic than the workload's segments)."""
+    if not workload.labels:
+        return {}
+    last: dict[str, float] = {}
+    for entry in cycles:
+        for segment, estimate in (entry.get("estimates") or {}).items():
+            if segment in oracle and math.isfinite(estimate) and oracle[segment] > 0:
+                last[segment] = estimate / oracle[segment] - 1
+    return last
 
 
 def _spread(values: Sequence[float], worst: str) -> dict[str, Any]:
@@ -450,6 +467,9 @@ def suite_summary(workloads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "retention": _spread(retention, "min"),
         "lag": _spread(lags, "max"),
         "lag_unfitted_new_segment": _spread(never, "max"),
+        "estimator_error_abs": _spread(
+            [abs(e) for w in workloads for e in w.get("estimator_error", {}).values()], "max"
+        ),
         "no_shift_cycles_trained": _spread(
             [w["cycles_trained"] for w in workloads if w["kind"] == "none"], "max"
         ),
