@@ -100,6 +100,28 @@ def test_a_new_cluster_gets_a_new_name_and_old_ones_keep_theirs() -> None:
     assert names[2].isdisjoint(names[0] | names[1])
 
 
+def test_a_refit_that_merges_clusters_renames_none_of_the_traffic_that_stayed_together() -> None:
+    """Issue 55: a segment's identity survives a refit. Group 1 was one segment of two
+    clusters, named ``cluster-2`` by an earlier fit; merged again, the lowest id would
+    rename it ``cluster-1``, a renaming a check would read as new traffic."""
+    traffic = _traffic({0: 40, 1: 40})
+    centers = [c / np.linalg.norm(c) for c in _centers(4)[:2]]
+    near = centers[1] + 0.01 * np.ones(HIDDEN)
+    previous = Segmenter(
+        np.stack([centers[0], centers[1], near / np.linalg.norm(near)]),
+        (0, 1, 2),
+        ("cluster-0", "cluster-2", "cluster-2"),
+        (0.5, 0.25, 0.25),
+    )
+    refit = fit_segmenter([s for _, s in traffic], num_clusters=3, min_share=0.1, previous=previous)
+    kept = {
+        group: sum(refit.assign(s) == previous.assign(s) for g, s in traffic if g == group) / 40
+        for group in (0, 1)
+    }
+    assert kept[0] >= 0.9 and kept[1] >= 0.9, kept
+    assert set(refit.segment_of_cluster) <= {"cluster-0", "cluster-2"}
+
+
 def test_a_cluster_under_the_minimum_share_is_not_its_own_segment() -> None:
     traffic = _traffic({0: 40, 1: 40, 2: 3})  # group 2: a sliver of the tokens
     # Started at the three groups (as a previous cycle that saw them would be).

@@ -195,12 +195,13 @@ def fit_segmenter(
     ids, start = _initial(data, mass, num_clusters, usable, np.random.default_rng(seed))
     centroids, labels = _lloyd(data, mass, start)
     shares = np.bincount(labels, weights=mass, minlength=len(ids)) / mass.sum()
+    names = _merge_small(centroids, ids, shares, min_share, _radii(data, mass, centroids, labels))
+    if usable is not None:
+        names = _kept_names(names, usable, shares, ids)
     segmenter = Segmenter(
         centroids=centroids,
         cluster_ids=tuple(ids),
-        segment_of_cluster=_merge_small(
-            centroids, ids, shares, min_share, _radii(data, mass, centroids, labels)
-        ),
+        segment_of_cluster=names,
         shares=tuple(float(s) for s in shares),
         fitted_on=len(points),
         labels=kept,
@@ -301,6 +302,32 @@ def _radii(
             squared = ((data[members] - centroids[cluster]) ** 2).sum(axis=1)
             radii[cluster] = float(np.sqrt(np.average(squared, weights=mass[members])))
     return radii
+
+
+def _kept_names(
+    names: tuple[str, ...], previous: Segmenter, shares: np.ndarray, ids: list[int]
+) -> tuple[str, ...]:
+    """Segment names that survive a refit. Clusters keep their ids (each refit starts
+    from the previous centroids), but which clusters form a segment changes with their
+    shares: a merge named a segment after its lowest id, renaming the traffic of the
+    others. So each new segment takes the name of the previous segment whose clusters
+    hold most of its traffic (by this fit's token shares), the largest overlaps first;
+    one that matches none keeps its own name, or a fresh one where that one is taken."""
+    was = dict(zip(previous.cluster_ids, previous.segment_of_cluster, strict=True))
+    overlap: dict[tuple[str, str], float] = {}
+    for cluster, name in enumerate(names):
+        old = was.get(ids[cluster])
+        if old is not None:
+            overlap[name, old] = overlap.get((name, old), 0.0) + float(shares[cluster])
+    renamed: dict[str, str] = {}
+    for (new, old), _ in sorted(overlap.items(), key=lambda item: (-item[1], item[0])):
+        if new not in renamed and old not in renamed.values():
+            renamed[new] = old
+    fresh = (f"{CLUSTER_PREFIX}{i}" for i in range(max(ids, default=0) + 1, 1 << 30))
+    for new in dict.fromkeys(names):
+        if new not in renamed:
+            renamed[new] = new if new not in renamed.values() else next(fresh)
+    return tuple(renamed[name] for name in names)
 
 
 def _merge_small(
