@@ -526,28 +526,30 @@ def run_suite(
     ]
     _shared_drafts(shared, workloads, params, config.training, target_dir)
     shared_s = time.perf_counter() - started
-    results = []
+    results: list[dict[str, Any]] = []
+    result: dict[str, Any] = {}
     for workload in tqdm(workloads, desc="suite", unit="workload"):
         began = time.perf_counter()
         cycles, lengths = _run_workload(config, workload, shared, params, target_dir)
         figures = workload_figures(workload, cycles, lengths, shared.lengths["oracle"])
         results.append(figures | {"seconds": time.perf_counter() - began})
         logger.info("suite %s: %s", workload.name, _headline(figures))
-    result = {
-        "summary": suite_summary(results),
-        "workloads": results,
-        "oracle": shared.lengths["oracle"],
-        "static": {n: v for n, v in shared.lengths.items() if n.startswith("static:")},
-        "held_out_requests": {s: len(r) for s, r in shared.held_out.items()},
-        "tokens_per_request": tokens,
-        "seconds": {"shared": shared_s, "total": time.perf_counter() - started},
-        "params": params.model_dump(mode="json"),
-        "training": config.training.model_dump(mode="json"),
-        "measured_at": datetime.now(UTC).isoformat(),
-    }
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        result = {  # written after every workload: a run cut short keeps what it measured
+            "summary": suite_summary(results),
+            "workloads": results,
+            "workloads_planned": len(workloads),
+            "oracle": shared.lengths["oracle"],
+            "static": {n: v for n, v in shared.lengths.items() if n.startswith("static:")},
+            "held_out_requests": {s: len(r) for s, r in shared.held_out.items()},
+            "tokens_per_request": tokens,
+            "seconds": {"shared": shared_s, "total": time.perf_counter() - started},
+            "params": params.model_dump(mode="json"),
+            "training": config.training.model_dump(mode="json"),
+            "measured_at": datetime.now(UTC).isoformat(),
+        }
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return result
 
 
