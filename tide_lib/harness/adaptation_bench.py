@@ -51,6 +51,7 @@ __all__ = [
     "run_config",
     "samples_by_segment",
     "serve_workload",
+    "start_loop",
 ]
 
 import dataclasses
@@ -304,6 +305,29 @@ def run_config(
             "training": train,
         }
     )
+
+
+def start_loop(
+    config: TideConfig, cycle_config: TideConfig, work: Path, static_dir: Path
+) -> tuple[Loop, Engine]:
+    """A registry whose champion is ``static_dir`` (seeded), and a reference engine serving
+    it with capture on (``cycle_config``, see :func:`run_config`), which can swap in each
+    version a cycle promotes (downloaded under ``work/served``)."""
+    from tide_lib.harness.serve_bench import reference_engine  # noqa: PLC0415
+    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
+
+    target_id = cycle_config.cycle.target_id
+    registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
+    registry.seed_champion(static_dir)
+    engine = reference_engine(
+        cycle_config,
+        cycle_config.cycle.target_path,
+        static_dir,
+        capture=True,
+        served_model_name=target_id,
+        draft_sources=[str(work / "served")],  # where each promoted version is downloaded
+    )
+    return Loop(cycle_config, registry, work, {"static": static_dir}), engine
 
 
 def _run_cycle(loop: Loop, engine: Engine, segment: str, cut: dict[str, int]) -> None:
@@ -722,8 +746,7 @@ def run_adaptation_bench(
     params = params or AdaptationBenchParams()
     cycle_tokens, max_new_tokens, ks = params.cycle_tokens, params.max_new_tokens, params.ks
     held_out_percent, labels = params.held_out_percent, params.labels
-    from tide_lib.harness.serve_bench import bootstrap_draft, reference_engine  # noqa: PLC0415
-    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
+    from tide_lib.harness.serve_bench import bootstrap_draft  # noqa: PLC0415
     from tide_lib.target_model import build_target  # noqa: PLC0415
 
     requests = load_workload(workload)
@@ -750,17 +773,7 @@ def run_adaptation_bench(
         static_dir = bootstrap_draft(
             target_dir, first, work / "static", max_new_tokens=max_new_tokens, train=static_train
         )
-        registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
-        registry.seed_champion(static_dir)
-        loop = Loop(cycle_config, registry, work, {"static": static_dir})
-        engine = reference_engine(
-            cycle_config,
-            target_dir,
-            static_dir,
-            capture=True,
-            served_model_name=target_id,
-            draft_sources=[str(work / "served")],  # where each promoted version is downloaded
-        )
+        loop, engine = start_loop(config, cycle_config, work, static_dir)
         try:
             serve_workload(loop, engine, served, max_new_tokens, labels)
         finally:

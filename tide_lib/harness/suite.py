@@ -54,13 +54,13 @@ from tqdm import tqdm
 from tide_lib.config import TideConfig, TrainConfig
 from tide_lib.harness.adaptation_bench import (
     WORKLOAD_SEGMENTS,
-    Loop,
     acceptance,
     held_out_indices,
     request_prompt,
     run_config,
     samples_by_segment,
     serve_workload,
+    start_loop,
 )
 from tide_lib.harness.params import SuiteParams
 from tide_lib.lake import CapturedRecord
@@ -299,9 +299,6 @@ def _run_workload(
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
     """Serve one workload through the loop; its cycle log and every served draft's
     acceptance length per segment on the held-out requests."""
-    from tide_lib.harness.serve_bench import reference_engine  # noqa: PLC0415
-    from tide_lib.registry import DraftRegistry  # noqa: PLC0415
-
     target_id = f"suite-{workload.kind}-{uuid.uuid4().hex[:6]}"
     static = shared.statics[workload.static_segments]
     with tempfile.TemporaryDirectory(prefix="tide-suite-") as tmp:
@@ -314,17 +311,7 @@ def _run_workload(
             cycle_tokens=params.cycle_tokens,
             train=config.training,
         )
-        registry = DraftRegistry(config.mlflow.tracking_uri, target_id)
-        registry.seed_champion(static)
-        loop = Loop(loop_config, registry, work, {"static": static})
-        engine = reference_engine(
-            loop_config,
-            target_dir,
-            static,
-            capture=True,
-            served_model_name=target_id,
-            draft_sources=[str(work / "served")],
-        )
+        loop, engine = start_loop(config, loop_config, work, static)
         try:
             serve_workload(loop, engine, workload.requests, params.max_new_tokens, workload.labels)
         finally:
