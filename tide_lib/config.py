@@ -583,8 +583,8 @@ class CycleConfig(StrictModel):
     every cycle starts from the champion"""
     drift_tolerance: float = Field(0.15, ge=0)
     """headroom that counts: acceptance length a segment is served below its estimate (beyond the
-    margin of error); and the least gain on a segment a cycle must make not to have tried it in
-    vain"""
+    margin of error); a cycle that gains this or less on a segment settles it at what the champion
+    serves there"""
     relearn_older: bool = True
     """a cycle the headroom check sends to learn a segment also learns that segment's earlier
     requests among the older traffic it reads (never held-out ones), not the window's alone;

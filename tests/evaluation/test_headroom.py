@@ -202,7 +202,7 @@ def test_a_champions_failure_is_never_its_baseline() -> None:
     assert verdict.estimates == {"en": 4.0, "ko": 4.5}
     # English was trained on and gained nothing; Korean gained 1.2: Korean trains again
     known = HeadroomState(reached={"en": 2.9, "ko": 0.9})
-    known = known.with_reached({"ko": 2.2}).after_trial({"en": 0.0, "ko": 1.2})
+    known = known.with_reached({"ko": 2.2}).after_trial({"en": 0.0, "ko": 1.2}, {}, 0.15)
     later = {"en": _figure(3.0, share=0.2, ceiling=4.0), "ko": _figure(2.2, ceiling=4.5)}
     verdict = _judge(later, known)
     assert verdict.learn == ["ko"] and verdict.keep == ["en"]
@@ -216,15 +216,22 @@ def test_the_learning_curve_flattens_and_a_fall_is_headroom_again() -> None:
     # the same champion served below what was reached there: headroom
     fell = {"ko": _figure(2.2, share=1.0, ceiling=4.5)}
     assert _judge(fell, known).learn == ["ko"]
-    # a gain raises what was reached; none is kept as the last gain: nothing to expect
-    assert known.after_trial({"ko": -0.3}).estimate("ko", 4.5) == pytest.approx(2.6)
+    # a cycle that lost there expects nothing more; what the champion serves is what was
+    # reached (a luckier figure before would keep it training in vain)
+    lucky = known.with_reached({"ko": 3.2})
+    settled = lucky.after_trial({"ko": -0.3}, {"ko": 2.5}, 0.15)
+    assert settled.estimate("ko", 4.5) == pytest.approx(2.5)
+    assert not _judge({"ko": _figure(2.6, share=1.0, ceiling=4.5)}, settled).train
+    assert _judge({"ko": _figure(2.6, share=1.0, ceiling=4.5)}, lucky).train  # in vain
+    # a gain above the tolerance settles nothing
+    assert lucky.after_trial({"ko": 0.5}, {"ko": 2.5}, 0.15).reached["ko"] == 3.2
     assert known.with_reached({"ko": 3.0}).estimate("ko", 2.9) == 2.9  # at most the ceiling
 
 
 def test_a_fitted_champion_on_unshifted_traffic_trains_once_at_most() -> None:
     window = {"en": _figure(3.0, share=1.0, ceiling=4.0)}
     assert _judge(window).train  # probed once
-    known = HeadroomState().with_reached({"en": 2.9}).after_trial({"en": 0.02})
+    known = HeadroomState().with_reached({"en": 2.9}).after_trial({"en": 0.02}, {}, 0.15)
     assert not _judge(window, known).train
     # within its margin of error of the estimate: noise, not headroom
     noisy = {"en": _figure(2.95, share=0.6, margin=0.3, ceiling=4.0)}
@@ -233,7 +240,7 @@ def test_a_fitted_champion_on_unshifted_traffic_trains_once_at_most() -> None:
 
 def test_shares_and_margins_weigh_in() -> None:
     known = HeadroomState(reached={"en": 3.0, "x": 1.0, "ko": 1.0})
-    known = known.after_trial({"en": 0.0, "x": 2.0, "ko": 2.0})  # x and ko: expect +1.0
+    known = known.after_trial({"en": 0.0, "x": 2.0, "ko": 2.0}, {}, 0.15)  # x, ko: +1.0
     # a sliver of the window never trains alone, but is learned when the cycle trains
     sliver = {"en": _figure(3.0, share=0.95), "x": _figure(1.0, share=0.05)}
     assert not _judge(sliver, known).train

@@ -122,6 +122,18 @@ def test_a_refit_that_merges_clusters_renames_none_of_the_traffic_that_stayed_to
     assert set(refit.segment_of_cluster) <= {"cluster-0", "cluster-2"}
 
 
+def test_a_segment_that_matches_none_never_takes_a_name_in_use_or_gone() -> None:
+    """Group 2 is new traffic; the name its lowest cluster id gives it (``cluster-1``) was
+    a previous segment's, whose figures are not this traffic's: it gets a fresh one."""
+    traffic = _traffic({0: 40, 2: 40})
+    centers = [c / np.linalg.norm(c) for c in _centers(4)]
+    previous = Segmenter(np.stack([centers[0]]), (0,), ("cluster-1",), (1.0,))
+    refit = fit_segmenter([s for _, s in traffic], num_clusters=2, min_share=0.1, previous=previous)
+    names = _partition(refit, traffic)
+    assert names[0] == {"cluster-1"}  # the old traffic keeps its name
+    assert len(names[2]) == 1 and names[2].isdisjoint({"cluster-0", "cluster-1"})
+
+
 def test_a_cluster_under_the_minimum_share_is_not_its_own_segment() -> None:
     traffic = _traffic({0: 40, 1: 40, 2: 3})  # group 2: a sliver of the tokens
     # Started at the three groups (as a previous cycle that saw them would be).

@@ -1,8 +1,8 @@
 """Train only when it pays: the cycle's headroom check, on the real stack.
 
 The champion is replayed on the window and each segment compared with an estimate of
-what a draft reaches there (``headroom.json``): what any draft reached on it, or, not
-yet tried in vain, on any segment. The verdict is decided once per cycle and read back
+what a draft reaches there (``headroom.json``): its ceiling until a cycle trained on it,
+then what was reached there plus half the last gain. The verdict is decided once per cycle and read back
 on a rerun; what a cycle's training gained is kept for the next check.
 """
 

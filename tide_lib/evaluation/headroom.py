@@ -64,10 +64,22 @@ class HeadroomState(StrictModel):
                 reached[segment] = max(reached.get(segment, 0.0), value)
         return self.model_copy(update={"reached": reached})
 
-    def after_trial(self, gains: Mapping[str, float]) -> HeadroomState:
+    def after_trial(
+        self, gains: Mapping[str, float], served: Mapping[str, float], tolerance: float
+    ) -> HeadroomState:
         """This state after a cycle trained on the segments of ``gains`` (segment -> what
-        its draft gained there over the champion)."""
-        return self.model_copy(update={"last_gain": self.last_gain | dict(gains)})
+        its draft gained there over the champion, whose lower bound there was
+        ``served``). A segment gained ``tolerance`` or less on is *settled*: what was
+        reached there becomes what the champion serves (a higher figure reached before,
+        on other requests or by luck, would otherwise keep it training in vain)."""
+        reached = dict(self.reached)
+        for segment, gain in gains.items():
+            lower = served.get(segment, math.nan)
+            if gain <= tolerance and math.isfinite(lower):
+                reached[segment] = lower
+        return self.model_copy(
+            update={"reached": reached, "last_gain": self.last_gain | dict(gains)}
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,7 +136,7 @@ def segment_of(sample: CapturedRecord, segmenter: Segmenter | None) -> str:
 
 
 def segment_as_grouped(sample: CapturedRecord, grouping: Segmenter, current: Segmenter) -> str:
-    """The segment of ``sample`` as an older segmenter (``grouping``, a baseline's) named
+    """The segment of ``sample`` as an older segmenter (``grouping``) named
     it, so clusters mean the same requests on both sides; a client label this cycle's
     segmenter (``current``) keeps is its own segment whatever ``grouping`` knew (labels
     are the clients', stable across fits: a label that is new is new traffic)."""
@@ -312,7 +312,8 @@ def _kept_names(
     shares: a merge named a segment after its lowest id, renaming the traffic of the
     others. So each new segment takes the name of the previous segment whose clusters
     hold most of its traffic (by this fit's token shares), the largest overlaps first;
-    one that matches none keeps its own name, or a fresh one where that one is taken."""
+    one that matches none keeps its own name, or a fresh one where that one is taken or
+    was a previous segment's."""
     was = dict(zip(previous.cluster_ids, previous.segment_of_cluster, strict=True))
     overlap: dict[tuple[str, str], float] = {}
     for cluster, name in enumerate(names):
@@ -323,10 +324,17 @@ def _kept_names(
     for (new, old), _ in sorted(overlap.items(), key=lambda item: (-item[1], item[0])):
         if new not in renamed and old not in renamed.values():
             renamed[new] = old
-    fresh = (f"{CLUSTER_PREFIX}{i}" for i in range(max(ids, default=0) + 1, 1 << 30))
+    # a name matched, or one a gone segment held (its figures are not this traffic's)
+    taken = set(renamed.values()) | set(previous.segment_of_cluster)
+    fresh = (
+        name
+        for name in (f"{CLUSTER_PREFIX}{i}" for i in range(len(ids) + len(taken) + 1 << 10))
+        if name not in taken and name not in names
+    )
     for new in dict.fromkeys(names):
         if new not in renamed:
-            renamed[new] = new if new not in renamed.values() else next(fresh)
+            renamed[new] = new if new not in taken else next(fresh)
+            taken.add(renamed[new])
     return tuple(renamed[name] for name in names)
 
 

@@ -500,10 +500,13 @@ def _clear_checkpoints(config: TideConfig, cycle_id: str) -> None:
 
 
 def _record_gate_trial(config: TideConfig, cycle_id: str, decision: GateDecision) -> None:
-    """What the gate measured the challenger gain, per segment where it measured one and
-    on the window as a whole, kept for the next headroom checks (:func:`record_trial`)."""
-    whole = decision.weighted_challenger - (decision.weighted_champion or 0.0)
-    record_trial(config, cycle_id, decision.gains(), gain=whole)
+    """What the gate measured the challenger gain, per segment it protected (measured on
+    enough held-out traffic) and on the window as a whole, kept for the next headroom
+    checks (:func:`record_trial`)."""
+    champion = decision.weighted_champion
+    whole = None if champion is None else decision.weighted_challenger - champion
+    protected = {s: g for s, g in decision.gains().items() if s in decision.protected}
+    record_trial(config, cycle_id, protected, gain=whole)
 
 
 def evaluate_and_gate(

@@ -164,23 +164,38 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
 
 
 def record_trial(
-    config: TideConfig, cycle_id: str, gains: Mapping[str, float], *, gain: float
+    config: TideConfig, cycle_id: str, gains: Mapping[str, float], *, gain: float | None
 ) -> None:
     """What the cycle's training found, kept for the next checks: each segment it learned
-    gained ``gains[segment]`` (else ``gain``, on all its held-out traffic) over the
-    champion, which raises what was reached there and is the segment's last gain
-    (:meth:`HeadroomState.after_trial`). Idempotent: a retry records the same."""
+    gained ``gains[segment]`` (else ``gain``, on all its held-out traffic; None: nothing
+    measured, nothing kept) over the champion (:meth:`HeadroomState.after_trial`).
+
+    Idempotent: a retry records the same. Only while the champion the check measured
+    still serves (a rerun of an older cycle would overwrite what later ones found), and
+    not for a consolidation (it learns every segment, not the ones with headroom)."""
+    from tide_lib.registry import CHAMPION  # noqa: PLC0415
+
     drift = saved_drift(config, cycle_id)
-    if drift is None or not drift.drift or drift.champion_version is None:
+    if drift is None or not drift.drift or drift.consolidate or drift.champion_version is None:
         return
-    learned = {s: gains.get(s, gain) for s in drift.drifted if s in drift.measured}
-    reached = {s: drift.measured[s] + g for s, g in learned.items() if g > 0}
-    _write_headroom(config, read_headroom(config).with_reached(reached).after_trial(learned))
+    champion = state.draft_registry(config).alias(CHAMPION)
+    if champion is None or champion.version != drift.champion_version:
+        return
+    learned = {
+        s: gains.get(s, gain)
+        for s in drift.drifted
+        if s in drift.measured and gains.get(s, gain) is not None
+    }
+    found = {s: g for s, g in learned.items() if g is not None}
+    reached = {s: drift.measured[s] + g for s, g in found.items() if g > 0}
+    served = {s: drift.measured[s] - drift.margins[s] for s in found if s in drift.margins}
+    known = read_headroom(config).with_reached(reached)
+    _write_headroom(config, known.after_trial(found, served, config.cycle.drift_tolerance))
     logger.info(
         "cycle %s on v%s gained %s",
         cycle_id,
         drift.champion_version,
-        ", ".join(f"{s} {g:+.3f}" for s, g in sorted(learned.items())) or "nothing measured",
+        ", ".join(f"{s} {g:+.3f}" for s, g in sorted(found.items())) or "nothing measured",
     )
 
 
@@ -221,9 +236,8 @@ def _measure_window(
 
 
 def _promoted(config: TideConfig, champion: Any) -> bool:
-    """Did a cycle's gate promote the champion over a measured one? Without a baseline
-    its gate protected no segment alone (or grouped or measured them otherwise than
-    this check can compare), but it was judged on the traffic it was trained for."""
+    """Did a cycle's gate promote the champion over a measured one (judged on the traffic
+    it was trained for), rather than seed it?"""
     from tide_lib.evaluation.gate import decision_from_tags  # noqa: PLC0415
 
     judged = decision_from_tags(dict(champion.tags or {}), config.gate.k)
@@ -372,7 +386,7 @@ def version_acceptance(
     """Download ``version`` into ``work`` and replay it offline: k -> segment -> counts.
 
     Rounds start at every output position: the cycle compares drafts (the gate, the
-    drift check against a baseline), and this evidence pairs them position by position
+    headroom check against what was reached), and this evidence pairs them position by position
     (:func:`~tide_lib.evaluation.offline.acceptance_counts`).
     """
     from tide_lib.evaluation.offline import offline_acceptance  # noqa: PLC0415

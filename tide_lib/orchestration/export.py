@@ -527,7 +527,7 @@ class _Learning:
 
 def _window_to_learn(config: TideConfig, snapshot: Snapshot, segmenter: Segmenter) -> _Learning:
     """Which of the window's segments a cycle learns (the rest it keeps, by distillation),
-    the segmenter that names them (the drift check's, the baseline's grouping), and
+    the segmenter that names them (the headroom check's, the cycle's own), and
     which segments' earlier requests are learned too: those the drift check found the
     champion fell on (``cycle.relearn_older``), so that a segment arriving over several
     windows is learned from all of them, as a draft trained on it alone is. A segment

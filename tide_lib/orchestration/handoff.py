@@ -118,11 +118,11 @@ class Drift(HandOff):
     """false: no cycle's gate promoted the champion (a seeded one): a gain over it must be beyond
     the noise (training.warm_gain is left as set), and it does not consolidate"""
     saved_train_seconds: float | None = None
-    """no drift: the last trained cycle's training time, not spent"""
+    """no headroom: the last trained cycle's training time, not spent"""
     consolidate: bool = False
-    """the cycle consolidates (the champion was warm-started, or a chain of two warm starts ended
-    without drift): it learns every segment's older traffic in the lookback with the window
-    (cycle.consolidate)"""
+    """the cycle consolidates (the champion was warm-started, or, with consolidate_each_drift, any
+    champion a cycle's gate promoted): it learns every segment's older traffic in the lookback with
+    the window (cycle.consolidate)"""
     segmenter_key: str | None = None
     """lake key of the segmenter whose segments `drifted`, `fitting` and the figures name (the
     cycle's own)"""
