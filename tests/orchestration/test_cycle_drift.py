@@ -2,8 +2,8 @@
 
 The champion is replayed on the window and each segment compared with an estimate of
 what a draft reaches there (``headroom.json``): its ceiling until a cycle trained on it,
-then what was reached there plus half the last gain. The verdict is decided once per cycle and read back
-on a rerun; what a cycle's training gained is kept for the next check.
+then what was reached there plus half the last gain. The verdict is decided once per
+cycle and read back on a rerun; what a cycle's training gained is kept for the next check.
 """
 
 from __future__ import annotations
