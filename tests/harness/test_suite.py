@@ -95,7 +95,9 @@ def test_lag_counts_cycles_from_the_first_window_holding_the_segment_to_a_draft_
     assert figures["retention"] == {"en": pytest.approx(0.9)}
     assert figures["cycles_trained"] == 4 and figures["training_s"] == 40.0
     never = workload_figures(_workload(), cycles[:3], lengths, ORACLE)
-    assert never["lag"] == {"ko": None}  # no champion ever served it well
+    assert never["lag"] == {"ko": "never"}  # no champion ever served it well
+    unheld = workload_figures(_workload(), cycles[:1], lengths, ORACLE)
+    assert unheld["lag"] == {"ko": "unheld"}  # no window held it: no lag to count
     served_well = {**lengths, "static": {"en": 3.0, "ko": 2.5}}
     assert workload_figures(_workload(), cycles, served_well, ORACLE)["lag"] == {"ko": 0}
 
@@ -143,7 +145,16 @@ def test_the_summary_takes_medians_and_worst_cases_and_checks_each_goal() -> Non
     assert goals["retention_worst_ge_0.9"]  # 0.93
     assert goals["no_shift_trains_at_most_once"] and goals["lag_worst_le_3"]
     # a segment never served well is an infinite lag: the worst case fails, not skipped
-    stalled = suite_summary([*runs, _figures("new", lag={"ko": None})])
-    assert stalled["lag"]["worst"] == float("inf")
+    stalled = suite_summary([*runs, _figures("new", lag={"ko": "never"})])
+    assert stalled["lag"]["worst"] == "never"
     assert not stalled["goals"]["lag_worst_le_3"]
     assert not stalled["goals"]["unfitted_new_segment_served_within_2"]
+    # one that arrived after the last cycle is no lag at all
+    late = suite_summary([*runs, _figures("new", lag={"ko": "unheld"})])
+    assert late["lag"]["n"] == summary["lag"]["n"] and late["goals"]["lag_worst_le_3"]
+    # a figure over nothing measured is None, never a division by zero
+    zero = workload_figures(
+        _workload(), [], {"static": {"en": 0.0, "ko": 0.0}}, {"en": 0.0, "ko": 0.0}
+    )
+    assert zero["adapted_static"] is None and zero["retention"] == {"en": None}
+    assert suite_summary([zero])["retention"] == {"median": None, "worst": None, "n": 0}

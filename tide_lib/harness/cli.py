@@ -150,8 +150,9 @@ def _bench_adaptation(args: argparse.Namespace, config: TideConfig) -> int:
     return 0
 
 
-def _figure(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+def _figure(value: float | str | None) -> str:
+    """A figure as the suite writes it: a number, "never", or None (nothing measured)."""
+    return "-" if value is None else value if isinstance(value, str) else f"{value:.3f}"
 
 
 def _bench_suite(args: argparse.Namespace, config: TideConfig) -> int:

@@ -145,7 +145,7 @@ class SuiteParams(StrictModel):
         ge=0,
         description="the first workload's seed; judge a change on seeds it was not tuned on",
     )
-    kinds: tuple[str, ...] = Field(
+    kinds: tuple[Literal["new", "turns", "gradual", "return", "served", "none"], ...] = Field(
         (), description="only workloads of these kinds (new, turns, gradual, return, served, none)"
     )
     cycles: float = Field(6.0, gt=0, description="cycles of traffic each workload spans, about")

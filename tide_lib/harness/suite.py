@@ -27,6 +27,7 @@ from __future__ import annotations
 
 __all__ = [
     "KINDS",
+    "SuiteError",
     "SuiteWorkload",
     "draw_workload",
     "run_suite",
@@ -52,6 +53,7 @@ from typing import Any, Final
 from tqdm import tqdm
 
 from tide_lib.config import TideConfig, TrainConfig
+from tide_lib.errors import TideError
 from tide_lib.harness.adaptation_bench import (
     WORKLOAD_SEGMENTS,
     acceptance,
@@ -71,6 +73,10 @@ KINDS: Final = ("new", "turns", "gradual", "return", "served", "none")
 SEGMENTS: Final = tuple(WORKLOAD_SEGMENTS)
 SERVES_WELL: Final = 0.8  # of the oracle: a draft that serves a segment (the lag's bar)
 NEVER_FITTED: Final = 0.7  # of the oracle: a static draft that never fitted the new segment
+
+
+class SuiteError(TideError, ValueError):
+    """The suite's settings draw no workload to run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,11 +265,12 @@ def _shared_drafts(
     shared: _Shared,
     workloads: Sequence[SuiteWorkload],
     params: SuiteParams,
-    train: TrainConfig,
+    config: TideConfig,
     target_dir: Path,
 ) -> None:
     """One oracle per segment and the workloads' static drafts (a static draft of one
     segment is its oracle: the same recipe on the same requests), with their figures."""
+    train, gate_k = config.training, config.gate.k
     cache = _cache_dir(params, train, target_dir)
     oracles = {
         s: _shared_draft(cache, f"oracle-{s}", served, target_dir, params=params, train=train)
@@ -280,14 +287,20 @@ def _shared_drafts(
         )
     drafts = {"oracle:" + s: path for s, path in oracles.items()}
     drafts |= {"static:" + "+".join(key): path for key, path in shared.statics.items()}
-    counts = acceptance(drafts, target_dir, shared.held_out, (params.k,))
-    lengths = {
-        name: {s: by_k[params.k].accept_length for s, by_k in by.items()}
-        for name, by in counts.items()
-    }
+    counts = acceptance(drafts, target_dir, shared.held_out, tuple({params.k, gate_k}))
+
+    def at(k: int) -> dict[str, dict[str, float]]:
+        return {
+            name: {s: by_k[k].accept_length for s, by_k in by.items()}
+            for name, by in counts.items()
+        }
+
+    lengths = at(params.k)
     shared.lengths = {"oracle": {s: lengths["oracle:" + s][s] for s in oracles}} | {
         name: figures for name, figures in lengths.items() if name.startswith("static:")
     }
+    # the headroom check's estimates are at the gate's k: its error against the oracle there
+    shared.lengths["oracle_at_gate_k"] = {s: at(gate_k)["oracle:" + s][s] for s in oracles}
 
 
 def _run_workload(
@@ -343,15 +356,15 @@ def _lag(
     cycles: Sequence[Mapping[str, Any]],
     lengths: Mapping[str, Mapping[str, float]],
     oracle: float,
-) -> int | None:
+) -> int | str:
     """Cycles from the first window that holds ``segment`` to the first champion that
     serves it at :data:`SERVES_WELL` of its oracle, both counted (0: the champion serving
-    when it arrived already did; None: none did, or no window held it)."""
+    when it arrived already did; ``"never"``: none did; ``"unheld"``: no window held it)."""
     first = workload.first_request(segment)
     served = [entry["requests_served"] for entry in cycles]
     holding = next((c for c, upto in enumerate(served) if upto > first), None)
     if holding is None:
-        return None
+        return "unheld"
     champions = _champions(cycles)
     before = champions[holding - 1] if holding else "static"
     if lengths[before][segment] >= SERVES_WELL * oracle:
@@ -359,7 +372,7 @@ def _lag(
     for c in range(holding, len(cycles)):
         if lengths[champions[c]][segment] >= SERVES_WELL * oracle:
             return c - holding + 1
-    return None
+    return "never"
 
 
 def workload_figures(
@@ -367,9 +380,12 @@ def workload_figures(
     cycles: Sequence[Mapping[str, Any]],
     lengths: Mapping[str, Mapping[str, float]],
     oracle: Mapping[str, float],
+    *,
+    estimator_oracle: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """One workload's figures from its cycle log and every served draft's acceptance
-    length per segment (``static`` and ``adapted-v<N>``) against each segment's oracle."""
+    length per segment (``static`` and ``adapted-v<N>``) against each segment's oracle
+    (``estimator_oracle``: the oracle at the gate's k, where the check estimates)."""
     champions = _champions(cycles)
     final = champions[-1] if champions else "static"
     served = ["static", *dict.fromkeys(champions)]
@@ -388,18 +404,18 @@ def workload_figures(
         "oracle": {s: oracle[s] for s in workload.segments},
     }
     if new is not None:
-        figures["static_oracle"] = lengths["static"][new] / oracle[new]
-        figures["adapted_static"] = lengths[final][new] / lengths["static"][new]
-        figures["adapted_oracle"] = lengths[final][new] / oracle[new]
+        figures["static_oracle"] = _ratio(lengths["static"][new], oracle[new])
+        figures["adapted_static"] = _ratio(lengths[final][new], lengths["static"][new])
+        figures["adapted_oracle"] = _ratio(lengths[final][new], oracle[new])
     figures["retention"] = {
-        s: lengths[final][s] / max(lengths[v][s] for v in served)
+        s: _ratio(lengths[final][s], max(lengths[v][s] for v in served))
         for s in workload.segments
         if s != new
     }
     figures["lag"] = {
         s: _lag(workload, s, cycles, lengths, oracle[s]) for s in workload.segments[1:]
     }
-    figures["estimator_error"] = _estimator_error(workload, cycles, oracle)
+    figures["estimator_error"] = _estimator_error(workload, cycles, estimator_oracle or oracle)
     outcomes = [entry["outcome"] for entry in cycles]
     figures["cycles"] = len(cycles)
     figures["cycle_outcomes"] = {o: outcomes.count(o) for o in sorted(set(outcomes))}
@@ -407,6 +423,11 @@ def workload_figures(
     figures["training_s"] = sum(entry.get("training_s", 0.0) for entry in cycles)
     figures["cycle_log"] = [dict(entry) for entry in cycles]
     return figures
+
+
+def _ratio(value: float, over: float) -> float | None:
+    """``value / over``; None where ``over`` is no figure (0: nothing measured)."""
+    return value / over if over > 0 else None
 
 
 def _estimator_error(
@@ -424,26 +445,33 @@ def _estimator_error(
     return last
 
 
-def _spread(values: Sequence[float], worst: str) -> dict[str, Any]:
-    """Median and worst case (``"min"`` or ``"max"``) of ``values``; None when empty."""
-    if not values:
+def _spread(values: Sequence[float | None], worst: str) -> dict[str, Any]:
+    """Median and worst case (``"min"`` or ``"max"``) of ``values`` (None left out; an
+    infinite figure is written ``"never"``); None when empty."""
+    kept = [v for v in values if v is not None]
+    if not kept:
         return {"median": None, "worst": None, "n": 0}
     pick = min if worst == "min" else max
-    return {"median": statistics.median(values), "worst": pick(values), "n": len(values)}
+    figures = {"median": statistics.median(kept), "worst": pick(kept)}
+    return {k: "never" if math.isinf(v) else v for k, v in figures.items()} | {"n": len(kept)}
+
+
+def _lags(lags: Mapping[str, int | str]) -> list[float]:
+    """Lags as numbers: ``"never"`` is infinite; a segment no window held is left out."""
+    return [math.inf if lag == "never" else float(lag) for lag in lags.values() if lag != "unheld"]
 
 
 def suite_summary(workloads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The suite's median and worst case for each figure, and whether each goal holds."""
     shifted = [w for w in workloads if w["new_segment"] is not None]
-    unfitted = [w for w in shifted if w["static_oracle"] < NEVER_FITTED]
-    retention = [min(w["retention"].values()) for w in workloads if w["retention"]]
-    lags = [
-        float("inf") if lag is None else float(lag) for w in workloads for lag in w["lag"].values()
+    unfitted = [w for w in shifted if (w["static_oracle"] or 0.0) < NEVER_FITTED]
+    retention = [
+        min(v for v in w["retention"].values() if v is not None)
+        for w in workloads
+        if any(v is not None for v in w["retention"].values())
     ]
-    never = [
-        float("inf") if w["lag"].get(w["new_segment"]) is None else w["lag"][w["new_segment"]]
-        for w in unfitted
-    ]
+    lags = [lag for w in workloads for lag in _lags(w["lag"])]
+    never = [lag for w in unfitted for lag in _lags({w["new_segment"]: w["lag"][w["new_segment"]]})]
     trained = sum(w["cycles_trained"] for w in workloads)
     promoted = sum(w["cycle_outcomes"].get("promoted", 0) for w in workloads)
     training = [e["training_s"] for w in workloads for e in w["cycle_log"] if "training_s" in e]
@@ -473,7 +501,7 @@ def _goals(f: Mapping[str, Any]) -> dict[str, bool]:
 
     def holds(figure: str, which: str, ok: Any) -> bool:
         value = f[figure][which]
-        return value is not None and bool(ok(value))
+        return value is not None and value != "never" and bool(ok(value))
 
     return {
         "adapted_static_unfitted_worst_ge_1.5": holds(
@@ -511,14 +539,22 @@ def run_suite(
         for i in range(params.seeds)
         if not params.kinds or KINDS[i % len(KINDS)] in params.kinds
     ]
-    _shared_drafts(shared, workloads, params, config.training, target_dir)
+    if not workloads:
+        raise SuiteError(f"no workload of the kinds {list(params.kinds)} among {params.seeds}")
+    _shared_drafts(shared, workloads, params, config, target_dir)
     shared_s = time.perf_counter() - started
     results: list[dict[str, Any]] = []
     result: dict[str, Any] = {}
     for workload in tqdm(workloads, desc="suite", unit="workload"):
         began = time.perf_counter()
         cycles, lengths = _run_workload(config, workload, shared, params, target_dir)
-        figures = workload_figures(workload, cycles, lengths, shared.lengths["oracle"])
+        figures = workload_figures(
+            workload,
+            cycles,
+            lengths,
+            shared.lengths["oracle"],
+            estimator_oracle=shared.lengths["oracle_at_gate_k"],
+        )
         results.append(figures | {"seconds": time.perf_counter() - began})
         logger.info("suite %s: %s", workload.name, _headline(figures))
         result = {  # written after every workload: a run cut short keeps what it measured
