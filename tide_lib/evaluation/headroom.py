@@ -13,7 +13,8 @@ well has not "not drifted": it never fitted). It comes from what training did:
   reached: the champions measured on the windows, and the cycles' challengers) plus
   half the *last gain* a cycle made there: a learning curve that flattens. A cycle
   that gained a lot trains again; one that gained little (its best checkpoint the
-  parent, or a challenger no better there) leaves no headroom;
+  parent, or a challenger no better there) settles the segment at what the champion
+  serves there, and leaves no headroom;
 - a segment that falls below what was reached there has headroom again: drift is
   one case of it. No estimate exceeds the ceiling.
 

@@ -152,7 +152,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         measured={s: f.accept_length for s, f in figures.items()},
         margins={s: f.margin for s, f in figures.items() if math.isfinite(f.margin)},
         ceilings={s: f.ceiling for s, f in figures.items() if f.ceiling is not None},
-        baseline=verdict.estimates,
+        baseline={s: e for s, e in verdict.estimates.items() if math.isfinite(e)},
         drifted=verdict.learn,
         fitting=verdict.keep or None,
         segmenter_key=window.segmenter_key,
