@@ -38,7 +38,7 @@ from tide_lib.evaluation.offline import (
     content_fraction,
     length_margin,
 )
-from tide_lib.evaluation.segments import Segmenter, segment_as_grouped
+from tide_lib.evaluation.segments import Segmenter, segment_of
 from tide_lib.lake.schema import CapturedRecord
 from tide_lib.lake.store import StoreUnavailableError
 from tide_lib.names import Tags
@@ -221,7 +221,7 @@ def _measure_window(
 ) -> _Window:
     """The champion replayed on a sample of the window, grouped by this cycle's segmenter."""
     current, current_key = state.cycle_segmenter(config, snapshot)
-    samples, shares = _window_sample(config, snapshot, current, current)
+    samples, shares = _window_sample(config, snapshot, current)
     counts = _champion_counts(config, registry, version, samples)
     figures = {
         segment: SegmentFigure(
@@ -332,11 +332,11 @@ def _chain_link(config: TideConfig, version: Any) -> bool:
 
 
 def _window_sample(
-    config: TideConfig, snapshot: Snapshot, grouping: Segmenter, current: Segmenter
+    config: TideConfig, snapshot: Snapshot, segmenter: Segmenter
 ) -> tuple[dict[str, list[CapturedRecord]], dict[str, float]]:
-    """An even sample of the window's distinct requests by segment (as ``grouping``
-    names them, see :func:`segment_as_grouped`), and each segment's token share (copies
-    included: they are traffic).
+    """An even sample of the window's distinct requests by segment (as the cycle's
+    ``segmenter`` names them), and each segment's token share (copies included: they
+    are traffic).
 
     Copies of a request (the same prompt answered the same way) are measured once:
     n copies are one piece of evidence, and counting them n times shrinks a figure's
@@ -348,7 +348,7 @@ def _window_sample(
     tokens: dict[str, int] = {}
     seen: set[bytes] = set()
     for sample in reader.iter_records(state.markers_of(reader, snapshot.window)):
-        segment = segment_as_grouped(sample, grouping, current)
+        segment = segment_of(sample, segmenter)
         tokens[segment] = tokens.get(segment, 0) + int(sample.input_ids.numel())
         digest = content_digest(sample.input_ids)
         if digest not in seen and content_fraction(sample.input_ids, b"drift") < rate:
