@@ -42,6 +42,6 @@ def test_defaults_resolve_when_the_run_starts_not_when_the_file_is_parsed(
     resolved = ParamsDict(params).validate()
     assert config_from_params(resolved).cycle.min_new_tokens == 777
     resolved["min_new_tokens"] = 5000  # what the form filled in wins
-    resolved["gate_tolerance"] = 0.3
+    resolved["gate_max_loss"] = 0.3
     config = config_from_params(resolved)
-    assert config.cycle.min_new_tokens == 5000 and config.gate.tolerance == 0.3
+    assert config.cycle.min_new_tokens == 5000 and config.gate.max_loss == 0.3

@@ -213,16 +213,10 @@ def _take(reader: LakeReader, keys: list[str], budget_tokens: float) -> list[Com
 
 
 def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
-    """The trainer's settings for this cycle: the last step when promotion is forced; any
-    gain over a champion its drift check found no longer fitting (``warm_gain: any``: a
-    window's few held-out requests hid real gains on the traffic it fell on; the gate
-    still judges the draft), else a gain beyond the noise. A champion never judged (a
-    seeded one) is not known not to fit: the segments its first check found far below
-    its best may be traffic no draft serves better (first cycles registered challengers
-    below their parent), so a gain over it must be beyond the noise. A consolidation
-    cycle learns every segment's traffic: up to ``cycle.consolidate_max_steps``; from the
-    baseline draft (:func:`_train_in_run`) at the full rate for
-    ``cycle.consolidate_epochs`` passes, at least ``training.steps``."""
+    """The trainer's settings for this cycle: the last step when promotion is forced. A
+    consolidation cycle learns every segment's traffic: up to
+    ``cycle.consolidate_max_steps``; from the baseline draft (:func:`_train_in_run`) at
+    the full rate for ``cycle.consolidate_epochs`` passes, at least ``training.steps``."""
     return _settings_for(config, saved_drift(config, cycle_id), from_floor=False)
 
 
@@ -234,8 +228,6 @@ def _settings_for(config: TideConfig, drift: Drift | None, *, from_floor: bool) 
     training = config.training
     if drift is not None and drift.consolidate:  # every segment's traffic: more to learn
         training = training.model_copy(update=_consolidation_recipe(config, from_floor))
-    if drift is not None and drift.champion_drifted and drift.champion_judged:
-        training = training.model_copy(update={"warm_gain": "any"})
     return training
 
 

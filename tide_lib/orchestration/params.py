@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from tide_lib.config import CycleConfig, GateConfig, TideConfig, load_config
 
-_GATE_FIELDS = ("margin", "tolerance")
+_GATE_FIELDS = ("margin", "max_loss")
 _PARSE_TIME_FIELDS = frozenset({"schedule_minutes"})  # DAG settings, not per-run ones
 # JSON-schema keywords the form keeps; "format: path" and pydantic's extras are dropped.
 _KEPT = (

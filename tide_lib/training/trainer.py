@@ -766,14 +766,7 @@ def _selection(
     held_out: HeldOut | None, config: TrainConfig, metrics: MetricSink | None
 ) -> Selection:
     """What picks the exported draft: held-out acceptance (None: no validation split)."""
-    return Selection(
-        held_out,
-        metrics.log_metrics if metrics is not None else None,
-        forgetting_tolerance=config.forgetting_tolerance,
-        forgetting_min_tokens=config.forgetting_min_tokens,
-        gain_beyond_noise=config.warm_gain == "beyond_noise",
-        min_gain_requests=config.min_gain_requests,
-    )
+    return Selection(held_out, metrics.log_metrics if metrics is not None else None)
 
 
 def _optimizer(objective: Any, plan: StepPlan) -> tuple[list[torch.nn.Parameter], Any, Any]:
