@@ -6,15 +6,37 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 import pytest
 
 from tide_lib.config import GateConfig, TideConfig
-from tide_lib.evaluation.gate import decide, decision_from_tags, decision_report, decision_tags
+from tide_lib.evaluation.gate import (
+    GateDecision,
+    GateEvidence,
+    decision_from_tags,
+    decision_report,
+    decision_tags,
+)
+from tide_lib.evaluation.gate import decide as gate_decide
 from tide_lib.evaluation.tradeoff import SegmentTrade, below_floor, floor_of
 
 CONFIG = GateConfig(margin=0.1, max_loss=0.1, min_segment_share=0.1)
 CHAMPION = {"korean": 2.0, "english": 3.0}
+
+
+def decide(
+    challenger: dict[str, float],
+    champion: dict[str, float] | None,
+    config: GateConfig,
+    weights: dict[str, float] | None = None,
+    older_shares: dict[str, float] | None = None,
+    **evidence: Any,
+) -> GateDecision:
+    """The gate's decision on evidence given as keywords."""
+    return gate_decide(
+        GateEvidence(challenger, champion, weights, older_shares, **evidence), config
+    )
 
 
 def test_missing_champion_lets_the_first_challenger_win() -> None:

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tide_lib.config import GateConfig, TideConfig
-from tide_lib.evaluation.gate import decide
+from tide_lib.evaluation.gate import GateEvidence, decide
 from tide_lib.evaluation.tracking import log_decision
 from tide_lib.registry import DraftRegistry
 from tide_lib.ui.dashboard import create_app, dashboard_data, render_dashboard
@@ -35,7 +35,7 @@ def populated(stack: TideConfig, tiny_drafts: dict[str, Path]) -> tuple[TideConf
         run = client.create_run(experiment).info.run_id
         version = registry.register(tiny_drafts[language], run, cycle_id=f"cycle-{cycle}").version
         figures = {"recent": recent, "older": older}
-        decision = decide(figures, champion, GateConfig(k=4))
+        decision = decide(GateEvidence(figures, champion), GateConfig(k=4))
         log_decision(registry, version, decision, k=4)
         if decision.promote:
             registry.promote(version)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 __all__ = [
     "GateDecision",
+    "GateEvidence",
     "PooledFigures",
     "decide",
     "decision_from_tags",
@@ -252,110 +253,119 @@ def _forgotten_together(
     return _Together(judged, figures, f"traffic to keep, judged together: {why}")
 
 
-def decide(
-    challenger: dict[str, float],
-    champion: dict[str, float] | None,
-    config: GateConfig,
-    weights: dict[str, float] | None = None,
-    older_shares: dict[str, float] | None = None,
-    *,
-    held_out_tokens: dict[str, int] | None = None,
-    drop_margins: dict[str, float] | None = None,
-    pooled: PooledFigures | None = None,
-    floor: dict[str, float] | None = None,
-    floor_margins: dict[str, float] | None = None,
-    window_figures: tuple[dict[str, float], dict[str, float]] | None = None,
-) -> GateDecision:
-    """Promote or not; ``challenger``/``champion`` map segment -> acceptance length at k.
+@dataclasses.dataclass(frozen=True)
+class GateEvidence:
+    """What the gate judges a challenger on: figures map segment -> acceptance length at k.
 
-    ``weights`` are the segments' shares of the window's tokens (equal when not
-    given: every segment then counts alike and is protected); ``older_shares`` their
-    shares of the older traffic; ``held_out_tokens`` the output
+    ``weights`` are the segments' shares of the window's tokens (equal when not given);
+    ``older_shares`` their shares of the older traffic; ``held_out_tokens`` the output
     tokens each figure was measured on (not given: every figure counts as measured);
     ``drop_margins`` the one-sided 95% margin of error of each segment's drop, champion
     and challenger replayed on the same requests
-    (:func:`~tide_lib.evaluation.offline.drop_margin`): a drop rejects only beyond it;
-    ``pooled`` measures segments of traffic to keep together (none: they are not);
-    ``floor`` the floor draft's figures on the same requests (none: no floor draft) and
-    ``floor_margins`` the margins of error of the challenger's drops below it;
-    ``window_figures`` the challenger's and the champion's figures on the window's
-    held-out requests alone, by segment: the weighted gain (rule 3) uses them where
-    a segment has them (the figures above elsewhere).
+    (:func:`~tide_lib.evaluation.offline.drop_margin`); ``pooled`` measures segments of
+    traffic to keep together (none: they are not); ``floor`` the floor draft's figures on
+    the same requests (none: no floor draft) and ``floor_margins`` the margins of error
+    of the challenger's drops below it; ``window_figures`` the challenger's and the
+    champion's figures on the window's held-out requests alone, by segment: the
+    weighted gain (rule 3) uses them where a segment has them.
     """
-    if not challenger:
+
+    challenger: dict[str, float]
+    champion: dict[str, float] | None
+    weights: dict[str, float] | None = None
+    older_shares: dict[str, float] | None = None
+    held_out_tokens: dict[str, int] | None = None
+    drop_margins: dict[str, float] | None = None
+    pooled: PooledFigures | None = None
+    floor: dict[str, float] | None = None
+    floor_margins: dict[str, float] | None = None
+    window_figures: tuple[dict[str, float], dict[str, float]] | None = None
+
+    def shares(self) -> dict[str, float]:
+        return dict(self.weights) if self.weights else dict.fromkeys(self.challenger, 1.0)
+
+
+def decide(evidence: GateEvidence, config: GateConfig) -> GateDecision:
+    """Promote or not, by the rules of this module, on ``evidence``."""
+    if not evidence.challenger:
         raise ValueError("the challenger has no figures: no held-out traffic was evaluated")
-    shares = dict(weights) if weights else dict.fromkeys(challenger, 1.0)
-    older = dict(older_shares or {})
-    on_window, champion_on_window = window_figures or ({}, {})
-    weighted_challenger = weighted_figure({**challenger, **on_window}, shares)
-    shared = protected_segments(list(challenger), shares, older, config.min_segment_share)
-    protected, thin = _evidenced(shared, held_out_tokens, config.min_segment_tokens)
+    shares, older = evidence.shares(), dict(evidence.older_shares or {})
+    shared = protected_segments(list(evidence.challenger), shares, older, config.min_segment_share)
+    protected, thin = _evidenced(shared, evidence.held_out_tokens, config.min_segment_tokens)
+    on_window, champion_on_window = evidence.window_figures or ({}, {})
+    decision = GateDecision(
+        True,
+        "no champion yet: the first valid challenger wins",
+        dict(evidence.challenger),
+        dict(evidence.champion) if evidence.champion else None,
+        shares,
+        weighted_figure({**evidence.challenger, **on_window}, shares),
+        None,
+        older,
+        protected,
+        floor=dict(evidence.floor) if evidence.floor else None,
+        window_challenger=dict(on_window),
+        window_champion=dict(champion_on_window),
+    )
+    if not evidence.champion:
+        return decision
+    return _judged(evidence, decision, shared, thin, config)
 
-    def verdict(
-        promote: bool,
-        reason: str,
-        weighted_champion: float | None = None,
-        together: tuple[str, ...] = (),
-    ) -> GateDecision:
-        return GateDecision(
-            promote,
-            reason,
-            dict(challenger),
-            dict(champion) if champion else None,
-            shares,
-            weighted_challenger,
-            weighted_champion,
-            older,
-            protected,
-            together,
-            floor=dict(floor) if floor else None,
-            window_challenger=dict(on_window),
-            window_champion=dict(champion_on_window),
-        )
 
-    if not champion:
-        return verdict(True, "no champion yet: the first valid challenger wins")
-    # the gain on what the window brought: window figures where both drafts have them
+def _judged(
+    evidence: GateEvidence,
+    decision: GateDecision,
+    shared: tuple[str, ...],
+    thin: list[str],
+    config: GateConfig,
+) -> GateDecision:
+    """Rules 2 and 3 against a champion: ``decision`` carries the figures, ``shared`` the
+    segments protected by their share, ``thin`` those too thin to judge alone."""
+    champion = evidence.champion or {}
     gain_challenger, gain_champion = _window_preferred(
-        challenger, champion, on_window, champion_on_window
+        evidence.challenger, champion, decision.window_challenger, decision.window_champion
     )
     common = {s: v for s, v in gain_challenger.items() if s in gain_champion}
-    weighted_champion = weighted_figure({s: gain_champion[s] for s in common}, shares)
-    current = _normalised(shares)
+    weighted_champion = weighted_figure({s: gain_champion[s] for s in common}, decision.weights)
+    current = _normalised(decision.weights)
     trades = _trades(
-        protected,
-        (challenger, champion),
+        decision.protected,
+        (evidence.challenger, champion),
         current,
-        (drop_margins or {}, floor_margins or {}),
-        floor or {},
+        (evidence.drop_margins or {}, evidence.floor_margins or {}),
+        evidence.floor or {},
     )
     together = _forgotten_together(
         shared,
         thin,
         gain_champion,  # served well or not: on the window's requests where it has some
-        held_out_tokens,
-        pooled,
+        evidence.held_out_tokens,
+        evidence.pooled,
         config=config,
-        shares=(current, older),
+        shares=(current, decision.older_shares),
         weighted_champion=weighted_champion,
+    )
+    judged = dataclasses.replace(
+        decision, weighted_champion=weighted_champion, protected_together=together.judged
     )
     why = below_floor(trades, config.max_loss) or together.forgotten
     if why:
-        return verdict(False, why, weighted_champion, together.judged)
-    gain = weighted_figure(common, shares) - weighted_champion
+        return dataclasses.replace(judged, promote=False, reason=why)
+    gain = weighted_figure(common, decision.weights) - weighted_champion
+    figures = f"{weighted_champion + gain:.3f} vs champion {weighted_champion:.3f}"
     if gain < config.margin - _EPSILON:
         reason = (
-            f"window-weighted acceptance length: {weighted_champion + gain:.3f} vs champion "
-            f"{weighted_champion:.3f} (gain {gain:+.3f} < margin {config.margin:.3f})"
+            f"window-weighted acceptance length: {figures} "
+            f"(gain {gain:+.3f} < margin {config.margin:.3f})"
         )
-        return verdict(False, reason, weighted_champion, together.judged)
+        return dataclasses.replace(judged, promote=False, reason=reason)
     reason = (
-        f"window-weighted acceptance length {weighted_champion + gain:.3f} vs champion "
-        f"{weighted_champion:.3f} (gain {gain:+.3f} >= margin {config.margin:.3f}); no "
-        f"protected segment ({', '.join(protected) or 'none'}) below its floor"
+        f"window-weighted acceptance length {figures} (gain {gain:+.3f} >= margin "
+        f"{config.margin:.3f}); no protected segment "
+        f"({', '.join(decision.protected) or 'none'}) below its floor"
         f"{_unjudged(thin, together.figures)}"
     )
-    return verdict(True, reason, weighted_champion, together.judged)
+    return dataclasses.replace(judged, reason=reason)
 
 
 def _normalised(shares: dict[str, float]) -> dict[str, float]:

@@ -234,7 +234,6 @@ _NOT_THE_RECIPE: Final = frozenset(
     or name
     in {
         "steps",
-        "min_gain_requests",
         "vocab_mapping",
         "distill_weight",
         "checkpoint_every",

@@ -549,7 +549,7 @@ def _judge(
 ) -> GateDecision:
     """Measure challenger, champion (and the floor draft) on the held-out traffic at every
     k; decide at gate.k."""
-    from tide_lib.evaluation.gate import decide  # noqa: PLC0415
+    from tide_lib.evaluation.gate import GateEvidence, decide  # noqa: PLC0415
 
     k, min_tokens = config.gate.k, config.gate.min_segment_tokens
     ks = sorted({k, *config.gate.ks})
@@ -568,10 +568,9 @@ def _judge(
         champion_counts[k] if champion_counts else {}, traffic.window_held_out, k, config.gate
     )
     floor = _lengths(floor_counts)[k] if floor_counts else None
-    decision = decide(
+    evidence = GateEvidence(
         challenger[k],
         champion[k] if champion else None,
-        config.gate,
         weights=traffic.window_shares,
         older_shares=traffic.older_shares,
         held_out_tokens=traffic.output_tokens,
@@ -584,6 +583,7 @@ def _judge(
             _window_lengths(champion_counts[k], window, min_tokens) if champion_counts else {},
         ),
     )
+    decision = decide(evidence, config.gate)
     return dataclasses.replace(
         decision,
         challenger_by_k={at_k: f for at_k, f in challenger.items() if at_k != k},

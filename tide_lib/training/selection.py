@@ -527,8 +527,8 @@ class Selection:
         (:meth:`HeldOut.window_weighted`, rule 4), else None. The run keeps the best
         figure on the traffic it learns; the gate weighs every window segment by its
         share, the ones the cycle keeps by distillation too: a step that gained on Korean
-        law while the window's other segments slipped within the tolerance was registered
-        0.216 below its parent, under ``warm_gain: any`` or not; and a step level with its
+        law while the window's other segments slipped above their floors was registered
+        0.216 below its parent; and a step level with its
         parent (2.500 against 2.500) was registered for the gate to reject it for no gain."""
         figures = self._as_gated(evaluation)
         margin = getattr(self.held_out, "gate_margin", 0.0)
