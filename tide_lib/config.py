@@ -31,7 +31,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 from urllib.parse import urlparse
 
 from pydantic import (
@@ -679,7 +679,25 @@ def load_config(**overrides: Any) -> TideConfig:
         return TideConfig(**overrides)
     except ValidationError as error:
         problems = [
-            f"  {'.'.join(str(part) for part in item['loc']) or 'config'}: {item['msg']}"
+            _problem(".".join(str(part) for part in item["loc"]) or "config", item["msg"])
             for item in error.errors(include_input=False, include_url=False)
         ]
         raise ConfigError("invalid TIDE configuration:\n" + "\n".join(problems)) from None
+
+
+# Settings a release removed, and what to set instead: an old YAML or environment is told.
+_REMOVED: Final = {
+    "gate.tolerance": "use gate.max_loss: a fraction of a segment's best served acceptance, "
+    "scaled by one minus its share of the window",
+    "gate.net_gain": "remove it: gate.max_loss weighs a loss by the segment's share",
+    "training.forgetting_tolerance": "remove it: the trainer keeps steps by the gate's rule "
+    "(gate.max_loss)",
+    "training.forgetting_min_tokens": "remove it: gate.min_segment_tokens is used",
+    "training.warm_gain": "remove it: the trainer keeps steps by the gate's rule",
+    "training.min_gain_requests": "remove it: the trainer keeps steps by the gate's rule",
+}
+
+
+def _problem(where: str, message: str) -> str:
+    fix = _REMOVED.get(where)
+    return f"  {where}: {message}" + (f" (removed; {fix})" if fix else "")
