@@ -557,10 +557,10 @@ class CycleConfig(StrictModel):
     more than drift_tolerance below what a draft reaches on it); else record 'no headroom' and move
     on"""
     continue_training: bool = True
-    """a cycle whose training kept its champion (no step beat it beyond the noise of the held-out
-    requests) leaves its best step that rose above it, forgetting nothing, in the lake; the next
-    cycle on the same champion starts training there (the champion stays the draft to beat); off:
-    every cycle starts from the champion"""
+    """a cycle whose training kept its champion (no step beat it by the gate's margin on the
+    held-out requests) leaves its best step that rose above it, keeping every floor, in the lake;
+    the next cycle on the same champion starts training there (the champion stays the draft to
+    beat); off: every cycle starts from the champion"""
     drift_tolerance: float = Field(0.15, ge=0)
     """headroom that counts: acceptance length a segment is served below its estimate (beyond the
     margin of error); a cycle that gains this or less on a segment settles it at what the champion

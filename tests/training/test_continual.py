@@ -686,7 +686,7 @@ def _gate_held_out(
 
 
 def test_held_out_figures_the_gates_window_weighted_acceptance(tmp_path: Path) -> None:
-    """The gate's rule 4 figure on the requests it judges: each window segment on its
+    """The gate's rule 3 figure on the requests it judges: each window segment on its
     window requests (older ones added where those are too thin), by the window's shares."""
     shares = {"law": 0.25, "chat": 0.75}
     held = _gate_held_out(tmp_path / "a", shares)
@@ -749,7 +749,7 @@ def test_a_step_that_gains_less_than_the_gates_margin_is_never_kept(
     tmp_path: Path, margin: float | None
 ) -> None:
     """The gate promotes only a gain of ``gate.margin`` on its window-weighted figure
-    (rule 4). Step 10 gains 0.075 on it: registered, the gate would reject it for no
+    (rule 3). Step 10 gains 0.075 on it: registered, the gate would reject it for no
     gain (a Korean-last cycle registered 2.500 against its parent's 2.500). Step 20
     gains 0.15: kept. Without a margin in the export (an older cycle's), step 10 is kept,
     as any gain counts."""

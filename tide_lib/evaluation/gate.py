@@ -98,10 +98,10 @@ class GateDecision:
     # Figures at the other ks evaluated, for the record: {k: {segment: acceptance length}}.
     challenger_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     champion_by_k: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
-    # The floor draft's figures at the gate's k (rule 3); None: judged without a floor.
+    # The floor draft's figures at the gate's k (rule 2); None: judged without a floor.
     floor: dict[str, float] | None = None
     floor_version: str | None = None
-    # Figures on the window's held-out requests alone (rule 4's), where a segment has some.
+    # Figures on the window's held-out requests alone (rule 3's), where a segment has some.
     window_challenger: dict[str, float] = dataclasses.field(default_factory=dict)
     window_champion: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -123,7 +123,7 @@ def _window_preferred(
     window_champion: dict[str, float],
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Challenger and champion figures, each segment's on the window's held-out requests
-    where both drafts were measured on some (rule 4's), else on all its requests."""
+    where both drafts were measured on some (rule 3's), else on all its requests."""
     both = window_challenger.keys() & window_champion.keys()
     return (
         {**challenger, **{s: window_challenger[s] for s in both}},

@@ -11,8 +11,8 @@ one the gate would promote. Two parts:
 - **The floor.** A segment may end below its best served acceptance (the best of the
   drafts measured on its requests: the champion's, the floor draft's) by at most
   ``gate.max_loss`` times one minus its share of current traffic, of that best:
-  traffic that no longer arrives keeps ``1 - max_loss`` of its best, and traffic that is
-  most of the window is judged by the weighted gain above all. A loss counts only
+  traffic that no longer arrives keeps ``1 - max_loss`` of its best, and a segment's
+  floor tightens towards its best as its share of the window grows. A loss counts only
   beyond its margin of error (paired on the same requests, one-sided 95%), and only
   where the challenger also falls below the reference: a segment the reference already
   serves below its floor only may not fall further. The floor does not move with
@@ -61,9 +61,15 @@ class SegmentTrade:
     def describe(self, name: str, max_loss: float) -> str:
         best = "" if self.best is None else f", best served {max(self.best, self.before):.3f}"
         noise = f" beyond its margin of error {self.margin:.3f}" if self.margin else ""
+        floor = self.floor(max_loss)
+        bound = (
+            f"below its floor {floor:.3f}"
+            if floor <= self.before
+            else f"below its floor {floor:.3f} and the reference"
+        )
         return (
             f"segment {name!r} ({self.share:.0%} of current traffic): {self.after:.3f} vs "
-            f"{self.before:.3f}{best}, below its floor {self.floor(max_loss):.3f}{noise} "
+            f"{self.before:.3f}{best}, {bound}{noise} "
             f"(gate.max_loss {max_loss:.3f} of its best, scaled by 1 - share)"
         )
 

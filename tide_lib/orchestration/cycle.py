@@ -283,7 +283,7 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
         registry.end_run(run_id, "FAILED")  # never left RUNNING; a retry resumes it
         raise
     registry.end_run(run_id)
-    if not improved and parent_version is not None:  # no step beat it beyond the noise
+    if not improved and parent_version is not None:  # no step beat it by the gate's trade
         # on a retry too (idempotent): the outcome may have been recorded before a crash;
         # a segment its best step gained on (kept back by the gate's figure) is not settled
         record_trial(config, cycle_id, _learned_gains(registry.run_tags(run_id)), gain=0.0)
@@ -634,7 +634,7 @@ def _window_with_room(
     (:func:`~tide_lib.evaluation.offline.no_room_to_gain` by ``gate.margin``: short
     answers at their ceiling): that segment's gain is measured on its older held-out
     requests too, as the trainer's selection measures it (which pools them too where
-    the window's are fewer than ``gate.min_segment_tokens``, as rule 4 does)."""
+    the window's are fewer than ``gate.min_segment_tokens``, as rule 3 does)."""
     full = {
         segment
         for segment, count in window.items()

@@ -296,7 +296,7 @@ class HeldOut:
 
     def pools_older(self, reference: Evaluation, group: str) -> bool:
         """Is ``group``'s gain judged on its older held-out requests too, as the gate judges
-        it (rule 4)? Where the window's requests of it that the gate judges hold fewer than
+        it (rule 3)? Where the window's requests of it that the gate judges hold fewer than
         the gate's ``min_segment_tokens`` output tokens, or leave ``reference`` (the
         parent) no room to gain (:meth:`leaves_no_room`). A few short answers are noise:
         in the demo, a Korean cycle's window held out six requests with one 6-token
@@ -331,7 +331,7 @@ class HeldOut:
     def window_weighted(
         self, evaluation: Evaluation, reference: Evaluation | None = None
     ) -> float | None:
-        """The gate's window-weighted acceptance length (rule 4) on the held-out requests
+        """The gate's window-weighted acceptance length (rule 3) on the held-out requests
         it judges that were scored (``validation_max_samples`` caps them, the window's
         first): each window segment's figure on its window requests, or, where those hold
         fewer than the gate's ``min_segment_tokens`` output tokens or leave ``reference``
@@ -425,7 +425,7 @@ class Selection:
     log: Callable[[dict[str, float], int], None] | None = None
     evaluations: list[Evaluation] = dataclasses.field(default_factory=list, init=False)
     best: BestDraft | None = dataclasses.field(default=None, init=False)
-    # step 0 is a parent that serves: replacing it must be no noise
+    # step 0 is a parent that serves: a step replaces it only by the gate's trade
     warm: bool = dataclasses.field(default=False, init=False)
     # a warm start's best trained step above the parent that kept every floor, kept or
     # not: where a next run on the same parent can go on (see ``continuation``)
@@ -524,7 +524,7 @@ class Selection:
     ) -> tuple[float, float, float] | None:
         """``(step, parent, margin)`` when a warm start's step does not gain the gate's
         ``gate.margin`` over its parent on the gate's window-weighted figure
-        (:meth:`HeldOut.window_weighted`, rule 4), else None. The run keeps the best
+        (:meth:`HeldOut.window_weighted`, rule 3), else None. The run keeps the best
         figure on the traffic it learns; the gate weighs every window segment by its
         share, the ones the cycle keeps by distillation too: a step that gained on Korean
         law while the window's other segments slipped above their floors was registered
@@ -717,7 +717,7 @@ _NO_GATE_FIGURE = _GateFigure({}, GateConfig().min_segment_tokens, 0.0, GateConf
 
 def _gate_figure(data_dir: Path, k: int) -> _GateFigure:
     """How the gate figures the window, as the cycle exported it (none: not a cycle's
-    data, no guard; no margin: an older cycle's, 0; no tolerance: no net-gain guard)."""
+    data, no guard; no margin: an older cycle's, 0; no max_loss: the default)."""
     path = data_dir / DataDirs.GATE_FIGURE
     if not path.is_file():
         logger.info("no %s: steps are not checked on the gate's figure", path.name)
