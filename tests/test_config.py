@@ -55,15 +55,6 @@ def test_unknown_keys_are_rejected() -> None:
         load_config(lake={"shard_max_byte": 1})
 
 
-def test_a_removed_setting_says_what_replaced_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TIDE_GATE__TOLERANCE", "0.1")
-    with pytest.raises(ConfigError, match=r"gate\.tolerance: .*removed; use gate\.max_loss"):
-        load_config()
-    monkeypatch.delenv("TIDE_GATE__TOLERANCE")
-    with pytest.raises(ConfigError, match=r"training\.warm_gain: .*removed; remove it"):
-        load_config(training={"warm_gain": "any"})
-
-
 def test_bad_endpoint_is_explained() -> None:
     with pytest.raises(ConfigError, match="http://host:port"):
         load_config(store={"endpoint": "minio:9000"})

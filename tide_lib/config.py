@@ -31,7 +31,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 from pydantic import (
@@ -313,13 +313,30 @@ class TrainConfig(StrictModel):
     validation, the last step is exported"""
     validation_max_samples: int = Field(32, ge=1)
     """cap on held-out distinct requests scored, held_out/ ones included"""
+    min_gain_requests: int = Field(6, ge=0)
+    """held-out requests a warm start's gain beyond the noise must rest on to replace its parent
+    (warm_gain: beyond_noise); with fewer the spread that sets the noise is itself noise, and the
+    parent is kept (its best step left to continue from)"""
     export: Literal["best", "last"] = "best"
     """which draft a run exports: 'best' on held-out traffic (a run whose best was the parent
     registers nothing), or the 'last' step (what cycle.force_promote uses)"""
     eval_every: int = Field(20, gt=0)
     """steps between held-out evaluations"""
+    warm_gain: Literal["beyond_noise", "any"] = "beyond_noise"
+    """what a warm start's checkpoint must gain over its parent on held-out traffic to replace it:
+    beyond_noise, a paired gain beyond the noise of its held-out requests; any, a higher figure (a
+    cycle uses it when its champion's drift check named segments it no longer fits, or still learns,
+    unless the champion was never judged, a seeded one's first check; the gate still judges the
+    draft)"""
     k: int = Field(4, ge=1)
     """draft tokens per verify of the held-out replay"""
+    forgetting_tolerance: float = Field(0.1, ge=0)
+    """a step whose held-out acceptance on any group (replayed older traffic, a segment) fell more
+    than this below the parent's is never kept (as gate.tolerance)"""
+    forgetting_min_tokens: int = Field(64, ge=0)
+    """held-out output tokens a group needs for the forgetting check to judge it alone; groups of
+    traffic to keep with fewer are judged together once together they have this many (as
+    gate.min_segment_tokens)"""
     distill_weight: float = Field(1.0, ge=0)
     """warm starts: weight of the KL(parent || student) term on replay samples, which keeps the
     draft's distribution on older traffic close to the champion's"""
@@ -476,23 +493,26 @@ class GateConfig(StrictModel):
     target's states), weighted by their share of the window"""
     margin: float = Field(0.05, ge=0)
     """required gain of the window-share-weighted acceptance length"""
-    max_loss: float = Field(0.05, ge=0, le=1)
-    """how far a protected segment may end below its best served acceptance, as a fraction of it,
-    scaled by one minus its share of the window (traffic that no longer arrives keeps 1 - this of
-    its best); a loss counts beyond its margin of error. The trainer keeps no step below it"""
+    tolerance: float = Field(0.10, ge=0)
+    """allowed loss on each protected segment (acceptance length)"""
     min_segment_share: float = Field(0.10, ge=0, le=1)
-    """a segment is protected by its floor (max_loss) when its token share of the window, or of the
-    older traffic in the lookback, reaches this; clusters below it merge into their nearest larger
-    cluster"""
+    """a segment is protected by the tolerance when its token share of the window, or of the older
+    traffic in the lookback, reaches this; clusters below it merge into their nearest larger cluster
+    """
     min_segment_tokens: int = Field(64, ge=0)
-    """held-out output tokens a segment needs before the floor protects it alone: a figure from
+    """held-out output tokens a segment needs before the tolerance protects it alone: a figure from
     fewer is too noisy to block a promotion (it still counts in the weighted gain); traffic to keep
     with fewer (older traffic, and segments the champion serves better than the window as a whole)
     is protected together once together it has this many"""
     floor: bool = True
-    """also measure the registry's 'baseline' draft (the first champion; move the alias in the
-    MLflow UI to re-anchor): a segment's best served acceptance is the higher of the champion's and
-    its, so losses each within max_loss cannot add up over promotions"""
+    """also judge the challenger against the registry's 'baseline' draft (the first champion; move
+    the alias in the MLflow UI to re-anchor): a protected segment may not end more than the
+    tolerance below it while falling below the champion, so losses each within the tolerance cannot
+    add up over promotions"""
+    net_gain: bool = True
+    """also reject a challenger whose loss on the traffic to keep, judged together, exceeds both the
+    tolerance and its window-weighted gain (point estimates): a loss the margin of error cannot tell
+    from chance is still no trade for a smaller gain"""
     k: int = Field(4, ge=1)
     """draft tokens per verify the gate judges at"""
     ks: list[int] = Field(default_factory=lambda: [3, 5])
@@ -557,10 +577,10 @@ class CycleConfig(StrictModel):
     more than drift_tolerance below what a draft reaches on it); else record 'no headroom' and move
     on"""
     continue_training: bool = True
-    """a cycle whose training kept its champion (no step beat it by the gate's margin on the
-    held-out requests) leaves its best step that rose above it, keeping every floor, in the lake;
-    the next cycle on the same champion starts training there (the champion stays the draft to
-    beat); off: every cycle starts from the champion"""
+    """a cycle whose training kept its champion (no step beat it beyond the noise of the held-out
+    requests) leaves its best step that rose above it, forgetting nothing, in the lake; the next
+    cycle on the same champion starts training there (the champion stays the draft to beat); off:
+    every cycle starts from the champion"""
     drift_tolerance: float = Field(0.15, ge=0)
     """headroom that counts: acceptance length a segment is served below its estimate (beyond the
     margin of error); a cycle that gains this or less on a segment settles it at what the champion
@@ -679,25 +699,7 @@ def load_config(**overrides: Any) -> TideConfig:
         return TideConfig(**overrides)
     except ValidationError as error:
         problems = [
-            _problem(".".join(str(part) for part in item["loc"]) or "config", item["msg"])
+            f"  {'.'.join(str(part) for part in item['loc']) or 'config'}: {item['msg']}"
             for item in error.errors(include_input=False, include_url=False)
         ]
         raise ConfigError("invalid TIDE configuration:\n" + "\n".join(problems)) from None
-
-
-# Settings a release removed, and what to set instead: an old YAML or environment is told.
-_REMOVED: Final = {
-    "gate.tolerance": "use gate.max_loss: a fraction of a segment's best served acceptance, "
-    "scaled by one minus its share of the window",
-    "gate.net_gain": "remove it: gate.max_loss weighs a loss by the segment's share",
-    "training.forgetting_tolerance": "remove it: the trainer keeps steps by the gate's rule "
-    "(gate.max_loss)",
-    "training.forgetting_min_tokens": "remove it: gate.min_segment_tokens is used",
-    "training.warm_gain": "remove it: the trainer keeps steps by the gate's rule",
-    "training.min_gain_requests": "remove it: the trainer keeps steps by the gate's rule",
-}
-
-
-def _problem(where: str, message: str) -> str:
-    fix = _REMOVED.get(where)
-    return f"  {where}: {message}" + (f" (removed; {fix})" if fix else "")

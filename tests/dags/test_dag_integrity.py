@@ -97,7 +97,7 @@ def test_adaptation_wiring(parsed: dict) -> None:
     assert dag["tasks"]["train"]["queue"] == "mi250" and dag["tasks"]["train"]["pool"] == "mi250"
     assert dag["tasks"]["promote"]["retries"] == 0  # a fleet rollout is not blindly retried
     per_run = set(CycleConfig.model_fields) - {"schedule_minutes"}  # read at parse time
-    assert set(dag["params"]) == per_run | {"gate_margin", "gate_max_loss"}
+    assert set(dag["params"]) == per_run | {"gate_margin", "gate_tolerance"}
 
 
 def test_a_cycle_without_drift_or_gain_skips_to_the_watermark(parsed: dict) -> None:

@@ -8,7 +8,7 @@ import mlflow
 import pytest
 
 from tide_lib.config import GateConfig, TideConfig
-from tide_lib.evaluation.gate import GateEvidence, decide, decision_from_tags
+from tide_lib.evaluation.gate import decide, decision_from_tags
 from tide_lib.evaluation.plot import plot_acceptance
 from tide_lib.evaluation.tracking import log_acceptance_plot, log_decision
 from tide_lib.registry import DraftRegistry
@@ -29,9 +29,7 @@ def test_decision_and_plot_reach_mlflow(stack: TideConfig, tmp_path: Path) -> No
         "tide-draft-eval-test", "s3://x/draft", run_id=run.info.run_id
     )
     registry = DraftRegistry(stack.mlflow.tracking_uri, "eval-test")
-    decision = decide(
-        GateEvidence({"recent": 2.5, "older": 3.05}, {"recent": 2.0, "older": 3.1}), GateConfig()
-    )
+    decision = decide({"recent": 2.5, "older": 3.05}, {"recent": 2.0, "older": 3.1}, GateConfig())
     report = log_decision(registry, version.version, decision, k=4)
     tags = client.get_model_version("tide-draft-eval-test", version.version).tags
     assert tags["tide.gate.decision"] == "promote" and tags["tide.al.recent.k4"] == "2.5000"
@@ -63,7 +61,7 @@ def test_a_rejudged_version_keeps_no_figures_of_the_judging_that_died(stack: Tid
         "tide.gate.replay": "every_position",
     }
     registry.set_tags(version, died)
-    decision = decide(GateEvidence({"recent": 2.5}, {"recent": 2.0}), GateConfig(floor=False))
+    decision = decide({"recent": 2.5}, {"recent": 2.0}, GateConfig(floor=False))
     log_decision(registry, version, decision, k=4)
     tags = registry.get(version).tags
     assert tags["tide.gate.replay"] == "every_position"  # how it was measured: kept

@@ -197,7 +197,7 @@ def test_export_separates_window_and_replay(
     shares = export.held_out_traffic(config, snapshot).window_shares
     assert figure["shares"] == pytest.approx(shares) and figure["k"] == config.gate.k
     assert figure["min_segment_tokens"] == config.gate.min_segment_tokens
-    assert (figure["max_loss"], figure["margin"]) == (config.gate.max_loss, config.gate.margin)
+    assert (figure["tolerance"], figure["net_gain"]) == (config.gate.tolerance, True)
 
 
 def test_a_segment_of_short_requests_is_read_on_until_the_gate_can_judge_it(
@@ -477,13 +477,21 @@ def test_a_segment_the_cycle_learns_is_learned_from_its_earlier_requests_too(
         )
 
 
-def test_a_forced_promotion_exports_the_last_step(
+def test_a_cycle_sent_to_learn_by_drift_takes_any_gain_over_its_champion(
     config: TideConfig, lake_store: ObjectStore
 ) -> None:
-    """The trainer keeps the best step by the gate's own trade, whatever the headroom
-    check found; a forced promotion exports the last step."""
-    del lake_store  # no check saved
-    assert cycle._training_settings(config, "c2") == config.training
+    """The trainer asks a gain beyond the noise of its few held-out requests, except in a
+    cycle whose champion's drift check named segments it no longer fits: there any
+    higher figure replaces the parent (the gate still judges it)."""
+    assert cycle._training_settings(config, "c2").warm_gain == "beyond_noise"  # no check saved
+    _store_drift(lake_store, config, {"english": 1.2}, drifted=["english"])
+    assert cycle._training_settings(config, "c2").warm_gain == "any"
+    _store_drift(lake_store, config, {"english": 3.0}, drift=False)  # it still fits
+    assert cycle._training_settings(config, "c2").warm_gain == "beyond_noise"
+    _store_drift(lake_store, config, {"english": 3.0}, drifted=[])  # trains, found no fall
+    assert cycle._training_settings(config, "c2").warm_gain == "beyond_noise"
+    _store_drift(lake_store, config, {}, champion_version=None)  # none yet: it trains
+    assert cycle._training_settings(config, "c2").warm_gain == "beyond_noise"
     forced = config.model_copy(
         update={"cycle": config.cycle.model_copy(update={"force_promote": True})}
     )

@@ -6,7 +6,7 @@ import pytest
 from airflow.exceptions import ParamValidationError
 from airflow.sdk.definitions.param import ParamsDict
 
-from tide_lib.config import ConfigError, CycleConfig
+from tide_lib.config import CycleConfig
 from tide_lib.orchestration.params import config_from_params, cycle_params, param_schema
 
 
@@ -42,9 +42,6 @@ def test_defaults_resolve_when_the_run_starts_not_when_the_file_is_parsed(
     resolved = ParamsDict(params).validate()
     assert config_from_params(resolved).cycle.min_new_tokens == 777
     resolved["min_new_tokens"] = 5000  # what the form filled in wins
-    resolved["gate_max_loss"] = 0.3
+    resolved["gate_tolerance"] = 0.3
     config = config_from_params(resolved)
-    assert config.cycle.min_new_tokens == 5000 and config.gate.max_loss == 0.3
-    resolved["gate_tolerance"] = 0.1  # an old run's conf: said, not silently dropped
-    with pytest.raises(ConfigError, match="gate_tolerance was replaced by gate_max_loss"):
-        config_from_params(resolved)
+    assert config.cycle.min_new_tokens == 5000 and config.gate.tolerance == 0.3

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tide_lib.config import GateConfig, TideConfig
-from tide_lib.evaluation.gate import GateEvidence, decide
+from tide_lib.evaluation.gate import decide
 from tide_lib.evaluation.tracking import log_decision
 from tide_lib.lake import target_slug
 from tide_lib.registry import (
@@ -67,7 +67,7 @@ def test_register_promote_and_download(
     assert str(model.status) in ("READY", "LoggedModelStatus.READY")
     artifacts = {Path(a.path).name for a in registry.client.list_logged_model_artifacts(model_id)}
     assert {"config.json", "model.safetensors"} <= artifacts
-    decision = decide(GateEvidence({"ko": 2.5}, {"ko": 2.0}), GateConfig())
+    decision = decide({"ko": 2.5}, {"ko": 2.0}, GateConfig())
     log_decision(registry, second.version, decision, k=3)
     model_metrics = {m.key: m.value for m in registry.client.get_logged_model(model_id).metrics}
     assert model_metrics["eval.accept_length.ko.k3"] == 2.5

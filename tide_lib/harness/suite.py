@@ -225,33 +225,13 @@ def _held_out(params: SuiteParams, target_dir: Path) -> _Shared:
     return _Shared(served, records)
 
 
-# Training settings a fresh draft does not depend on (warm starts, selection against a
-# parent, bookkeeping): a policy change keeps the shared drafts it is measured against.
-_NOT_THE_RECIPE: Final = frozenset(
-    name
-    for name in TrainConfig.model_fields
-    if name.startswith(("warm_", "forgetting_"))
-    or name
-    in {
-        "steps",
-        "vocab_mapping",
-        "distill_weight",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "log_every",
-        "device",
-        "nproc_per_node",
-        "loss_backend",
-    }
-)
-
-
 def _cache_dir(params: SuiteParams, train: TrainConfig, target_dir: Path) -> Path:
     """Where a run's shared drafts live: one folder per target build, pool and recipe."""
     stamp = (target_dir / "config.json").stat().st_mtime_ns
     recipe = [params.pool, params.held_out_percent, params.max_new_tokens, params.static_steps]
-    training = train.model_dump(mode="json", exclude=set(_NOT_THE_RECIPE))
-    key = json.dumps([str(target_dir.resolve()), stamp, recipe, training], sort_keys=True)
+    key = json.dumps(
+        [str(target_dir.resolve()), stamp, recipe, train.model_dump(mode="json")], sort_keys=True
+    )
     return params.cache_dir / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

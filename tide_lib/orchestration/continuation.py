@@ -1,11 +1,11 @@
 """Training that kept its champion hands what it learned to the next cycle.
 
-A warm start exports a trained draft only on a gain of the gate's margin on the
+A warm start exports a trained draft only on a gain beyond the noise of the
 window's held-out requests; a window of a new segment holds a dozen, so a cycle
 can train for real and still keep its parent, and the next cycle used to start
 from the champion again: a new segment that an oracle learns in 300 steps was
 never learned in cycles of 200. So a run that kept its parent leaves its best
-trained step (above the parent, keeping every floor: see
+trained step (above the parent, forgetting nothing: see
 :meth:`~tide_lib.training.selection.Selection.continuation`) in the lake, keyed
 by the champion it started from, and the next cycle training on that same
 champion starts there. The champion stays that run's step 0, its distillation

@@ -213,10 +213,16 @@ def _take(reader: LakeReader, keys: list[str], budget_tokens: float) -> list[Com
 
 
 def _training_settings(config: TideConfig, cycle_id: str) -> TrainConfig:
-    """The trainer's settings for this cycle: the last step when promotion is forced. A
-    consolidation cycle learns every segment's traffic: up to
-    ``cycle.consolidate_max_steps``; from the baseline draft (:func:`_train_in_run`) at
-    the full rate for ``cycle.consolidate_epochs`` passes, at least ``training.steps``."""
+    """The trainer's settings for this cycle: the last step when promotion is forced; any
+    gain over a champion its drift check found no longer fitting (``warm_gain: any``: a
+    window's few held-out requests hid real gains on the traffic it fell on; the gate
+    still judges the draft), else a gain beyond the noise. A champion never judged (a
+    seeded one) is not known not to fit: the segments its first check found far below
+    its best may be traffic no draft serves better (first cycles registered challengers
+    below their parent), so a gain over it must be beyond the noise. A consolidation
+    cycle learns every segment's traffic: up to ``cycle.consolidate_max_steps``; from the
+    baseline draft (:func:`_train_in_run`) at the full rate for
+    ``cycle.consolidate_epochs`` passes, at least ``training.steps``."""
     return _settings_for(config, saved_drift(config, cycle_id), from_floor=False)
 
 
@@ -228,6 +234,8 @@ def _settings_for(config: TideConfig, drift: Drift | None, *, from_floor: bool) 
     training = config.training
     if drift is not None and drift.consolidate:  # every segment's traffic: more to learn
         training = training.model_copy(update=_consolidation_recipe(config, from_floor))
+    if drift is not None and drift.champion_drifted and drift.champion_judged:
+        training = training.model_copy(update={"warm_gain": "any"})
     return training
 
 
@@ -283,7 +291,7 @@ def train(config: TideConfig, snapshot: Snapshot) -> Trained:
         registry.end_run(run_id, "FAILED")  # never left RUNNING; a retry resumes it
         raise
     registry.end_run(run_id)
-    if not improved and parent_version is not None:  # no step beat it by the gate's trade
+    if not improved and parent_version is not None:  # no step beat it beyond the noise
         # on a retry too (idempotent): the outcome may have been recorded before a crash;
         # a segment its best step gained on (kept back by the gate's figure) is not settled
         record_trial(config, cycle_id, _learned_gains(registry.run_tags(run_id)), gain=0.0)
@@ -549,7 +557,7 @@ def _judge(
 ) -> GateDecision:
     """Measure challenger, champion (and the floor draft) on the held-out traffic at every
     k; decide at gate.k."""
-    from tide_lib.evaluation.gate import GateEvidence, decide  # noqa: PLC0415
+    from tide_lib.evaluation.gate import decide  # noqa: PLC0415
 
     k, min_tokens = config.gate.k, config.gate.min_segment_tokens
     ks = sorted({k, *config.gate.ks})
@@ -568,9 +576,10 @@ def _judge(
         champion_counts[k] if champion_counts else {}, traffic.window_held_out, k, config.gate
     )
     floor = _lengths(floor_counts)[k] if floor_counts else None
-    evidence = GateEvidence(
+    decision = decide(
         challenger[k],
         champion[k] if champion else None,
+        config.gate,
         weights=traffic.window_shares,
         older_shares=traffic.older_shares,
         held_out_tokens=traffic.output_tokens,
@@ -583,7 +592,6 @@ def _judge(
             _window_lengths(champion_counts[k], window, min_tokens) if champion_counts else {},
         ),
     )
-    decision = decide(evidence, config.gate)
     return dataclasses.replace(
         decision,
         challenger_by_k={at_k: f for at_k, f in challenger.items() if at_k != k},
@@ -634,7 +642,7 @@ def _window_with_room(
     (:func:`~tide_lib.evaluation.offline.no_room_to_gain` by ``gate.margin``: short
     answers at their ceiling): that segment's gain is measured on its older held-out
     requests too, as the trainer's selection measures it (which pools them too where
-    the window's are fewer than ``gate.min_segment_tokens``, as rule 3 does)."""
+    the window's are fewer than ``gate.min_segment_tokens``, as rule 4 does)."""
     full = {
         segment
         for segment, count in window.items()

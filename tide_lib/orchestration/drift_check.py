@@ -277,7 +277,7 @@ def _consolidation(
     promoted.
 
     Warm starts learn each segment from its own windows, one after the other, and each
-    loses a little of the older traffic above its floor: along a chain of
+    loses a little of the older traffic within the gate's tolerance: along a chain of
     six, English fell 2.33 -> 1.89 while a draft trained on every segment's traffic at
     once read above the chain's end on every segment (English 2.45, Korean 3.43 against
     2.59). So a warm start answers a shift, and the next cycle that trains on its draft

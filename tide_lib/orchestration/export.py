@@ -493,15 +493,16 @@ def _move(source: Path, target: Path, names: list[str]) -> None:
 def _write_gate_figure(config: TideConfig, out: Path, window_tokens: dict[str, int]) -> None:
     """How the gate figures the window (``gate_figure.json``): the trainer keeps no step
     that does not gain ``gate.margin`` over its parent on it
-    (:meth:`~tide_lib.training.selection.HeldOut.window_weighted`), nor one that ends a
-    group below its floor (``gate.max_loss``, by the window's shares)."""
+    (:meth:`~tide_lib.training.selection.HeldOut.window_weighted`), nor one whose traffic
+    to keep loses more than it gains (``gate.net_gain``)."""
     out.mkdir(parents=True, exist_ok=True)
     figure = {
         "shares": token_shares(window_tokens),
         "k": config.gate.k,
         "min_segment_tokens": config.gate.min_segment_tokens,
         "margin": config.gate.margin,
-        "max_loss": config.gate.max_loss,
+        "tolerance": config.gate.tolerance,
+        "net_gain": config.gate.net_gain,
     }
     (out / DataDirs.GATE_FIGURE).write_text(json.dumps(figure))
 

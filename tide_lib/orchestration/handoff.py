@@ -115,7 +115,8 @@ class Drift(HandOff):
     """segments without headroom: the window's requests of these are trained as traffic to keep,
     the others learned. None: every segment has headroom (learn the whole window)"""
     champion_judged: bool = True
-    """false: no cycle's gate promoted the champion (a seeded one): it does not consolidate"""
+    """false: no cycle's gate promoted the champion (a seeded one): a gain over it must be beyond
+    the noise (training.warm_gain is left as set), and it does not consolidate"""
     saved_train_seconds: float | None = None
     """no headroom: the last trained cycle's training time, not spent"""
     consolidate: bool = False

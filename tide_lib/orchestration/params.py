@@ -17,9 +17,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tide_lib.config import ConfigError, CycleConfig, GateConfig, TideConfig, load_config
+from tide_lib.config import CycleConfig, GateConfig, TideConfig, load_config
 
-_GATE_FIELDS = ("margin", "max_loss")
+_GATE_FIELDS = ("margin", "tolerance")
 _PARSE_TIME_FIELDS = frozenset({"schedule_minutes"})  # DAG settings, not per-run ones
 # JSON-schema keywords the form keeps; "format: path" and pydantic's extras are dropped.
 _KEPT = (
@@ -93,15 +93,6 @@ def config_from_params(params: dict[str, Any], *, export: bool = True) -> TideCo
     """
     from tide_lib.orchestration.connections import connection_settings  # noqa: PLC0415
 
-    unknown = sorted(
-        key for key in params if key.startswith("gate_") and key[5:] not in _GATE_FIELDS
-    )
-    if unknown:
-        raise ConfigError(
-            f"the run's conf sets {', '.join(unknown)}: the form has "
-            f"{', '.join('gate_' + name for name in _GATE_FIELDS)} "
-            "(gate_tolerance was replaced by gate_max_loss); trigger it again without them"
-        )
     base = load_config()
     connections = connection_settings(base)
     if connections.used:

@@ -11,14 +11,20 @@ and replay alike, copies of a request together, and the same split on every retr
 
 The draft exported is the one with the best figure on the traffic it learns (the
 groups not held out mostly from replay, near the gate's window-weighted gain) among
-those the gate would promote, by the gate's own trade
-(:mod:`~tide_lib.evaluation.tradeoff`, its rules read from ``gate_figure.json``): no
-group may end below its floor (the parent's figure less ``gate.max_loss`` scaled by
-one minus the group's share of the window, beyond the noise of its held-out
-requests), and the step must gain ``gate.margin`` over the parent on the gate's
-window-weighted figure (every window segment by its token share;
-:meth:`HeldOut.window_weighted`). Step 0 is the parent, so a run that never beats
-its parent exports the parent's weights and says so.
+those that forget nothing: a step whose score on any group (the replayed older
+traffic, a segment) fell more than ``forgetting_tolerance`` below the parent's is
+never kept, whatever it gains on the window, since the gate would reject it; nor is
+one that does not gain the gate's ``gate.margin`` over the parent on the gate's own
+window-weighted figure (every window segment by its token share, as
+``gate_figure.json`` says; :meth:`HeldOut.window_weighted`), nor one whose traffic to
+keep, pooled, loses more than both the gate's tolerance and that figure's gain (the
+gate's rule 5, ``gate.net_gain``). Step 0 is the parent, so a run that never beats
+its parent exports the parent's weights and says so; and beating it means beyond the
+noise of the held-out requests (paired, one-sided 95%): a gain within it registered
+drafts that the gate then measured below their parent. Where the parent is known not
+to fit the traffic learned (a cycle whose drift check found it fell, ``warm_gain:
+any``), any higher figure replaces it: the few held-out requests of a window hid
+real gains there (a new segment rising 1.56 -> 1.76 over ten evaluations, never kept).
 
 Scores are pooled acceptance lengths (tokens per verify step) at ``TrainConfig.k``
 of a round drafted from every output position (the evidence for comparing drafts,
@@ -52,7 +58,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tide_lib.config import GateConfig, TrainConfig
+from tide_lib.config import TrainConfig
 from tide_lib.evaluation.gate import weighted_figure
 from tide_lib.evaluation.offline import (
     AcceptanceCount,
@@ -60,11 +66,10 @@ from tide_lib.evaluation.offline import (
     acceptance_counts,
     content_digest,
     content_fraction,
-    drop_margin,
     no_room_to_gain,
     replay_sample,
+    significant_drop,
 )
-from tide_lib.evaluation.tradeoff import SegmentTrade
 from tide_lib.names import DataDirs
 
 logger = logging.getLogger(__name__)
@@ -264,7 +269,7 @@ class HeldOut:
         self.gate_window: dict[str, list[int]] = {}
         figure = _gate_figure(data_dir, k)
         self.window_shares, self.gate_min_tokens = figure.shares, figure.min_segment_tokens
-        self.gate_margin, self.max_loss = figure.margin, figure.max_loss
+        self.gate_margin, self.net_gain_tolerance = figure.margin, figure.net_gain_tolerance
         replay_tokens: dict[str, int] = {}
         seen: set[bytes] = set()
         for path in paths:
@@ -296,7 +301,7 @@ class HeldOut:
 
     def pools_older(self, reference: Evaluation, group: str) -> bool:
         """Is ``group``'s gain judged on its older held-out requests too, as the gate judges
-        it (rule 3)? Where the window's requests of it that the gate judges hold fewer than
+        it (rule 4)? Where the window's requests of it that the gate judges hold fewer than
         the gate's ``min_segment_tokens`` output tokens, or leave ``reference`` (the
         parent) no room to gain (:meth:`leaves_no_room`). A few short answers are noise:
         in the demo, a Korean cycle's window held out six requests with one 6-token
@@ -331,7 +336,7 @@ class HeldOut:
     def window_weighted(
         self, evaluation: Evaluation, reference: Evaluation | None = None
     ) -> float | None:
-        """The gate's window-weighted acceptance length (rule 3) on the held-out requests
+        """The gate's window-weighted acceptance length (rule 4) on the held-out requests
         it judges that were scored (``validation_max_samples`` caps them, the window's
         first): each window segment's figure on its window requests, or, where those hold
         fewer than the gate's ``min_segment_tokens`` output tokens or leave ``reference``
@@ -417,18 +422,23 @@ class BestDraft:
 class Selection:
     """The run's evaluations and best draft; survives a resume through the checkpoint.
 
-    The rules are the gate's (:mod:`~tide_lib.evaluation.tradeoff`), read from how the
-    cycle figures the window (``gate_figure.json``): ``gate.max_loss``,
-    ``gate.min_segment_tokens`` and ``gate.margin``."""
+    The rules come from ``training.*``: ``forgetting_tolerance``, ``forgetting_min_tokens``,
+    ``min_gain_requests``, and ``gain_beyond_noise`` (``warm_gain``)."""
 
     held_out: HeldOut | None
     log: Callable[[dict[str, float], int], None] | None = None
+    _: dataclasses.KW_ONLY
+    forgetting_tolerance: float = float("inf")
+    forgetting_min_tokens: int = 0
+    gain_beyond_noise: bool = True
+    min_gain_requests: int = 0
     evaluations: list[Evaluation] = dataclasses.field(default_factory=list, init=False)
     best: BestDraft | None = dataclasses.field(default=None, init=False)
-    # step 0 is a parent that serves: a step replaces it only by the gate's trade
+    # step 0 is a parent that serves: replacing it must be no noise
     warm: bool = dataclasses.field(default=False, init=False)
-    # a warm start's best trained step above the parent that kept every floor, kept or
-    # not: where a next run on the same parent can go on (see ``continuation``)
+    # a warm start's best trained step above the parent that forgot nothing (nor lost
+    # more on traffic to keep than it gained), kept or not: where a next run on the
+    # same parent can go on (see ``continuation``)
     candidate: BestDraft | None = dataclasses.field(default=None, init=False)
 
     def begin(
@@ -471,7 +481,16 @@ class Selection:
         self._record(evaluation)
         forgot = self._forgotten(evaluation)
         if forgot:
-            logger.info("step %d is not kept: below the floor on %s", step, forgot)
+            logger.info("step %d is not kept: it forgot %s", step, forgot)
+            return
+        loses = self._loses_more_than_it_gains(evaluation)
+        if loses is not None:  # nor continued from: the traffic it keeps paid for the gain
+            logger.info(
+                "step %d is not kept: traffic to keep loses %.4f, more than the gate's "
+                "tolerance and the window-weighted gain %+.4f (gate.net_gain)",
+                step,
+                *loses,
+            )
             return
         score = self._score(evaluation)
         if self.candidate is not None:  # what it learned, kept or not, is continued from
@@ -485,7 +504,9 @@ class Selection:
                 *below,
             )
             return
-        if self.best.offer(evaluation, draft, score):
+        if self._within_noise_of_the_parent(evaluation):
+            logger.info("step %d is not kept: above the parent within the noise", step)
+        elif self.best.offer(evaluation, draft, score):
             logger.info("step %d is the best draft so far (%.4f on the window)", step, score)
 
     def _score(self, evaluation: Evaluation) -> float:
@@ -524,11 +545,11 @@ class Selection:
     ) -> tuple[float, float, float] | None:
         """``(step, parent, margin)`` when a warm start's step does not gain the gate's
         ``gate.margin`` over its parent on the gate's window-weighted figure
-        (:meth:`HeldOut.window_weighted`, rule 3), else None. The run keeps the best
+        (:meth:`HeldOut.window_weighted`, rule 4), else None. The run keeps the best
         figure on the traffic it learns; the gate weighs every window segment by its
         share, the ones the cycle keeps by distillation too: a step that gained on Korean
-        law while the window's other segments slipped above their floors was registered
-        0.216 below its parent; and a step level with its
+        law while the window's other segments slipped within the tolerance was registered
+        0.216 below its parent, under ``warm_gain: any`` or not; and a step level with its
         parent (2.500 against 2.500) was registered for the gate to reject it for no gain."""
         figures = self._as_gated(evaluation)
         margin = getattr(self.held_out, "gate_margin", 0.0)
@@ -548,110 +569,154 @@ class Selection:
         parent, now = figure(start, start), figure(evaluation, start)
         return None if parent is None or now is None else (parent, now)
 
+    def _loses_more_than_it_gains(self, evaluation: Evaluation) -> tuple[float, float] | None:
+        """``(drop, gain)`` when a warm start's step loses more on the traffic to keep,
+        pooled (:meth:`_keep_traffic`, point estimates), than both the gate's tolerance
+        and its gain on the gate's window-weighted figure, else None: the gate's rule 5
+        (``gate.net_gain``), which the run would otherwise meet only at the gate. A
+        Korean cycle kept the step that gained most on Korean, +0.092 weighted, while
+        the older traffic it kept fell 0.298; the gate rejected it, a cycle wasted on a
+        challenger registered below its parent on the traffic it keeps."""
+        held = self.held_out
+        tolerance = getattr(held, "net_gain_tolerance", None)
+        figures = self._as_gated(evaluation)
+        if held is None or tolerance is None or figures is None:
+            return None
+        parent, now = figures
+        start = self.evaluations[0]
+        keep = self._keep_segments(evaluation)
+        tokens = sum(held.output_tokens.get(group, 0) for group in keep)
+        if not keep or tokens < held.gate_min_tokens:
+            return None
+        before = AcceptanceCount.of(r for g in keep for r in start.requests[g])
+        after = AcceptanceCount.of(r for g in keep for r in evaluation.requests[g])
+        drop, gain = before.accept_length - after.accept_length, now - parent
+        return (drop, gain) if drop > max(tolerance, gain) + _EPSILON else None
+
+    def _within_noise_of_the_parent(self, evaluation: Evaluation) -> bool:
+        """Would ``evaluation`` replace the parent of a warm start on a gain that its
+        held-out requests cannot tell from noise? The gain over the parent, paired on the
+        same requests, must exceed its one-sided 95% margin of error (a draft registered
+        on noise is as likely worse than its parent on the cycle's own held-out traffic).
+
+        The gain is judged on the traffic the run learns (the groups not held out mostly
+        from replay), where a warm start is meant to gain: pooled with the older traffic
+        it is meant to keep (what :meth:`_forgotten` protects), a real gain drowns in
+        their noise. Without such groups, on every held-out request.
+
+        On fewer than ``min_gain_requests`` held-out requests no gain counts: the spread
+        the noise is estimated from is itself noise.
+        Off (``training.warm_gain: any``) when the parent is known not to fit the traffic
+        learned: any higher figure replaces it, and the gate judges the draft."""
+        if not self.gain_beyond_noise:
+            return False
+        if not self.warm or self.best is None or self.best.step != 0 or not self.evaluations:
+            return False
+        if self._score(evaluation) <= self.best.accept_length:
+            return False  # not better at all: offer() refuses it anyway
+        parent = self.evaluations[0]
+        groups = sorted(self._gain_groups()) or sorted(parent.requests)
+        paired = all(len(parent.requests[g]) == len(evaluation.requests.get(g, ())) for g in groups)
+        if not groups or not paired:
+            return False  # figures without their requests (a script, an old checkpoint)
+        now = [r for group in groups for r in evaluation.requests[group]]
+        start = [r for group in groups for r in parent.requests[group]]
+        if len(now) < self.min_gain_requests:
+            return True  # too few requests to estimate the noise by
+        # the "drop" from this step to the parent is the step's gain: it must be significant
+        return significant_drop(now, start, 0.0) is None
+
     def _forgotten(self, evaluation: Evaluation) -> dict[str, float]:
-        """Groups that ended below their floor (:class:`~tide_lib.evaluation.tradeoff.
-        SegmentTrade`: the start's figure, step 0, less ``gate.max_loss`` scaled by one
-        minus the group's share of the window), beyond the noise of their held-out
-        requests, among those measured on ``gate.min_segment_tokens`` held-out output
-        tokens; groups of traffic to keep too thin alone are judged together, pooled, once
-        they reach it (as the gate): {group: shortfall}."""
+        """Groups that fell below the start (step 0) by more than ``forgetting_tolerance``,
+        beyond the noise of their held-out requests (:func:`significant_drop`), among
+        those measured on ``forgetting_min_tokens`` held-out output tokens; groups of
+        traffic to keep are judged together too, pooled, once they reach it (as the gate)."""
         start = self.evaluations[0] if self.evaluations else None
-        if start is None:
-            return {}
         tokens = self.held_out.output_tokens if self.held_out is not None else {}
-        least = self._rule("gate_min_tokens", 0)
         forgot: dict[str, float] = {}
         thin: list[str] = []
-        for group in evaluation.groups:
-            if group not in start.groups:
+        for group, value in evaluation.groups.items():
+            if start is None or group not in start.groups:
                 continue
-            if tokens.get(group, 0) < least:
+            if tokens.get(group, 0) < self.forgetting_min_tokens:
                 thin.append(group)
                 continue
-            short = self._trade(start, evaluation, [group]).shortfall(self._max_loss())
-            if short is not None:
-                forgot[group] = short
-        return forgot | self._forgotten_together(evaluation, thin, tokens)
-
-    def _trade(self, start: Evaluation, now: Evaluation, groups: list[str]) -> SegmentTrade:
-        """``groups`` (their held-out requests pooled, paired where scored alike) as one
-        trade: step 0 against ``now``, at their summed share of the window."""
-        share = sum(
-            self._share(segment) for segment in {g.removeprefix(OLDER_PREFIX) for g in groups}
-        )
-        before = [r for g in groups for r in start.requests.get(g, [])]
-        after = [r for g in groups for r in now.requests.get(g, [])]
-        if before and len(before) == len(after):
-            drop, margin = drop_margin(before, after)
-            figure = AcceptanceCount.of(before).accept_length
-            return SegmentTrade(share, figure, figure - drop, margin)
-        # figures without their requests (a script, an old checkpoint)
-        return SegmentTrade(share, start.groups[groups[0]], now.groups[groups[0]])
-
-    def _share(self, group: str) -> float:
-        """A group's share of the window (an older group's: its segment's); the window's
-        whole traffic for unlabelled window samples, none for replayed ones."""
-        shares: dict[str, float] = getattr(self.held_out, "window_shares", {})
-        total = sum(shares.values())
-        segment = group.removeprefix(OLDER_PREFIX)
-        if segment in shares and total > 0:
-            return shares[segment] / total
-        return 1.0 if group == WINDOW and not shares else 0.0
-
-    def _max_loss(self) -> float:
-        return float(self._rule("max_loss", GateConfig().max_loss))
-
-    def _rule(self, name: str, default: float) -> float:
-        """One of the gate's rules as the held-out set read them (a script's: ``default``)."""
-        return float(getattr(self.held_out, name, default))
+            if group in start.requests and group in evaluation.requests:
+                drop = significant_drop(
+                    start.requests[group], evaluation.requests[group], self.forgetting_tolerance
+                )
+            else:  # figures without their requests (a script, an old checkpoint)
+                fell = start.groups[group] - value
+                drop = fell if fell > self.forgetting_tolerance else None
+            if drop is not None:
+                forgot[group] = drop
+                logger.debug(
+                    "group %s: requests %s at step 0, %s now",
+                    group,
+                    start.requests.get(group),
+                    evaluation.requests.get(group),
+                )
+        together = self._forgotten_together(evaluation, thin, tokens) if start else {}
+        return forgot | together
 
     def _forgotten_together(
         self, evaluation: Evaluation, thin: list[str], tokens: dict[str, int]
     ) -> dict[str, float]:
         """Groups of traffic to keep pooled, whether or not each is judged alone too
-        (``thin``: those too thin to be), once together they reach
-        ``gate.min_segment_tokens``: {"a+b": shortfall} if they ended below their pooled
-        floor. Traffic to keep, as the gate has it: older traffic (held out mostly from
-        replay), and groups the parent serves better than the window's held-out traffic as a
-        whole by more than ``gate.margin``. Any other group of the window is what the draft
-        learns: its gain would hide what the others lost."""
+        (``thin``: those on too few held-out tokens to be), when together they reach
+        ``forgetting_min_tokens``: {"a+b": drop} if they fell beyond the tolerance.
+        Traffic to keep, as the gate has it: older traffic (held out mostly from
+        replay), and groups the parent serves better than the window's held-out traffic
+        as a whole by more than the tolerance. Any other group of the window is what the
+        draft learns: its gain would hide what the others lost. One group judged alone
+        is not judged again."""
+        start = self.evaluations[0]
         pooled = self._keep_traffic(evaluation)
         if not pooled or (len(pooled) == 1 and pooled[0] not in thin):
-            return {}  # one group judged alone already
-        if sum(tokens.get(g, 0) for g in pooled) < self._rule("gate_min_tokens", 0):
             return {}
-        trade = self._trade(self.evaluations[0], evaluation, pooled)
-        short = trade.shortfall(self._max_loss())
-        return {} if short is None else {"+".join(pooled): short}
+        if sum(tokens.get(g, 0) for g in pooled) < self.forgetting_min_tokens:
+            return {}
+        before = [r for group in pooled for r in start.requests[group]]
+        after = [r for group in pooled for r in evaluation.requests[group]]
+        drop = significant_drop(before, after, self.forgetting_tolerance)
+        return {} if drop is None else {"+".join(pooled): drop}
 
     def _keep_traffic(self, evaluation: Evaluation) -> list[str]:
         """The groups of traffic to keep, as the gate has it, that ``evaluation`` scored on
         the start's requests: older traffic (held out mostly from replay), and groups the
         parent serves better than the window's held-out traffic as a whole by more than
-        ``gate.margin``. The older held-out requests of a segment the run learns
-        (``older/<segment>``) are that segment, kept only where the parent serves it
-        well: pooled with the older English, older Korean the run still learns would
-        hide what English lost."""
+        the tolerance."""
         older, served_well = self._older_groups(), self._served_well()
-        learned, start = self._learned_groups(), self.evaluations[0]
+        start = self.evaluations[0]
         return [
             group
             for group in evaluation.groups
             if group in start.groups
             and (group in older or start.groups[group] > served_well)
-            and (
-                group.removeprefix(OLDER_PREFIX) not in learned or start.groups[group] > served_well
-            )
             and group in start.requests
             and group in evaluation.requests
             and len(start.requests[group]) == len(evaluation.requests[group])
         ]
 
+    def _keep_segments(self, evaluation: Evaluation) -> list[str]:
+        """:meth:`_keep_traffic` by segment, as the gate's rule 5 pools it: the older
+        held-out requests of a segment the run learns (``older/<segment>``) are that
+        segment, which the gate keeps only where the parent serves it well. Pooled with
+        the older English, older Korean the run still learns would hide what English
+        lost."""
+        learned, served_well = self._learned_groups(), self._served_well()
+        start = self.evaluations[0]
+        return [
+            group
+            for group in self._keep_traffic(evaluation)
+            if group.removeprefix(OLDER_PREFIX) not in learned or start.groups[group] > served_well
+        ]
+
     def _served_well(self) -> float:
         """Above this figure the parent serves a group better than the window's held-out
-        traffic as a whole (by more than ``gate.margin``): traffic to keep, not to learn."""
+        traffic as a whole (by more than the tolerance): traffic to keep, not to learn."""
         start = self.evaluations[0]
-        return _window_figure(start, self._learned_groups()) + self._rule("gate_margin", 0.0)
+        return _window_figure(start, self._learned_groups()) + self.forgetting_tolerance
 
     def _learned_groups(self) -> frozenset[str]:
         """The groups of the start's evaluation not held out mostly from replay: the
@@ -681,8 +746,9 @@ class Selection:
 
     def continuation(self) -> BestDraft | None:
         """What a warm start that keeps its parent learned: its best trained step, above
-        the parent on held-out traffic but short of the gate's margin over it on the gate's
-        window-weighted figure, keeping every floor (:meth:`_forgotten`). A next
+        the parent on held-out traffic but within the noise, or short of the gate's margin
+        over it on the gate's window-weighted figure, forgetting nothing nor losing more
+        on the traffic to keep than it gained (:meth:`_loses_more_than_it_gains`). A next
         run on the same parent starts from it (the parent stays its step 0 and its
         teacher): gains too small for one window's held-out requests add up instead of
         being thrown away (the oracle of a new segment needs more steps than one cycle
@@ -709,15 +775,15 @@ class _GateFigure(NamedTuple):
     shares: dict[str, float]  # the window's token shares by segment
     min_segment_tokens: int
     margin: float  # the gain it asks for
-    max_loss: float  # how far below its floor a group may end, scaled by 1 - its share
+    net_gain_tolerance: float | None  # rule 5's tolerance; None: rule 5 is off
 
 
-_NO_GATE_FIGURE = _GateFigure({}, GateConfig().min_segment_tokens, 0.0, GateConfig().max_loss)
+_NO_GATE_FIGURE = _GateFigure({}, 0, 0.0, None)
 
 
 def _gate_figure(data_dir: Path, k: int) -> _GateFigure:
     """How the gate figures the window, as the cycle exported it (none: not a cycle's
-    data, no guard; no margin: an older cycle's, 0; no max_loss: the default)."""
+    data, no guard; no margin: an older cycle's, 0; no tolerance: no net-gain guard)."""
     path = data_dir / DataDirs.GATE_FIGURE
     if not path.is_file():
         logger.info("no %s: steps are not checked on the gate's figure", path.name)
@@ -727,7 +793,8 @@ def _gate_figure(data_dir: Path, k: int) -> _GateFigure:
         shares = {str(s): float(v) for s, v in figure["shares"].items()}
         min_tokens, gate_k = int(figure["min_segment_tokens"]), int(figure["k"])
         margin = float(figure.get("margin", 0.0))
-        max_loss = float(figure.get("max_loss", GateConfig().max_loss))
+        net_gain = figure.get("net_gain") is True and "tolerance" in figure
+        tolerance = float(figure["tolerance"]) if net_gain else None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
         logger.warning("%s is unreadable (%s): steps are not checked on it", path, error)
         return _NO_GATE_FIGURE
@@ -739,7 +806,7 @@ def _gate_figure(data_dir: Path, k: int) -> _GateFigure:
             k,
             k,
         )
-    return _GateFigure(shares, min_tokens, margin, max_loss)
+    return _GateFigure(shares, min_tokens, margin, tolerance)
 
 
 def _window_figure(evaluation: Evaluation, groups: frozenset[str]) -> float:

@@ -121,8 +121,8 @@ class TrainResult:
     validation_samples: int = 0
     learning_rate: float = 0.0  # the base learning rate used (scaled for warm starts)
     batch_size: int = 0  # samples per step and process used
-    # A run that kept its parent: its best trained step (above the parent, short of the
-    # gate's margin, keeping every floor), for a next run on the same parent to start from.
+    # A run that kept its parent: its best trained step (above the parent within the
+    # noise, forgetting nothing), for a next run on the same parent to start from.
     continuation_dir: Path | None = None
     continuation_step: int | None = None
     # Learned groups judged on their older held-out requests too: their window's are too
@@ -766,7 +766,14 @@ def _selection(
     held_out: HeldOut | None, config: TrainConfig, metrics: MetricSink | None
 ) -> Selection:
     """What picks the exported draft: held-out acceptance (None: no validation split)."""
-    return Selection(held_out, metrics.log_metrics if metrics is not None else None)
+    return Selection(
+        held_out,
+        metrics.log_metrics if metrics is not None else None,
+        forgetting_tolerance=config.forgetting_tolerance,
+        forgetting_min_tokens=config.forgetting_min_tokens,
+        gain_beyond_noise=config.warm_gain == "beyond_noise",
+        min_gain_requests=config.min_gain_requests,
+    )
 
 
 def _optimizer(objective: Any, plan: StepPlan) -> tuple[list[torch.nn.Parameter], Any, Any]:
@@ -814,7 +821,7 @@ def _export_best(
 
 def _export_continuation(draft: Any, continuation: BestDraft, directory: Path) -> None:
     logger.info(
-        "no step beat the parent by the gate's margin; step %d (%.3f) is kept to continue from",
+        "no step beat the parent beyond the noise; step %d (%.3f) is kept to continue from",
         continuation.step,
         continuation.accept_length,
     )
