@@ -252,3 +252,23 @@ def test_shares_and_margins_weigh_in() -> None:
     assert HeadroomState().estimate("new", None) == math.inf
     # a figure that is not finite (one request's lower bound) reaches nothing
     assert HeadroomState().with_reached({"a": -math.inf}).reached == {}
+
+
+def test_a_thin_trial_does_not_settle_traffic_that_then_fills_the_window() -> None:
+    """The first window holds a little of a segment the champion serves near 1.0; the
+    cycle's draft gains nothing there (a few steps' worth of it). When the next windows
+    are mostly that segment, it is probed again at its ceiling, not held to that trial."""
+    first = {"en": _figure(3.4, share=0.87, ceiling=4.5), "ko": _figure(1.5, share=0.13)}
+    known = HeadroomState().with_reached({"en": 3.3, "ko": 1.4})
+    shares = {s: f.share for s, f in first.items()}
+    known = known.after_trial({"en": 0.0, "ko": -0.1}, {"en": 3.3, "ko": 1.39}, 0.15, shares)
+    same_mix = {"en": _figure(3.4, share=0.85, ceiling=4.5), "ko": _figure(1.4, share=0.15)}
+    assert not _judge(same_mix, known).train  # the trial speaks for traffic like its own
+    filled = {"ko": _figure(1.4, share=1.0, ceiling=4.2)}
+    verdict = _judge(filled, known)
+    assert verdict.train and verdict.learn == ["ko"] and verdict.estimates["ko"] == 4.2
+    # once trained on as most of the window, what that trial finds holds
+    after = known.after_trial({"ko": 0.05}, {"ko": 1.38}, 0.15, {"ko": 1.0})
+    assert not _judge(filled, after).train
+    # a trial without shares (an older record) spoke for all of the segment's traffic
+    assert HeadroomState().after_trial({"ko": 0.0}, {"ko": 1.4}, 0.15).trial_share == {"ko": 1.0}

@@ -16,7 +16,11 @@ well has not "not drifted": it never fitted). It comes from what training did:
   parent, or a challenger no better there) settles the segment at what the champion
   serves there, and leaves no headroom;
 - a segment that falls below what was reached there has headroom again: drift is
-  one case of it. No estimate exceeds the ceiling.
+  one case of it. No estimate exceeds the ceiling;
+- a trial speaks for a segment only as far as the segment was trained on: once its
+  share of the window has doubled since its last trial (a thin first sight of new
+  traffic, then windows mostly of it), it is estimated at its ceiling again and
+  probed, whatever that thin trial found.
 
 Everything here is a pure function of one :class:`HeadroomState` and the
 champion's figures on the window; :mod:`tide_lib.orchestration.drift_check` reads
@@ -32,6 +36,7 @@ __all__ = [
     "judge_headroom",
 ]
 
+
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -39,6 +44,10 @@ from collections.abc import Mapping
 from pydantic import Field
 
 from tide_lib.config import StrictModel
+
+OUTGROWN = 2.0
+"""A segment whose share of the window has grown this many times since its last trial
+has outgrown what that trial found: it is probed again at its ceiling."""
 
 
 class HeadroomState(StrictModel):
@@ -48,12 +57,17 @@ class HeadroomState(StrictModel):
     """the most any draft reached on each segment (a lower bound: figure less its margin)"""
     last_gain: dict[str, float] = Field(default_factory=dict)
     """what the last cycle that trained on each segment gained there over its champion"""
+    trial_share: dict[str, float] = Field(default_factory=dict)
+    """each segment's share of the window its last trial trained on (absent: all of it)"""
 
-    def estimate(self, segment: str, ceiling: float | None) -> float:
-        """What a draft reaches on ``segment``: its ``ceiling`` until a cycle trained on it
-        (None: unknown, no bound), then what was reached there plus half the last gain."""
+    def estimate(self, segment: str, ceiling: float | None, share: float = 0.0) -> float:
+        """What a draft reaches on ``segment``, ``share`` of the window now: its ``ceiling``
+        (None: unknown, no bound) until a cycle trained on it, or again once its share has
+        doubled since that trial; else what was reached there plus half the last gain."""
         bound = math.inf if ceiling is None else ceiling
         if segment not in self.last_gain:
+            return bound
+        if share >= OUTGROWN * self.trial_share.get(segment, 1.0):
             return bound
         return min(bound, self.reached.get(segment, 0.0) + max(self.last_gain[segment], 0.0) / 2)
 
@@ -66,20 +80,30 @@ class HeadroomState(StrictModel):
         return self.model_copy(update={"reached": reached})
 
     def after_trial(
-        self, gains: Mapping[str, float], served: Mapping[str, float], tolerance: float
+        self,
+        gains: Mapping[str, float],
+        served: Mapping[str, float],
+        tolerance: float,
+        shares: Mapping[str, float] | None = None,
     ) -> HeadroomState:
         """This state after a cycle trained on the segments of ``gains`` (segment -> what
         its draft gained there over the champion, whose lower bound there was
-        ``served``). A segment gained ``tolerance`` or less on is *settled*: what was
-        reached there becomes what the champion serves (a higher figure reached before,
-        on other requests or by luck, would otherwise keep it training in vain)."""
+        ``served``; ``shares``: each one's share of the window, all of it if absent). A
+        segment gained ``tolerance`` or less on is *settled*: what was reached there
+        becomes what the champion serves (a higher figure reached before, on other
+        requests or by luck, would otherwise keep it training in vain)."""
         reached = dict(self.reached)
         for segment, gain in gains.items():
             lower = served.get(segment, math.nan)
             if gain <= tolerance and math.isfinite(lower):
                 reached[segment] = lower
+        trial = {s: (shares or {}).get(s, 1.0) for s in gains}
         return self.model_copy(
-            update={"reached": reached, "last_gain": self.last_gain | dict(gains)}
+            update={
+                "reached": reached,
+                "last_gain": self.last_gain | dict(gains),
+                "trial_share": self.trial_share | trial,
+            }
         )
 
 
@@ -121,7 +145,7 @@ def judge_headroom(
     or more, lies more than ``tolerance`` beyond its margin of error below its estimate
     (:meth:`HeadroomState.estimate`). Thinner segments are learned with them when the
     cycle trains (their traffic is what the cycle exists for), never a reason alone."""
-    estimates = {s: state.estimate(s, f.ceiling) for s, f in window.items()}
+    estimates = {s: state.estimate(s, f.ceiling, f.share) for s, f in window.items()}
     headroom = {s: estimates[s] - f.accept_length for s, f in window.items()}
     counted = {s for s, f in window.items() if f.share >= min_share and math.isfinite(f.margin)}
     room = sorted(s for s in counted if headroom[s] - window[s].margin > tolerance)

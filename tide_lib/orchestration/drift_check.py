@@ -151,6 +151,7 @@ def _measure_drift(config: TideConfig, snapshot: Snapshot) -> Drift:
         champion_version=champion.version,
         measured={s: f.accept_length for s, f in figures.items()},
         margins={s: f.margin for s, f in figures.items() if math.isfinite(f.margin)},
+        shares={s: f.share for s, f in figures.items()},
         ceilings={s: f.ceiling for s, f in figures.items() if f.ceiling is not None},
         baseline={s: e for s, e in verdict.estimates.items() if math.isfinite(e)},
         drifted=verdict.learn,
@@ -190,7 +191,8 @@ def record_trial(
     reached = {s: drift.measured[s] + g for s, g in found.items() if g > 0}
     served = {s: drift.measured[s] - drift.margins[s] for s in found if s in drift.margins}
     known = read_headroom(config).with_reached(reached)
-    _write_headroom(config, known.after_trial(found, served, config.cycle.drift_tolerance))
+    tolerance = config.cycle.drift_tolerance
+    _write_headroom(config, known.after_trial(found, served, tolerance, drift.shares))
     logger.info(
         "cycle %s on v%s gained %s",
         cycle_id,

@@ -105,6 +105,8 @@ class Drift(HandOff):
     one, so its fall cannot count)"""
     baseline: dict[str, float]
     """each segment's estimate of what a draft reaches on it, the check's reference"""
+    shares: dict[str, float] = Field(default_factory=dict)
+    """each measured segment's share of the window's tokens (absent: all of it)"""
     ceilings: dict[str, float] = Field(default_factory=dict)
     """the most any draft reaches on each measured segment's requests (what their output lengths
     allow): no segment is held to more"""
