@@ -1,6 +1,6 @@
-"""GPU smoke test: TIDE's SGLang plugin inside a real SGLang 0.5.14 server.
+"""GPU smoke test: TIDE's SGLang plugin inside a real SGLang server.
 
-Run on a CUDA host with ``sglang==0.5.14`` and TIDE installed beside it, an S3
+Run on a CUDA host with a supported SGLang (0.5.14 or 0.5.23) and TIDE installed beside it, an S3
 lake reachable through ``TIDE_STORE__*`` (``tide stack up`` on the same host is
 enough) and MLflow if drafts are given as ``models:/`` URIs::
 
@@ -38,7 +38,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-SGLANG_VERSION = "0.5.14"
 PROMPT_SHARED = "Explain, step by step, how a bicycle gear system works"
 
 
@@ -50,12 +49,12 @@ def preflight() -> str | None:
         return "PyTorch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+    from tide_lib.serving.sglang_api import SourceTree, UnsupportedSGLangError, detect
+
     try:
-        import sglang
-    except ImportError:
-        return f"sglang is not installed (pip install sglang=={SGLANG_VERSION})"
-    if sglang.__version__ != SGLANG_VERSION:
-        return f"sglang {sglang.__version__} is installed; TIDE's plugin needs {SGLANG_VERSION}"
+        detect(SourceTree.installed())
+    except UnsupportedSGLangError as error:
+        return str(error)
     return None
 
 
@@ -192,7 +191,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     url = f"http://127.0.0.1:{args.port}"
     prefix = f"smoke-{uuid.uuid4().hex[:8]}"
     prompts = _prompts(args.chunk)
-    report: dict[str, Any] = {"sglang": SGLANG_VERSION, "target": args.target}
+    from tide_lib.serving.sglang_api import SourceTree
+
+    version = SourceTree.installed().version()
+    report: dict[str, Any] = {"sglang": version, "target": args.target}
     server = _launch(args, capture=True, prefix=prefix)
     try:
         _wait_healthy(url, server)

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -191,3 +192,12 @@ def tiny_drafts(
         language: _train_tiny_draft(tiny_target, captured[f"{language}_train"], root / language)
         for language in ("en", "ko")
     }
+
+
+@pytest.fixture(scope="session", params=["0.5.14", "0.5.23"], ids=lambda v: f"sglang-{v}")
+def sglang(request: pytest.FixtureRequest) -> Any:
+    """Each supported released SGLang wheel (``tests.contract.sglang_release.Release``)."""
+    from tests.contract.sglang_release import VERSIONS, release
+
+    assert request.param in VERSIONS, "the wheels tested are the supported set"
+    return release(request.param)

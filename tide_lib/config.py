@@ -390,7 +390,7 @@ class ServeConfig(StrictModel):
     TIDE_SERVE__ADMIN_API_KEY only"""
     admin_key_required: bool = True
     """admin routes (/update_weights_from_disk) need the admin key and answer 403 on a server
-    without one (SGLang's ADMIN_FORCE); false: SGLang 0.5.14's default for the route
+    without one (SGLang's ADMIN_FORCE); false: SGLang's default for the route
     (ADMIN_OPTIONAL: open when no key is set)"""
     served_model_name: str | None = None
     """target id in captures (default: dir name)"""

@@ -1,12 +1,13 @@
-"""A stand-in SGLang 0.5.14 server made of SGLang's own released code, for the fleet client.
+"""A stand-in SGLang server made of one released wheel's own code, for the fleet client.
 
 No GPU here, so no real SGLang server: this app mounts the routes TIDE calls
 with the wheel's own pieces: ``UpdateWeightFromDiskReqInput`` and its output
-(executed from ``srt/managers/io_struct.py``), the auth middleware and levels
-(``srt/utils/auth.py``, loaded from its file), the response shapes of
-``/model_info`` and ``/server_info``, the 404 of ``/get_weight_version``. What
-it cannot have is a model: it "loads" any draft path listed in ``loadable``
-and refuses the rest, as the scheduler would.
+(executed from ``srt/managers/io_struct.py``: dataclasses in 0.5.14, msgspec
+Structs in 0.5.23), the auth middleware and levels (``srt/utils/auth.py``, loaded
+from its file), the response shapes of ``/model_info`` and ``/server_info`` with
+the wheel's version, and ``/get_weight_version`` only where the wheel routes it
+(404). What it cannot have is a model: it "loads" any draft path listed in
+``loadable`` and refuses the rest, as the scheduler would.
 """
 
 from __future__ import annotations
@@ -19,39 +20,41 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException
 
-from tests.contract import sglang_release
+from tests.contract.sglang_release import VERSIONS, Release, release
 
-_PREAMBLE = """
-from __future__ import annotations
-import uuid
-from abc import ABC
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
-"""
+LATEST = VERSIONS[-1]
 
 
-def request_models() -> dict[str, Any]:
-    return sglang_release.exec_classes(
-        "sglang.srt.managers.io_struct",
-        ["BaseReq", "UpdateWeightFromDiskReqInput", "UpdateWeightFromDiskReqOutput"],
-        _PREAMBLE,
-    )
+def _as_dict(request: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(request) and not isinstance(request, type):
+        return dataclasses.asdict(request)
+    import msgspec
+
+    return msgspec.structs.asdict(request)
 
 
 @dataclasses.dataclass
 class StubState:
-    weight_version: str = "default"  # 0.5.14's default
+    weight_version: str = "default"  # SGLang's default
     launch_draft: str = "/models/launch-draft"
     loadable: set[str] = dataclasses.field(default_factory=set)
     updates: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
-def create_stub(state: StubState, *, api_key: str | None, admin_api_key: str | None) -> FastAPI:
-    models = request_models()
+def create_stub(
+    state: StubState,
+    *,
+    api_key: str | None,
+    admin_api_key: str | None,
+    wheel: Release | None = None,
+) -> FastAPI:
+    """The stub of ``wheel`` (default: the latest supported release)."""
+    wheel = wheel or release(LATEST)
+    models = wheel.request_models
     update_input = models["UpdateWeightFromDiskReqInput"]
     update_output = models["UpdateWeightFromDiskReqOutput"]
-    auth = sglang_release.load_file_module("sglang.srt.utils.auth")
+    auth = wheel.load_file_module("sglang.srt.utils.auth")
+    http = "sglang.srt.entrypoints.http_server"
     app = FastAPI()
 
     @app.get("/health")
@@ -69,15 +72,17 @@ def create_stub(state: StubState, *, api_key: str | None, admin_api_key: str | N
             "speculative_draft_model_path": state.launch_draft,
             "weight_version": state.weight_version,
             "internal_states": [{}],  # no verify yet: no avg_spec_accept_length
-            "version": sglang_release.VERSION,
+            "version": wheel.version,
         }
 
-    @app.get("/get_weight_version")
-    async def weight_version() -> None:
-        raise HTTPException(status_code=404, detail="deprecated, use /model_info")
+    if ("GET", "/get_weight_version") in wheel.routes(http):
+
+        @app.get("/get_weight_version")
+        async def weight_version() -> None:
+            raise HTTPException(status_code=404, detail="deprecated, use /model_info")
 
     async def update_weights_from_disk(obj: Any) -> Any:
-        state.updates.append(dataclasses.asdict(obj))
+        state.updates.append(_as_dict(obj))
         success = obj.model_path in state.loadable
         if success and obj.weight_version is not None:
             state.weight_version = obj.weight_version
@@ -89,7 +94,12 @@ def create_stub(state: StubState, *, api_key: str | None, admin_api_key: str | N
         return JSONResponse(body, status_code=status)
 
     # SGLang's signature, `obj: UpdateWeightFromDiskReqInput`, with the released class
-    update_weights_from_disk.__annotations__["obj"] = update_input
+    from typing import Annotated
+
+    from fastapi import Body
+
+    body = Annotated[update_input, Body()] if wheel.msgspec else update_input
+    update_weights_from_disk.__annotations__["obj"] = body
     app.post("/update_weights_from_disk")(
         auth.auth_level(auth.AuthLevel.ADMIN_OPTIONAL)(update_weights_from_disk)
     )

@@ -1,17 +1,21 @@
-"""Every SGLang name TIDE relies on, checked against the released sglang==0.5.14 source.
+"""Every SGLang name TIDE relies on, checked against each supported released wheel.
 
-A rename in a future pin fails here, not in a production promotion. What is
-checked: the HTTP routes the fleet client calls and their auth levels, the
-fields of ``UpdateWeightFromDiskReqInput`` and of ``/model_info``, the auth
-rules (run from SGLang's own ``auth.py`` against TIDE's), the Prometheus names
-the reference engine shares with SGLang, the ``ServerArgs`` fields and flags
-behind ``sglang_launch_args``, the capture plugin's hook targets and their
-signatures, and the ``Req`` fields it reads. Then the fleet client against a
-stub made of SGLang's own request models and auth middleware, keys on.
+A rename in a release fails here, not in a production promotion. What is
+checked, per wheel (the ``sglang`` fixture: 0.5.14 and 0.5.23): what the plugin
+detects in it (:func:`~tide_lib.serving.sglang_api.detect`, the function the plugin
+runs at load), and that the detection bites on wheels edited to lack what the
+swap depends on; the HTTP routes the fleet client calls and their auth levels, the
+fields of ``UpdateWeightFromDiskReqInput`` and of ``/model_info``, the auth rules
+(run from SGLang's own ``auth.py`` against TIDE's), the Prometheus names the
+reference engine shares with SGLang, the ``ServerArgs`` fields behind
+``sglang_launch_args``, the hook targets the capture plugin uses, and the ``Req``
+fields it reads. Then the fleet client against a stub made of each wheel's own
+request models and auth middleware, keys on.
 """
 
 from __future__ import annotations
 
+import ast
 import itertools
 import re
 import sys
@@ -21,7 +25,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from tests.contract import sglang_release as release
+from tests.contract.sglang_release import Release
 from tests.contract.sglang_stub import StubServer, StubState, create_stub
 from tide_lib.serving import auth, sglang_plugin
 from tide_lib.serving.fleet import (
@@ -31,20 +35,80 @@ from tide_lib.serving.fleet import (
     RestartLauncher,
     sglang_launch_args,
 )
+from tide_lib.serving.sglang_api import (
+    BASE_SPEC,
+    SCHEDULER,
+    SUPPORTED_SGLANG_VERSIONS,
+    WORKER,
+    UnsupportedSGLangError,
+    detect,
+)
 
 HTTP = "sglang.srt.entrypoints.http_server"
 IO = "sglang.srt.managers.io_struct"
 
 
-@pytest.fixture(scope="module")
-def routes() -> dict[tuple[str, str], tuple[str, str | None]]:
-    return release.routes(HTTP)
+def test_each_wheel_is_its_release_and_the_plugin_reads_its_paths(sglang: Release) -> None:
+    version = sglang.module_file("sglang._version").read_text()
+    assert f"'{sglang.version}'" in version or f'"{sglang.version}"' in version
+    api = detect(sglang.tree)
+    assert api.version == sglang.version in SUPPORTED_SGLANG_VERSIONS
+    # 0.5.14: the worker loads its draft, the flush asserts; since 0.5.21/0.5.22 the draft
+    # runners' weight updaters load, the flush reports, the scheduler records the version
+    latest = sglang.version != "0.5.14"
+    assert api.draft_load == ("runners" if latest else "worker")
+    assert api.flush_reports is api.records_weight_version is api.msgspec_requests is latest
 
 
-def test_the_wheel_is_the_pinned_release() -> None:
-    version = release.module_file("sglang._version").read_text()
-    assert f'"{release.VERSION}"' in version or f"'{release.VERSION}'" in version
-    assert sglang_plugin.SUPPORTED_SGLANG_VERSION == release.VERSION
+@pytest.mark.parametrize(
+    ("module", "old", "new", "named"),
+    [
+        (  # the scheduler's dispatcher bypasses the manager the swap hooks
+            SCHEDULER,
+            "self.weight_updater.update_weights_from_disk",
+            "self.update_weights_from_disk",
+            "init_request_dispatcher",
+        ),
+        (
+            WORKER,
+            "self.draft_runner =",
+            "self.draft_model_runner =",
+            "EagleDraftWorker.draft_runner",
+        ),
+        ("sglang._version", "version = ", "version = '0.5.99' or ", "not a release TIDE supports"),
+    ],
+    ids=["dispatcher-bypass", "draft-runner-renamed", "unsupported-version"],
+)
+def test_a_wheel_edited_to_lack_what_the_swap_needs_is_refused_naming_it(
+    sglang: Release, module: str, old: str, new: str, named: str
+) -> None:
+    with pytest.raises(UnsupportedSGLangError, match=re.escape(named)):
+        detect(sglang.edited(module, old, new).tree)
+
+
+def test_a_latest_tree_without_weight_update_runners_is_refused_naming_it(sglang: Release) -> None:
+    if sglang.api.draft_load != "runners":
+        pytest.skip(f"sglang {sglang.version} loads drafts through the worker")
+    edited = sglang.edited(BASE_SPEC, "def weight_update_runners(", "def _no_runners(")
+    with pytest.raises(UnsupportedSGLangError, match=r"BaseSpecWorker\.weight_update_runners"):
+        detect(edited.tree)
+
+
+def test_the_manager_loads_the_target_first_which_is_why_drafts_are_hooked(
+    sglang: Release,
+) -> None:
+    """Stock SGLang's disk update reloads the target from ``model_path``: a draft sent
+    there without TIDE's hook would load into the target."""
+    updater = "sglang.srt.managers.scheduler_components.weight_updater"
+    manager = "SchedulerWeightUpdaterManager"
+    body = ast.unparse(sglang.method(updater, manager, "update_weights_from_disk"))
+    if sglang.api.draft_load == "runners":
+        assert "runner.weight_updater.update_weights_from_disk(recv_req.model_path" in body
+        select = ast.unparse(sglang.method(updater, manager, "_select_runners"))
+        assert 0 <= select.find("tp_worker") < select.find("draft_worker")  # target first
+    else:
+        target = body.find("self.tp_worker.update_weights_from_disk(recv_req)")
+        assert 0 <= target < body.find("self.draft_worker.update_weights_from_disk(recv_req)")
 
 
 @pytest.mark.parametrize(
@@ -58,27 +122,29 @@ def test_the_wheel_is_the_pinned_release() -> None:
     ],
 )
 def test_the_routes_the_fleet_calls_exist(
-    routes: dict[tuple[str, str], tuple[str, str | None]], method: str, path: str, level: str | None
+    sglang: Release, method: str, path: str, level: str | None
 ) -> None:
-    assert (method, path) in routes, f"sglang {release.VERSION} has no {method} {path}"
+    routes = sglang.routes(HTTP)
+    assert (method, path) in routes, f"sglang {sglang.version} has no {method} {path}"
     assert routes[(method, path)][1] == level
     assert (path in auth.ADMIN_ROUTES) == (level is not None)  # TIDE's engine agrees
 
 
-def test_get_weight_version_is_gone_and_model_info_carries_the_version() -> None:
-    body = release.function(HTTP, "weight_version")
-    raised = [n for n in body.body if type(n).__name__ == "Raise"]
-    assert raised and "404" in release.ast.unparse(raised[0])  # the fleet must not use it
+def test_get_weight_version_is_gone_and_model_info_carries_the_version(sglang: Release) -> None:
+    if ("GET", "/get_weight_version") in sglang.routes(HTTP):
+        body = sglang.function(HTTP, "weight_version")
+        raised = [n for n in body.body if isinstance(n, ast.Raise)]
+        assert raised and "404" in ast.unparse(raised[0])  # the fleet must not use it
     keys = {
         node.value
-        for node in release.ast.walk(release.function(HTTP, "model_info"))
-        if isinstance(node, release.ast.Constant)
+        for node in ast.walk(sglang.function(HTTP, "model_info"))
+        if isinstance(node, ast.Constant)
     }
     assert "weight_version" in keys
 
 
-def test_update_weights_request_has_the_fields_the_client_sends() -> None:
-    fields = release.dataclass_fields(IO, "UpdateWeightFromDiskReqInput")
+def test_update_weights_request_has_the_fields_the_client_sends(sglang: Release) -> None:
+    fields = sglang.dataclass_fields(IO, "UpdateWeightFromDiskReqInput")
     assert {"model_path", "weight_version"} <= fields
     assert "is_draft_model" not in fields  # dropped: a draft-only swap needs TIDE's plugin
     sent = _sent_update_fields()
@@ -95,21 +161,21 @@ def _sent_update_fields() -> set[str]:
     return set(re.findall(r'"(\w+)":', payload.group(1)))
 
 
-def test_tide_auth_decides_as_sglang_does() -> None:
-    sglang = release.load_file_module("sglang.srt.utils.auth")
+def test_tide_auth_decides_as_sglang_does(sglang: Release) -> None:
+    sglang_auth = sglang.load_file_module("sglang.srt.utils.auth")
     keys = [None, "k-api", "k-admin"]
     headers = [None, "Bearer k-api", "Bearer k-admin", "Bearer wrong", "Basic k-api"]
     paths = {
-        "/generate": sglang.AuthLevel.NORMAL,
-        "/model_info": sglang.AuthLevel.NORMAL,
-        "/update_weights_from_disk": sglang.AuthLevel.ADMIN_OPTIONAL,
-        "/health": sglang.AuthLevel.NORMAL,
-        "/metrics": sglang.AuthLevel.NORMAL,
+        "/generate": sglang_auth.AuthLevel.NORMAL,
+        "/model_info": sglang_auth.AuthLevel.NORMAL,
+        "/update_weights_from_disk": sglang_auth.AuthLevel.ADMIN_OPTIONAL,
+        "/health": sglang_auth.AuthLevel.NORMAL,
+        "/metrics": sglang_auth.AuthLevel.NORMAL,
     }
     for (path, level), api, admin, header in itertools.product(
         paths.items(), keys[:2], [None, "k-admin"], headers
     ):
-        theirs = sglang.decide_request_auth(
+        theirs = sglang_auth.decide_request_auth(
             method="GET",
             path=path,
             authorization_header=header,
@@ -122,8 +188,12 @@ def test_tide_auth_decides_as_sglang_does() -> None:
         )
         assert ours == theirs, (path, api, admin, header)
         # TIDE's default for admin routes is SGLang's stricter ADMIN_FORCE level.
-        force = sglang.AuthLevel.ADMIN_FORCE if level == sglang.AuthLevel.ADMIN_OPTIONAL else level
-        theirs_forced = sglang.decide_request_auth(
+        force = (
+            sglang_auth.AuthLevel.ADMIN_FORCE
+            if level == sglang_auth.AuthLevel.ADMIN_OPTIONAL
+            else level
+        )
+        theirs_forced = sglang_auth.decide_request_auth(
             method="GET",
             path=path,
             authorization_header=header,
@@ -143,7 +213,7 @@ def test_tide_auth_decides_as_sglang_does() -> None:
         sent = auth.bearer_for(
             path, SecretStr(api) if api else None, SecretStr(admin) if admin else None
         ).get("Authorization")
-        assert sglang.decide_request_auth(
+        assert sglang_auth.decide_request_auth(
             method="GET",
             path=path,
             authorization_header=sent,
@@ -153,8 +223,8 @@ def test_tide_auth_decides_as_sglang_does() -> None:
         ).allowed, f"the fleet client's header is refused on {path} ({api=}, {admin=})"
 
 
-def test_prometheus_names_shared_with_sglang_exist() -> None:
-    names = release.string_constants("sglang.srt.observability.metrics_collector")
+def test_prometheus_names_shared_with_sglang_exist(sglang: Release) -> None:
+    names = sglang.string_constants("sglang.srt.observability.metrics_collector")
     shared = {
         "sglang:prompt_tokens_total",
         "sglang:generation_tokens_total",
@@ -168,58 +238,57 @@ def test_prometheus_names_shared_with_sglang_exist() -> None:
     assert shared <= found, shared - found
 
 
-def test_launch_args_name_real_server_args() -> None:
-    fields = release.dataclass_fields("sglang.srt.server_args", "ServerArgs")
+def test_launch_args_name_real_server_args(sglang: Release) -> None:
+    fields = sglang.server_args_fields()
     flags = [arg for arg in sglang_launch_args("/t", "/d") if arg.startswith("--")]
     for flag in flags:
         assert flag[2:].replace("-", "_") in fields, f"ServerArgs has no field for {flag}"
     # the CLI flags are derived from the field names (dashes for underscores)
-    derive = release.module_file("sglang.srt.arg_groups.arg_utils").read_text()
+    derive = sglang.module_file("sglang.srt.arg_groups.arg_utils").read_text()
     assert 'replace("_", "-")' in derive
     assert {"api_key", "admin_api_key", "weight_version"} <= fields
 
 
-def test_plugin_hook_targets_and_signatures() -> None:
+def test_plugin_hook_targets_and_signatures(sglang: Release) -> None:
     module, _, qualified = sglang_plugin._LOGITS_TARGET.rpartition(".")
     module, _, class_name = module.rpartition(".")
-    forward = release.parameters(release.method(module, class_name, qualified))
+    forward = sglang.parameters(sglang.method(module, class_name, qualified))
     # _keep_final_states reads args[1] after (input_ids, hidden_states): logits_metadata
     assert forward[:5] == ["self", "input_ids", "hidden_states", "lm_head", "logits_metadata"]
     worker_module, _, worker = sglang_plugin._WORKER.rpartition(".")
-    generate = release.parameters(release.method(worker_module, worker, "forward_batch_generation"))
-    assert generate[:2] == ["self", "batch"]
-    update = release.parameters(release.method(worker_module, worker, "update_weights_from_disk"))
-    assert update == ["self", "recv_req"]
-    registry = release.class_def("sglang.srt.plugins.hook_registry", "HookRegistry")
+    generate = sglang.method(worker_module, worker, "forward_batch_generation")
+    assert sglang.parameters(generate)[:2] == ["self", "batch"]
+    registry = sglang.class_def("sglang.srt.plugins.hook_registry", "HookRegistry")
     assert any(getattr(node, "name", "") == "register" for node in registry.body)
 
 
-def test_the_label_hooks_match_sglang() -> None:
+def test_the_label_hooks_match_sglang(sglang: Release) -> None:
     """custom_labels reaches the tokenizer only; the tokenized request carries it over."""
-    assert "custom_labels" in release.dataclass_fields(IO, "GenerateReqInput")
-    assert "custom_labels" not in release.dataclass_fields(IO, "TokenizedGenerateReqInput")
-    for name in ("TokenizedGenerateReqInput", "BaseReq"):  # no slots: an attribute pickles along
-        decorators = release.class_def(IO, name).decorator_list
-        assert [release.ast.unparse(d) for d in decorators] == ["dataclass"], name
+    assert "custom_labels" in sglang.dataclass_fields(IO, "GenerateReqInput")
+    assert "custom_labels" not in sglang.dataclass_fields(IO, "TokenizedGenerateReqInput")
+    for name in ("TokenizedGenerateReqInput", "BaseReq"):
+        decorators = [ast.unparse(d) for d in sglang.class_def(IO, name).decorator_list]
+        # a dataclass without slots: an attribute pickles along (else sglang_labels' subclass)
+        assert decorators == ([] if sglang.msgspec else ["dataclass"]), name
     module, _, qualified = sglang_plugin._TOKENIZE_TARGET.rpartition(".")
     module, _, class_name = module.rpartition(".")
-    assert release.parameters(release.method(module, class_name, qualified))[:2] == ["self", "obj"]
+    assert sglang.parameters(sglang.method(module, class_name, qualified))[:2] == ["self", "obj"]
     module, _, qualified = sglang_plugin._RECEIVE_TARGET.rpartition(".")
     module, _, class_name = module.rpartition(".")
-    handler = release.method(module, class_name, qualified)
-    assert release.parameters(handler) == ["self", "recv_req"]
-    first_args = [  # Req(recv_req.rid, ...): the id capture looks the label up by
-        release.ast.unparse(node.args[0])
-        for node in release.ast.walk(handler)
-        if isinstance(node, release.ast.Call)
-        and release.ast.unparse(node.func) == "Req"
-        and node.args
+    assert sglang.parameters(sglang.method(module, class_name, qualified)) == ["self", "recv_req"]
+    # the scheduler's Req takes the request's id, which capture looks the label up by
+    scheduler = sglang.class_def(module, class_name)
+    builds = [
+        node
+        for node in ast.walk(scheduler)
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) in ("Req", "self._create_generation_req")
     ]
-    assert first_args and set(first_args) == {"recv_req.rid"}
+    assert any("recv_req.rid" in [ast.unparse(a) for a in node.args[:2]] for node in builds)
 
 
-def test_req_fields_the_plugin_reads() -> None:
-    fields = release.self_attributes("sglang.srt.managers.schedule_batch", "Req")
+def test_req_fields_the_plugin_reads(sglang: Release) -> None:
+    fields = sglang.self_attributes("sglang.srt.managers.schedule_batch", "Req")
     read = {
         "rid",
         "origin_input_ids",
@@ -230,35 +299,32 @@ def test_req_fields_the_plugin_reads() -> None:
         "finished_len",
     }
     assert read <= fields, read - fields
-    methods = release.class_def("sglang.srt.managers.schedule_batch", "Req").body
-    assert any(getattr(node, "name", "") == "finished" for node in methods)
+    assert sglang.has_method("sglang.srt.managers.schedule_batch", "Req", "finished")
 
 
-def test_sglang_own_requests_are_recognisable() -> None:
+def test_sglang_own_requests_are_recognisable(sglang: Release) -> None:
     """Health checks (rid prefix) and the warm-up prompt, which the plugin never captures."""
-    constants = release.module_ast("sglang.srt.constants")
+    constants = sglang.module_ast("sglang.srt.constants")
     assigned = {
         node.targets[0].id: node.value.value
         for node in constants.body
-        if isinstance(node, release.ast.Assign)
-        and isinstance(node.targets[0], release.ast.Name)
-        and isinstance(node.value, release.ast.Constant)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, ast.Constant)
     }
     assert assigned["HEALTH_CHECK_RID_PREFIX"] == sglang_plugin.HEALTH_CHECK_RID_PREFIX
-    warmup = release.function(HTTP, "_execute_server_warmup")
-    texts = {
-        node.value for node in release.ast.walk(warmup) if isinstance(node, release.ast.Constant)
-    }
+    warmup = sglang.function(HTTP, "_execute_server_warmup")
+    texts = {node.value for node in ast.walk(warmup) if isinstance(node, ast.Constant)}
     assert sglang_plugin.WARMUP_TEXT in texts
 
 
-def test_the_checker_catches_a_renamed_name() -> None:
+def test_the_checker_catches_a_renamed_name(sglang: Release) -> None:
     """The checks above can fail: a name SGLang does not have is reported."""
     with pytest.raises(AssertionError, match="has no method"):
-        release.method(IO, "UpdateWeightFromDiskReqInput", "renamed_method")
+        sglang.method(IO, "UpdateWeightFromDiskReqInput", "renamed_method")
     with pytest.raises(AssertionError, match="no class"):
-        release.class_def(IO, "UpdateWeightFromDiskReqInputRenamed")
-    fields = release.dataclass_fields(IO, "UpdateWeightFromDiskReqInput")
+        sglang.class_def(IO, "UpdateWeightFromDiskReqInputRenamed")
+    fields = sglang.dataclass_fields(IO, "UpdateWeightFromDiskReqInput")
     assert "is_draft_model_renamed" not in fields
 
 
@@ -266,9 +332,9 @@ def test_the_checker_catches_a_renamed_name() -> None:
 
 
 @pytest.fixture
-def stub() -> Iterator[tuple[StubServer, StubState]]:
+def stub(sglang: Release) -> Iterator[tuple[StubServer, StubState]]:
     state = StubState(loadable={"models:/tide-draft-tiny/2", "models:/tide-draft-tiny/1"})
-    server = StubServer(create_stub(state, api_key="k-api", admin_api_key="k-admin"))
+    server = StubServer(create_stub(state, api_key="k-api", admin_api_key="k-admin", wheel=sglang))
     yield server, state
     server.stop()
 
@@ -299,12 +365,14 @@ def test_the_client_needs_the_right_keys(stub: tuple[StubServer, StubState]) -> 
 
 
 def test_a_failed_promotion_ends_on_the_registry_champion(
-    stub: tuple[StubServer, StubState],
+    stub: tuple[StubServer, StubState], sglang: Release
 ) -> None:
     """The rollback target is the registry's champion, not /server_info's launch draft."""
     server, state = stub
     other_state = StubState(loadable={"models:/tide-draft-tiny/1"})  # cannot load v2
-    other = StubServer(create_stub(other_state, api_key="k-api", admin_api_key="k-admin"))
+    other = StubServer(
+        create_stub(other_state, api_key="k-api", admin_api_key="k-admin", wheel=sglang)
+    )
     try:
         fleet = FleetManager(
             [server.url, other.url], api_key=SecretStr("k-api"), admin_api_key=SecretStr("k-admin")
@@ -334,12 +402,14 @@ httpx.post(f"{url}/update_weights_from_disk", json={"model_path": draft, "weight
 
 
 def test_restart_rollout_relaunches_in_turn_and_rolls_back_the_same_way(
-    stub: tuple[StubServer, StubState], tmp_path: Path
+    stub: tuple[StubServer, StubState], tmp_path: Path, sglang: Release
 ) -> None:
     """For fleets without TIDE's plugin: each server relaunched with the new draft, in turn."""
     server, state = stub
     other_state = StubState(loadable={"models:/tide-draft-tiny/1", "models:/tide-draft-tiny/2"})
-    other = StubServer(create_stub(other_state, api_key="k-api", admin_api_key="k-admin"))
+    other = StubServer(
+        create_stub(other_state, api_key="k-api", admin_api_key="k-admin", wheel=sglang)
+    )
     script = tmp_path / "launcher.py"
     script.write_text(_LAUNCHER)
     keys = {"api_key": SecretStr("k-api"), "admin_api_key": SecretStr("k-admin")}
@@ -368,3 +438,30 @@ def test_restart_rollout_relaunches_in_turn_and_rolls_back_the_same_way(
         assert state.weight_version == other_state.weight_version == "tide-draft-tiny-v2"
     finally:
         other.stop()
+
+
+def test_the_fleet_refuses_a_hot_swap_on_an_sglang_the_plugin_does_not_support(
+    sglang: Release,
+) -> None:
+    """Stock SGLang of another release would load the draft into the target."""
+    state = StubState(loadable={"models:/tide-draft-tiny/2"})
+    newer = sglang.edited("sglang._version", "version = ", "version = '0.5.99' or ")
+    newer.version = "0.5.99"
+    server = StubServer(create_stub(state, api_key="k-api", admin_api_key="k-admin", wheel=newer))
+    try:
+        fleet = FleetManager(
+            [server.url], api_key=SecretStr("k-api"), admin_api_key=SecretStr("k-admin")
+        )
+        with pytest.raises(FleetError, match=r"runs sglang 0\.5\.99, which TIDE's plugin does not"):
+            fleet.promote("models:/tide-draft-tiny/2", "tide-draft-tiny-v2")
+        assert state.updates == []  # nothing was sent
+    finally:
+        server.stop()
+
+
+def test_the_docs_name_each_supported_release_and_its_launch_flags() -> None:
+    text = (Path(__file__).parents[2] / "docs" / "sglang.md").read_text()
+    for version in SUPPORTED_SGLANG_VERSIONS:
+        assert f"| {version} |" in text, f"docs/sglang.md has no row for sglang {version}"
+    for flag in [a for a in sglang_launch_args("/t", "/d", key_file="/k") if a.startswith("--")]:
+        assert flag in text, f"docs/sglang.md does not explain {flag}"

@@ -22,6 +22,7 @@ import yaml
 
 from tests.multihost.topology import AIRFLOW_ENV, ENGINE_ENV, HOSTS, TIDE_ENV, TRAINER_ENV
 from tide_lib.serving.fleet import sglang_launch_args
+from tide_lib.serving.sglang_api import SUPPORTED_SGLANG_VERSIONS
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 COMPOSE_FILE = DOCKER / "compose.yaml"
@@ -211,8 +212,9 @@ def test_dockerfiles_install_the_tested_pins() -> None:
         assert "requirements-nodeps.txt" in text  # SpecForge, --no-deps
     assert re.search(r"^ARG ROCM_PYTORCH_IMAGE=rocm/pytorch:\S+py3\.11", trainer, re.M)
     assert "torchrun" in trainer
-    assert re.search(r"^ARG SGLANG_IMAGE=lmsysorg/sglang:v0\.5\.14", engine, re.M)
-    assert "'0.5.14'" in engine and "sglang.srt.plugins" in engine
+    image = re.search(r"^ARG SGLANG_IMAGE=lmsysorg/sglang:v(\S+)$", engine, re.M)
+    assert image is not None and image.group(1) in SUPPORTED_SGLANG_VERSIONS
+    assert "detect(SourceTree.installed())" in engine and "sglang.srt.plugins" in engine
     airflow_services = [n for n in services if n.startswith("airflow-") and n != "airflow-init"]
     for name in airflow_services:
         expected = "trainer" if name == "airflow-worker-mi250" else "airflow"

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from tests.contract import sglang_release as release
+from tests.contract.sglang_release import Release
 from tests.contract.sglang_stub import StubServer, StubState, create_stub
 from tide_lib.serving.fleet import (
     FleetError,
@@ -174,7 +174,9 @@ def test_launch_args_listen_on_loopback_by_default() -> None:
     assert _value(sglang_launch_args("/t", "/d", host="0.0.0.0"), "--host") == "0.0.0.0"
 
 
-def test_keys_reach_sglang_through_its_config_file_never_argv(tmp_path: Path) -> None:
+def test_keys_reach_sglang_through_its_config_file_never_argv(
+    sglang: Release, tmp_path: Path
+) -> None:
     """Defect 5: keys go in SGLang's --config YAML (mode 0600), merged by SGLang's own
     ConfigArgumentMerger into --api-key/--admin-api-key inside the server process."""
     key_file = write_sglang_key_file(
@@ -186,12 +188,11 @@ def test_keys_reach_sglang_through_its_config_file_never_argv(tmp_path: Path) ->
     assert _value(args, "--config") == str(key_file)
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
 
-    # SGLang 0.5.14's launcher merges --config before parsing (prepare_server_args)
-    prepare = release.function("sglang.srt.server_args", "prepare_server_args")
+    # SGLang's launcher merges --config before parsing (prepare_server_args)
+    prepare = sglang.function("sglang.srt.server_args", "prepare_server_args")
     names = {getattr(node, "id", getattr(node, "value", None)) for node in ast.walk(prepare)}
     assert {"--config", "ConfigArgumentMerger"} <= names
-    fields = release.dataclass_fields("sglang.srt.server_args", "ServerArgs")
-    assert {"api_key", "admin_api_key"} <= fields
+    assert {"api_key", "admin_api_key"} <= sglang.server_args_fields()
 
     parser = argparse.ArgumentParser()
     for flag in [arg for arg in args[3:] if arg.startswith("--")] + [
@@ -202,7 +203,8 @@ def test_keys_reach_sglang_through_its_config_file_never_argv(tmp_path: Path) ->
             parser.add_argument(flag, action="store_true")
         else:
             parser.add_argument(flag)
-    merger = release.load_file_module("sglang.srt.server_args_config_parser")
+    parsers = ["sglang.srt.server_args_config_parser", "sglang.srt.utils.server_args_config_parser"]
+    merger = sglang.load_file_module(next(m for m in parsers if sglang.module_file(m).is_file()))
     merged = merger.ConfigArgumentMerger(parser).merge_config_with_args(args[3:])
     parsed = parser.parse_args(merged)
     assert (parsed.api_key, parsed.admin_api_key) == ("k-api", "k-admin")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import importlib.metadata
+import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -129,14 +131,31 @@ def test_chunked_prefill_prefix_cache_and_verify_blocks_land_as_the_target_compu
     assert (capture.captured, capture.skipped, capture.dropped) == (2, 0, 0)
 
 
-@dataclasses.dataclass
-class TokenizedRequest:
-    """A plain dataclass, as SGLang's ``TokenizedGenerateReqInput`` is (no slots)."""
-
-    rid: str
+def _tokenized(kind: type, rid: str) -> Any:
+    """A released ``TokenizedGenerateReqInput``, its required fields left empty."""
+    if dataclasses.is_dataclass(kind):
+        required = [
+            f.name
+            for f in dataclasses.fields(kind)
+            if f.init
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ]
+        return kind(**{name: None for name in required if name != "rid"}, rid=rid)
+    given: dict[str, Any] = {"rid": rid}
+    while True:  # a Struct names its missing arguments one at a time
+        try:
+            return kind(**given)
+        except TypeError as error:
+            missing = re.fullmatch(r"Missing required argument '(\w+)'", str(error))
+            if missing is None:
+                raise
+            given[missing.group(1)] = None
 
 
 def test_a_client_label_rides_from_the_tokenizer_to_the_record(
+    sglang: Any,
+    *,
     stack: TideConfig,
     lake_config: LakeConfig,
     lake_store: ObjectStore,
@@ -144,18 +163,32 @@ def test_a_client_label_rides_from_the_tokenizer_to_the_record(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``custom_labels`` stays in SGLang's tokenizer process: the hooks carry the segment
-    on the tokenized request (pickled, as ZMQ sends it) and note it in the scheduler."""
+    on the tokenized request of each release (an attribute on 0.5.14's dataclass, a
+    declared field of a subclass on 0.5.23's Struct), pickled as SGLang's IPC sends it,
+    and note it in the scheduler."""
     import pickle
 
+    from tide_lib.serving import sglang_labels
+
+    kind = sglang.request_models["TokenizedGenerateReqInput"]
+    monkeypatch.setattr(sglang_labels, "_base", lambda: kind)
+    monkeypatch.setattr(sglang_labels, "_pickled_ipc", lambda: True)
     ids, final, aux = true_states
     pending = sglang_plugin.PendingSegments()
     monkeypatch.setattr(sglang_plugin._Process, "segments", pending)
     for rid, labels in (("k", {"segment": "korean law"}), ("x", {"segment": "no/slashes"})):
         request = SimpleNamespace(rid=rid, custom_labels=labels)
-        tokenized = sglang_plugin._label_tokenized(TokenizedRequest(rid), object(), request, "")
+        tokenized = sglang_plugin._label_tokenized(_tokenized(kind, rid), object(), request, "")
+        assert isinstance(tokenized, kind)  # SGLang's dispatcher routes it as before
         sglang_plugin._note_segment(object(), pickle.loads(pickle.dumps(tokenized)))
-    sglang_plugin._note_segment(object(), TokenizedRequest("u"))  # no label at all
+    sglang_plugin._note_segment(object(), _tokenized(kind, "u"))  # no label at all
     assert len(pending) == 1  # the invalid label was dropped, the request still served
+    # msgpack IPC would refuse a type it does not know: the request goes unlabelled
+    monkeypatch.setattr(sglang_labels, "_pickled_ipc", lambda: False)
+    plain = _tokenized(kind, "m")
+    request = SimpleNamespace(rid="m", custom_labels={"segment": "korean law"})
+    labelled = sglang_plugin._label_tokenized(plain, object(), request, "")
+    assert labelled is plain and (sglang.msgspec or plain.tide_segment == "korean law")
 
     target = "sglang/labelled"
     capture = SGLangCapture(_config(stack, lake_config), target, "v1", NUM_STEPS, segments=pending)
@@ -254,7 +287,7 @@ def test_plugin_is_declared_to_sglang_and_off_unless_asked(
     monkeypatch.delenv(ENABLE_ENV, raising=False)
     sglang_plugin.register()  # off: registers nothing, needs no SGLang
     monkeypatch.setenv(ENABLE_ENV, "1")
-    with pytest.raises(RuntimeError, match=r"sglang==0\.5\.14"):
+    with pytest.raises(RuntimeError, match=r"install one of sglang 0\.5\.14, 0\.5\.23"):
         sglang_plugin.register()
 
 
@@ -368,3 +401,77 @@ def test_two_capturing_processes_on_one_host_spool_apart(
     own = sglang_plugin.process_spool(base, rank=0, pid=12345678)
     assert not orphan.exists()
     assert {p.name for p in own.iterdir()} == {"shard-1.parquet", "shard-1.json"}
+
+
+def _wheel_hook_registry(sglang: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The wheel's own ``HookRegistry`` (a self-contained file), importable as SGLang's."""
+    import sys
+    import types
+
+    hooks = sglang.load_file_module("sglang.srt.plugins.hook_registry")
+    for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", hooks)
+    monkeypatch.setattr(hooks.HookRegistry, "_hooks", collections.defaultdict(list))
+    return hooks.HookRegistry
+
+
+def test_the_plugin_loads_on_each_release_and_refuses_one_lacking_a_feature(
+    sglang: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tide_lib.serving.sglang_api import SCHEDULER, SourceTree
+    from tide_lib.serving.sglang_swap import MODEL_INFO_TARGET, SWAP_TARGET, DraftSwap
+
+    registry = _wheel_hook_registry(sglang, monkeypatch)
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    monkeypatch.setattr(SourceTree, "installed", classmethod(lambda _cls: sglang.tree))
+    sglang_plugin.register()
+    worker = f"{sglang_plugin._WORKER}.forward_batch_generation"
+    assert set(registry._hooks) == {
+        SWAP_TARGET,
+        MODEL_INFO_TARGET,
+        sglang_plugin._LOGITS_TARGET,
+        worker,
+        sglang_plugin._TOKENIZE_TARGET,
+        sglang_plugin._RECEIVE_TARGET,
+    }
+    [(_, swap, _)] = registry._hooks[SWAP_TARGET]
+    assert isinstance(swap, DraftSwap) and swap.api == sglang.api
+
+    registry._hooks.clear()
+    bypassed = sglang.edited(
+        SCHEDULER, "self.weight_updater.update_weights_from_disk", "self.update_weights_from_disk"
+    )
+    monkeypatch.setattr(SourceTree, "installed", classmethod(lambda _cls: bypassed.tree))
+    with caplog.at_level("ERROR", logger=sglang_plugin.__name__):
+        sglang_plugin.register()
+    assert "refuses to load" in caplog.text and "init_request_dispatcher" in caplog.text
+    [(_, guard, _)] = registry._hooks[SWAP_TARGET]  # only the guard that refuses drafts
+    assert list(registry._hooks) == [SWAP_TARGET] and not isinstance(guard, DraftSwap)
+
+
+def test_capture_finds_its_rank_and_dp_attention_where_the_release_keeps_them(
+    stack: TideConfig, lake_config: LakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0.5.14's worker has ``tp_rank``; 0.5.23's has not (the parallel state does), and
+    DP attention asked for by an attention DP size shows only in SGLang's own check."""
+    import sys
+    import types
+
+    state = {"rank": 1, "dp": False}
+    parallel = types.ModuleType("sglang.srt.distributed.parallel_state")
+    parallel.get_tensor_model_parallel_rank = lambda: state["rank"]  # type: ignore[attr-defined]
+    dp = types.ModuleType("sglang.srt.layers.dp_attention")
+    dp.is_dp_attention_enabled = lambda: state["dp"]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, parallel.__name__, parallel)
+    monkeypatch.setitem(sys.modules, dp.__name__, dp)
+    monkeypatch.setattr(sglang_plugin._Process, "capture", None)
+    monkeypatch.setenv("TIDE_LAKE__SPOOL_DIR", str(lake_config.spool_dir))
+    args = SimpleNamespace(enable_dp_attention=False, model_path="/m", tokenizer_path=None)
+    latest = SimpleNamespace(topk=1, server_args=args, speculative_num_steps=NUM_STEPS)
+    assert sglang_plugin._start_capture(latest) is None  # rank 1 of the parallel state
+    assert sglang_plugin._tp_rank(SimpleNamespace(tp_rank=0)) == 0  # 0.5.14's worker
+    state.update(rank=0, dp=True)
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    assert sglang_plugin._start_capture(latest) is None  # DP attention: capture refused
+    assert os.environ[ENABLE_ENV] == "0"

@@ -1,4 +1,4 @@
-"""Bearer-key auth with SGLang 0.5.14's semantics (``sglang/srt/utils/auth.py``).
+"""Bearer-key auth with SGLang's semantics (0.5.14 and 0.5.23 alike; ``sglang/srt/utils/auth.py``).
 
 The reference engine answers exactly as an SGLang server started with
 ``--api-key`` / ``--admin-api-key`` does, so the fleet client is tested against

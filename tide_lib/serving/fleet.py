@@ -1,6 +1,6 @@
 """The serving fleet as TIDE drives it: SGLang launch arguments, a client, and rollouts.
 
-Everything here speaks SGLang 0.5.14's HTTP API, with its bearer keys, so it
+Everything here speaks SGLang's HTTP API (0.5.14, 0.5.23), with its bearer keys, so it
 works the same against real SGLang servers and against TIDE's reference engine.
 A promotion updates one server at a time (``/update_weights_from_disk`` with a
 draft URI each server resolves itself), then checks that server's health,
@@ -42,6 +42,7 @@ from tide_lib.errors import TideError
 from tide_lib.serving.acceptance import AcceptanceCount
 from tide_lib.serving.auth import bearer_for
 from tide_lib.serving.k_policy import KChoice, recommend_k
+from tide_lib.serving.sglang_api import SUPPORTED_SGLANG_VERSIONS
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def sglang_launch_args(
     """``python -m sglang.launch_server`` arguments for an EAGLE3 server TIDE can manage.
 
     The server listens on loopback unless ``host`` says otherwise. Keys never go on
-    the command line, where ``ps`` shows them: SGLang 0.5.14 reads no key from the
+    the command line, where ``ps`` shows them: SGLang reads no key from the
     environment, but its ``--config <file.yaml>`` is merged into the options inside
     the server process, so ``key_file`` (written by :func:`write_sglang_key_file`)
     carries ``api-key``/``admin-api-key`` and the command line only its path.
@@ -134,13 +135,14 @@ class ServerState:
     avg_accept_length: float | None
     error: str | None = None
     speculative_num_steps: int | None = None  # k the server was launched with
+    sglang_version: str | None = None  # /server_info's version (absent: not SGLang)
 
 
 class EngineClient:
-    """One SGLang 0.5.14-compatible server, spoken to with its bearer keys.
+    """One SGLang server (a supported release) or TIDE's engine, spoken to with its bearer keys.
 
     The weight version comes from ``/model_info`` (``/get_weight_version`` answers
-    404 in 0.5.14), server state from ``/server_info``; each call has its own
+    404 in 0.5.14, gone in 0.5.23), server state from ``/server_info``; each call has its own
     timeout, and reads are retried on connection errors. Keys follow SGLang's
     rules: the API key on ordinary routes, the admin key (else the API key) on
     ``/update_weights_from_disk``.
@@ -237,6 +239,7 @@ class EngineClient:
                 weight_version=self.weight_version(),
                 avg_accept_length=float(accept) if accept is not None else None,
                 speculative_num_steps=int(steps) if steps is not None else None,
+                sglang_version=info.get("version"),
             )
         except (httpx.HTTPError, FleetError, ValueError, KeyError, TypeError) as error:
             return ServerState(self.url, False, None, None, None, error=str(error))
@@ -355,6 +358,7 @@ class FleetManager:
             raise FleetError("no servers given")
         self._launcher = launcher
         self._apply: Callable[[EngineClient, str, str], None] = launcher or _hot_swap
+        self._hot_swaps = launcher is None
         self.clients = [
             EngineClient(url, api_key=api_key, admin_api_key=admin_api_key) for url in urls
         ]
@@ -449,6 +453,7 @@ class FleetManager:
                     raise FleetError(
                         f"{client.url} is not healthy before the update: {before.error}"
                     )
+                self._check_swappable(before)
                 touched.append((client, before))
                 logger.info("promoting %s (%s) on %s", path, weight_version, client.url)
                 self._apply(client, path, weight_version)
@@ -464,6 +469,18 @@ class FleetManager:
             self._roll_back(touched, rollback_to)  # interrupted: still leave no mixed fleet
             raise
         return self.status()
+
+    def _check_swappable(self, state: ServerState) -> None:
+        """A hot swap only where TIDE's plugin runs: stock SGLang of a release the plugin
+        does not support would load the draft into the target."""
+        version = state.sglang_version
+        if self._hot_swaps and version is not None and version not in SUPPORTED_SGLANG_VERSIONS:
+            raise FleetError(
+                f"{state.url} runs sglang {version}, which TIDE's plugin does not support "
+                f"({', '.join(SUPPORTED_SGLANG_VERSIONS)}): a draft sent there would be "
+                "loaded into the target. Run a supported release, or roll out by restart "
+                "(fleet.rollout restart with fleet.restart_command)"
+            )
 
     @staticmethod
     def _check(

@@ -1,13 +1,18 @@
 """Capture inside a real SGLang server, as a plugin of SGLang's own plugin framework.
 
-Why a plugin and not a fork: SGLang 0.5.14 (the release SpecForge 0.2.0 pins) loads
-the entry points of group ``sglang.srt.plugins`` in every scheduler process and
-applies the hooks they register with its ``HookRegistry``. TIDE's package declares
-``tide_capture`` there, so a GPU host needs ``pip install tide sglang==0.5.14`` and
-``TIDE_SGLANG_CAPTURE=1``; nothing in SGLang is edited.
+Why a plugin and not a fork: SGLang (0.5.14 and 0.5.23, the releases of
+:data:`~tide_lib.serving.sglang_api.SUPPORTED_SGLANG_VERSIONS`) loads the entry points
+of group ``sglang.srt.plugins`` in every scheduler process and applies the hooks they
+register with its ``HookRegistry``. TIDE's package declares ``tide_capture`` there, so
+a GPU host needs ``pip install tide sglang==0.5.23`` and ``TIDE_SGLANG_CAPTURE=1``;
+nothing in SGLang is edited. What differs between releases is detected from the
+installed SGLang's source (:func:`~tide_lib.serving.sglang_api.detect`); an SGLang
+that lacks a feature, or is not a supported release, is refused at load with every
+missing feature named, and only a guard stays on: drafts sent to
+``/update_weights_from_disk`` are refused rather than loaded into the target.
 
 What is hooked (chain drafting, ``--speculative-eagle-topk 1``, the overlap worker
-``EAGLEWorkerV2`` that 0.5.14 uses for EAGLE3):
+``EAGLEWorkerV2`` both releases use for EAGLE3):
 
 - ``LogitsProcessor.forward`` of the *target*: when the batch captures all hidden
   states (target prefill and target verify), the final-layer states after the final
@@ -18,15 +23,14 @@ What is hooked (chain drafting, ``--speculative-eagle-topk 1``, the overlap work
   (``logits_output.hidden_states``, ``[tokens, 3H]``) and final states of every
   prompt token; after each verify, the ``[bs * num_draft_tokens]`` blocks and the
   accept lengths. Only GPU-side copies are made here; nothing waits on the GPU.
-- ``EAGLEWorkerV2.update_weights_from_disk``: the draft version written into records.
 - ``TokenizerManager._create_tokenized_object`` (the HTTP process) and
   ``Scheduler.handle_generate_request``: a request's ``custom_labels["segment"]``
   stays behind in the tokenizer (``TokenizedGenerateReqInput`` has no labels), so
-  the first hook carries it on the tokenized request, pickled to the scheduler,
-  and the second notes it by request id for the record.
+  the first hook carries it on the tokenized request (:mod:`.sglang_labels`) to the
+  scheduler, and the second notes it by request id for the record.
 - ``SchedulerWeightUpdaterManager.update_weights_from_disk`` (always, capture or
   not): a draft-only hot swap for drafts and draft URIs, see
-  :mod:`tide_lib.serving.sglang_swap`.
+  :mod:`tide_lib.serving.sglang_swap`; the version it swaps in is written into records.
 
 A background thread turns each finished request into a ``CapturedRecord``: it waits
 on a CUDA event, keeps the accepted rows of each verify block, applies the same
@@ -55,7 +59,6 @@ from __future__ import annotations
 
 __all__ = [
     "ENABLE_ENV",
-    "SUPPORTED_SGLANG_VERSION",
     "RequestStates",
     "SGLangCapture",
     "register",
@@ -80,26 +83,32 @@ from tide_lib.config import TideConfig
 from tide_lib.lake import CapturedRecord, LakeWriter, ObjectStore
 from tide_lib.lake.schema import SEGMENT_LABEL, segment_problem, target_limits
 from tide_lib.serving.capture import sampled, serves_well
+from tide_lib.serving.sglang_api import (
+    SUPPORTED_SGLANG_VERSIONS,
+    SourceTree,
+    UnsupportedSGLangError,
+    detect,
+)
+from tide_lib.serving.sglang_labels import SEGMENT_ATTRIBUTE, with_segment
 from tide_lib.serving.sglang_swap import (
     MODEL_INFO_TARGET,
     SWAP_TARGET,
-    draft_only_swap,
+    DraftSwap,
     keep_target_model_info,
+    refuse_draft_swaps,
 )
 from tide_lib.stack.manager import pid_alive
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_SGLANG_VERSION = "0.5.14"
 ENABLE_ENV = "TIDE_SGLANG_CAPTURE"
 FINAL_STATES_KEY = "tide_final_hidden"
 _LOGITS_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
 _WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
 _TOKENIZE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
 _RECEIVE_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
-SEGMENT_ATTRIBUTE = "tide_segment"  # set on TokenizedGenerateReqInput, pickled along with it
 _POLL_SECONDS = 0.5
-# Requests SGLang makes of itself, never traffic (names checked against 0.5.14 by tests/contract):
+# Requests SGLang makes of itself, never traffic (checked against each wheel by tests/contract):
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants, /health's one-token request
 WARMUP_TEXT = "The capital city of France is"  # http_server._execute_server_warmup's prompt
 
@@ -603,16 +612,38 @@ def _warmup_prompts(args: Any) -> set[tuple[int, ...]]:
         return set()
 
 
+def _tp_rank(worker: Any) -> int:
+    """This process's tensor-parallel rank (0.5.14's worker has it; later, the parallel state)."""
+    rank = getattr(worker, "tp_rank", None)
+    if rank is None:
+        from sglang.srt.distributed.parallel_state import (  # noqa: PLC0415
+            get_tensor_model_parallel_rank,
+        )
+
+        rank = get_tensor_model_parallel_rank()
+    return int(rank)
+
+
+def _dp_attention() -> bool:
+    """Is DP attention on, however it was asked for (a flag, or an attention DP size)?"""
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled  # noqa: PLC0415
+
+    return bool(is_dp_attention_enabled())
+
+
 def _start_capture(worker: Any) -> SGLangCapture | None:
-    if _Process.capture is not None or worker.tp_rank != 0:
+    if _Process.capture is not None:
         return _Process.capture
+    rank = _tp_rank(worker)
+    if rank != 0:
+        return None
     args = worker.server_args
-    if worker.topk != 1 or getattr(args, "enable_dp_attention", False):
+    if worker.topk != 1 or _dp_attention():
         logger.error("TIDE capture supports chain drafting without DP attention; capture is off")
         os.environ[ENABLE_ENV] = "0"
         return None
     config = TideConfig()
-    spool = process_spool(config.lake.spool_dir, worker.tp_rank)
+    spool = process_spool(config.lake.spool_dir, rank)
     config = config.model_copy(update={"lake": config.lake.model_copy(update={"spool_dir": spool})})
     target_id = config.serve.served_model_name or Path(args.model_path).name
     draft = args.speculative_draft_model_path or ""
@@ -663,9 +694,9 @@ def _label_tokenized(result: Any, _manager: Any, obj: Any, *args: Any, **kwargs:
         if segment is not None:
             problem = segment_problem(segment)
             if problem is None:
-                setattr(result, SEGMENT_ATTRIBUTE, segment)
-            else:  # the request is served; only its record goes unlabelled
-                logger.debug("request %s: %s; its record is unlabelled", obj.rid, problem)
+                return with_segment(result, segment)
+            # the request is served; only its record goes unlabelled
+            logger.debug("request %s: %s; its record is unlabelled", obj.rid, problem)
     except Exception:
         _hook_failed("label")
     return result
@@ -681,28 +712,24 @@ def _note_segment(_scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> 
         _hook_failed("label")
 
 
-def _note_draft_version(result: Any, worker: Any, recv_req: Any) -> Any:
-    try:
-        success = result[0] if isinstance(result, tuple) else False
-        if success and _Process.capture is not None:
-            _Process.capture.draft_version = (
-                getattr(recv_req, "weight_version", None) or Path(recv_req.model_path).name
-            )
-    except Exception:
-        _hook_failed("draft_version")
-    return result
+def _note_swapped_version(version: str) -> None:
+    """A draft swap succeeded in this process: records name the version that now serves."""
+    if _Process.capture is not None:
+        _Process.capture.draft_version = version
 
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point.
 
-    Always: the draft-only hot swap (:mod:`tide_lib.serving.sglang_swap`), which
-    leaves every non-draft ``update_weights_from_disk`` to SGLang. With
-    ``TIDE_SGLANG_CAPTURE=1``: the capture hooks.
+    Reads what the installed SGLang offers (:func:`~tide_lib.serving.sglang_api.detect`).
+    Supported: the draft-only hot swap (:mod:`tide_lib.serving.sglang_swap`), which leaves
+    every non-draft ``update_weights_from_disk`` to SGLang, and with
+    ``TIDE_SGLANG_CAPTURE=1`` the capture hooks. Not supported: an error that names
+    what is missing, and a guard that refuses drafts sent for a swap (SGLang would
+    load them into the target); serving is otherwise untouched.
     """
     capture = os.environ.get(ENABLE_ENV) == "1"
     try:
-        import sglang  # noqa: PLC0415
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: PLC0415
     except ImportError as error:
         if not capture:
@@ -710,26 +737,25 @@ def register() -> None:
             return
         raise RuntimeError(
             f"{ENABLE_ENV}=1 but SGLang's plugin framework is not importable ({error}); "
-            f"install sglang=={SUPPORTED_SGLANG_VERSION}"
+            f"install one of sglang {', '.join(SUPPORTED_SGLANG_VERSIONS)}"
         ) from error
-    version = getattr(sglang, "__version__", "unknown")
-    if version != SUPPORTED_SGLANG_VERSION:
+    try:
+        api = detect(SourceTree.installed())
+    except UnsupportedSGLangError as error:
         logger.error(
-            "TIDE's plugin is written against sglang %s, found %s: draft swap and capture are "
-            "off (serving is unaffected); pin sglang==%s",
-            SUPPORTED_SGLANG_VERSION,
-            version,
-            SUPPORTED_SGLANG_VERSION,
+            "TIDE's SGLang plugin refuses to load: %s. Draft swaps are refused; "
+            "capture is off; serving is otherwise unaffected",
+            error,
         )
+        HookRegistry.register(SWAP_TARGET, refuse_draft_swaps(str(error)), HookType.AROUND)
         return
-    HookRegistry.register(SWAP_TARGET, draft_only_swap, HookType.AROUND)
+    HookRegistry.register(SWAP_TARGET, DraftSwap(api, _note_swapped_version), HookType.AROUND)
     HookRegistry.register(MODEL_INFO_TARGET, keep_target_model_info, HookType.AROUND)
     if not capture:
         logger.info("TIDE capture off (set %s=1 to capture); draft-only swap on", ENABLE_ENV)
         return
-    worker = _WORKER
     HookRegistry.register(_LOGITS_TARGET, _keep_final_states, HookType.AROUND)
-    HookRegistry.register(f"{worker}.forward_batch_generation", _capture_batch, HookType.AROUND)
-    HookRegistry.register(f"{worker}.update_weights_from_disk", _note_draft_version, HookType.AFTER)
+    HookRegistry.register(f"{_WORKER}.forward_batch_generation", _capture_batch, HookType.AROUND)
     HookRegistry.register(_TOKENIZE_TARGET, _label_tokenized, HookType.AFTER)
     HookRegistry.register(_RECEIVE_TARGET, _note_segment, HookType.BEFORE)
+    logger.info("TIDE plugin on sglang %s: draft-only swap and capture on", api.version)
