@@ -86,11 +86,17 @@ def test_a_wheel_edited_to_lack_what_the_swap_needs_is_refused_naming_it(
         detect(sglang.edited(module, old, new).tree)
 
 
-def test_a_latest_tree_without_weight_update_runners_is_refused_naming_it(sglang: Release) -> None:
-    if sglang.api.draft_load != "runners":
-        pytest.skip(f"sglang {sglang.version} loads drafts through the worker")
-    edited = sglang.edited(BASE_SPEC, "def weight_update_runners(", "def _no_runners(")
-    with pytest.raises(UnsupportedSGLangError, match=r"BaseSpecWorker\.weight_update_runners"):
+def test_a_tree_without_its_draft_load_is_refused_naming_it(sglang: Release) -> None:
+    """0.5.23 edited to lack ``weight_update_runners``, 0.5.14 to lack its worker's load."""
+    if sglang.api.draft_load == "runners":
+        edited = sglang.edited(BASE_SPEC, "def weight_update_runners(", "def _no_runners(")
+    else:
+        edited = sglang.edited(
+            WORKER, "def update_weights_from_disk(self, recv_req", "def _gone(self, recv_req"
+        )
+    with pytest.raises(
+        UnsupportedSGLangError, match=r"lacks .*a draft-only load.*weight_update_runners"
+    ):
         detect(edited.tree)
 
 

@@ -292,6 +292,17 @@ def test_the_hook_refuses_what_the_engine_refuses(
     save_file(state, bad_dtype / "model.safetensors")
     out = shapes.swap(_not_called, shapes.manager(worker), make(model_path=str(bad_dtype)))
     assert not out.success and "fc.weight has dtype int32" in out.message
+    # tensors SGLang's EAGLE3 loader would skip silently, or load over the target's embedding
+    for extra, refusal in (
+        ("midlayer.extra_proj.weight", "not part of an EAGLE3 draft"),
+        ("embed_tokens.weight", "token embedding"),
+    ):
+        padded = shutil.copytree(tiny_drafts["ko"], tmp_path / f"extra-{extra}")
+        state = load_file(padded / "model.safetensors")
+        state[extra] = torch.zeros(2, 2)
+        save_file(state, padded / "model.safetensors")
+        out = shapes.swap(_not_called, shapes.manager(worker), make(model_path=str(padded)))
+        assert not out.success and refusal in out.message and extra in out.message
     outside = shutil.copytree(tiny_drafts["ko"], tmp_path.parent / f"outside-{uuid.uuid4().hex}")
     for path in (str(outside), "s3://elsewhere/drafts/ko", "models:/../x"):
         out = shapes.swap(_not_called, shapes.manager(worker), make(model_path=path))

@@ -80,7 +80,9 @@ class SourceTree:
         text = self.text(module)
         if text is None or old not in text:
             raise ValueError(f"{module} has no {old!r} to edit")
-        return SourceTree(self.root, {**self._edits, module: text.replace(old, new)})
+        edited = SourceTree(self.root, {**self._edits, module: text.replace(old, new)})
+        edited._parsed = {name: tree for name, tree in self._parsed.items() if name != module}
+        return edited
 
     def file(self, module: str) -> Path:
         return self.root / (module.replace(".", "/") + ".py")

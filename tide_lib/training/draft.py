@@ -358,6 +358,7 @@ def _read_tensors(
     try:
         with safe_open(str(weights_path), framework="pt") as handle:
             present = set(handle.keys())
+            _refuse_unknown(weights_path, present - set(expected))
             for key, shape in expected.items():
                 if key not in present:
                     raise InvalidCheckpointError(f"{weights_path}: tensor {key} is missing")
@@ -367,6 +368,24 @@ def _read_tensors(
         raise
     except Exception as error:  # safetensors raises its own error types for corrupt files
         raise InvalidCheckpointError(f"{weights_path} cannot be read: {error}") from error
+
+
+def _refuse_unknown(weights_path: Path, unknown: set[str]) -> None:
+    """An exported draft holds its own tensors and no more: SGLang's EAGLE3 loader skips
+    names it does not know silently, and the token embedding is the target's."""
+    if not unknown:
+        return
+    embedding = sorted(key for key in unknown if "embed" in key.lower())
+    if embedding:
+        raise InvalidCheckpointError(
+            f"{weights_path}: tensor {embedding[0]} is a token embedding; a draft uses the "
+            "target's and must not carry one (export it with tide's exporter)"
+        )
+    names = ", ".join(sorted(unknown)[:5])
+    raise InvalidCheckpointError(
+        f"{weights_path}: tensors {names} are not part of an EAGLE3 draft of this config "
+        "(SGLang would skip them silently)"
+    )
 
 
 def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int) -> None:
