@@ -57,7 +57,7 @@ def test_each_wheel_is_its_release_and_the_plugin_reads_its_paths(sglang: Releas
     # runners' weight updaters load, the flush reports, the scheduler records the version
     latest = sglang.version != "0.5.14"
     assert api.draft_load == ("runners" if latest else "worker")
-    assert api.flush_reports is api.records_weight_version is api.msgspec_requests is latest
+    assert api.flush_reports is api.records_weight_version is sglang.msgspec is latest
 
 
 @pytest.mark.parametrize(

@@ -86,7 +86,11 @@ class _Runner:
         self.loads: list[tuple[str, str, bool]] = []
 
     def update_weights_from_disk(
-        self, model_path: str, load_format: str, recapture_cuda_graph: bool = False
+        self,
+        model_path: str,
+        load_format: str,
+        weight_name_filter: Any = None,
+        recapture_cuda_graph: bool = False,
     ) -> tuple[bool, str]:
         self.loads.append((model_path, load_format, recapture_cuda_graph))
         d2t = load_file(Path(model_path) / "model.safetensors")["d2t"]
@@ -94,25 +98,42 @@ class _Runner:
         return True, LOADED
 
 
-class _DraftWorker:
-    """``EAGLEWorkerV2`` of 0.5.14: reloads ``draft_runner`` itself (the runner records
-    the loaded path as the server's model path)."""
+class _EagleDraft:
+    """``EagleDraftWorker``: the draft runner and the token map its CUDA graphs read."""
 
-    def __init__(self, hot_token_id: torch.Tensor, sealed: bool = False) -> None:
-        self._draft_worker = self
+    def __init__(self, hot_token_id: torch.Tensor, sealed: bool) -> None:
         self.hot_token_id = hot_token_id
         self.draft_runner = _Runner(hot_token_id, sealed)
+
+
+class _DraftWorker:
+    """``EAGLEWorkerV2`` of 0.5.14: reloads its draft worker's runner itself (the runner
+    records the loaded path as the server's model path). ``hot`` and ``runner`` are the
+    tests' handles on the inner draft worker, names SGLang does not have."""
+
+    def __init__(self, hot_token_id: torch.Tensor, sealed: bool = False) -> None:
+        self._draft_worker = _EagleDraft(hot_token_id, sealed)
         self.requests: list[Any] = []
 
     @property
+    def hot(self) -> torch.Tensor:
+        return self._draft_worker.hot_token_id
+
+    @property
+    def runner(self) -> _Runner:
+        return self._draft_worker.draft_runner
+
+    @property
     def loaded(self) -> list[tuple[str, str, bool]]:
-        return self.draft_runner.loads
+        return self.runner.loads
 
     def update_weights_from_disk(self, recv_req: Any) -> tuple[bool, str]:
         self.requests.append(recv_req)
-        self.draft_runner.server_args.model_path = recv_req.model_path  # as ModelRunner does
-        return self.draft_runner.update_weights_from_disk(
-            recv_req.model_path, recv_req.load_format, recv_req.recapture_cuda_graph
+        self.runner.server_args.model_path = recv_req.model_path  # as ModelRunner does
+        return self.runner.update_weights_from_disk(
+            recv_req.model_path,
+            recv_req.load_format,
+            recapture_cuda_graph=recv_req.recapture_cuda_graph,
         )
 
 
@@ -122,7 +143,7 @@ class _RunnersWorker(_DraftWorker):
     update_weights_from_disk = None  # type: ignore[assignment]
 
     def weight_update_runners(self) -> list[tuple[str, _Runner]]:
-        return [("draft", self.draft_runner)]
+        return [("draft", self.runner)]
 
 
 class _TargetWorker:
@@ -134,6 +155,7 @@ class _Manager:
     def __init__(self, api: SGLangApi, draft: _DraftWorker) -> None:
         self.api = api
         self.tp_worker = _TargetWorker()
+        self.tp_cpu_group = None  # one rank (the two-rank test gives it a gloo group)
         self.draft_worker = draft
         self.flushed = 0
         self.versions: list[str | None] = []
@@ -194,7 +216,7 @@ def test_a_draft_reloads_the_draft_worker_alone(
     shapes: _Shapes, tiny_drafts: dict[str, Path]
 ) -> None:
     worker = shapes.serving(tiny_drafts["en"])
-    graphs_read = worker.hot_token_id  # the tensor the draft CUDA graphs captured
+    graphs_read = worker.hot  # the tensor the draft CUDA graphs captured
     manager = shapes.manager(worker)
     request = shapes.request(model_path=str(tiny_drafts["ko"]), weight_version="tide-draft-tiny-v2")
     out = shapes.swap(_not_called, manager, request)
@@ -202,14 +224,14 @@ def test_a_draft_reloads_the_draft_worker_alone(
     # in-place loads keep the graphs valid; SGLang's recapture raises for an EAGLE draft runner
     [(path, _format, recapture)] = worker.loaded
     assert Path(path).resolve() == tiny_drafts["ko"].resolve() and recapture is False
-    assert worker.draft_runner.server_args.model_path == "/models/target"  # restored or untouched
+    assert worker.runner.server_args.model_path == "/models/target"  # restored or untouched
     if shapes.api.records_weight_version:  # the scheduler's own record (0.5.23)
         assert manager.versions == ["tide-draft-tiny-v2"]
     else:
         assert worker.requests[0].weight_version == "tide-draft-tiny-v2"
     assert shapes.swapped == ["tide-draft-tiny-v2"]  # capture names it in records
     ko = load_file(tiny_drafts["ko"] / "model.safetensors")["d2t"]
-    assert worker.hot_token_id is graphs_read  # refreshed in place, where the graphs read it
+    assert worker.hot is graphs_read  # refreshed in place, where the graphs read it
     assert torch.equal(graphs_read, ko + torch.arange(ko.shape[0]))
     assert manager.flushed == 1
 
@@ -235,7 +257,7 @@ def test_a_bad_or_mismatched_draft_is_refused_and_the_old_one_stays(
     broken = shutil.copytree(tiny_drafts["ko"], tmp_path / "broken")
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     worker = shapes.serving(tiny_drafts["en"])
-    before = worker.hot_token_id.clone()
+    before = worker.hot.clone()
     manager = shapes.manager(worker)
     make = shapes.request
     out = shapes.swap(_not_called, manager, make(model_path=str(broken)))
@@ -246,7 +268,7 @@ def test_a_bad_or_mismatched_draft_is_refused_and_the_old_one_stays(
     out = shapes.swap(_not_called, manager, make(model_path="s3://tide-lake/no/such/draft"))
     assert not out.success
     assert worker.loaded == [] and smaller.loaded == [] and manager.flushed == 0
-    assert torch.equal(worker.hot_token_id, before)
+    assert torch.equal(worker.hot, before)
 
 
 def test_a_draft_uri_is_fetched_on_this_host(
@@ -268,7 +290,7 @@ def test_a_draft_uri_is_fetched_on_this_host(
     out = shapes.swap(_not_called, shapes.manager(worker), request)
     assert out.success, out.message
     ko = load_file(tiny_drafts["ko"] / "model.safetensors")["d2t"]
-    assert torch.equal(worker.hot_token_id, ko + torch.arange(ko.shape[0]))
+    assert torch.equal(worker.hot, ko + torch.arange(ko.shape[0]))
     # one cached copy of this version, no temporary ones
     assert [p.name for p in (tmp_path / "scratch").iterdir()] == ["drafts"]
     assert len(list((tmp_path / "scratch" / "drafts").iterdir())) == 1
@@ -342,10 +364,10 @@ def test_an_error_inside_the_hook_never_reaches_the_scheduler(
     assert not out.success and "a bug in TIDE" in out.message
 
 
-def test_a_refused_flush_fails_the_swap_and_is_reported(
+def test_a_refused_flush_leaves_the_new_draft_and_is_reported(
     shapes: _Shapes, tiny_drafts: dict[str, Path]
 ) -> None:
-    """Requests still running: 0.5.14's flush asserts, 0.5.23's reports; the reply says so."""
+    """Requests still running: 0.5.14's flush asserts, 0.5.23's reports."""
     worker = shapes.serving(tiny_drafts["en"])
     manager = shapes.manager(worker)
     refused = "the cache was not flushed because requests are still running"
@@ -356,8 +378,13 @@ def test_a_refused_flush_fails_the_swap_and_is_reported(
         raise AssertionError(refused)
 
     manager.flush_cache_after_weight_update = flush  # type: ignore[method-assign]
-    out = shapes.swap(_not_called, manager, shapes.request(model_path=str(tiny_drafts["ko"])))
-    assert not out.success and refused in out.message
+    request = shapes.request(model_path=str(tiny_drafts["ko"]), weight_version="v2")
+    out = shapes.swap(_not_called, manager, request)
+    # the new draft serves (stale draft entries only cost acceptance); the reply says so
+    assert out.success and f"the cache was not flushed: {refused}" in out.message
+    ko = load_file(tiny_drafts["ko"] / "model.safetensors")["d2t"]
+    assert torch.equal(worker.hot, ko + torch.arange(ko.shape[0]))
+    assert manager.versions == (["v2"] if shapes.api.records_weight_version else [])
 
 
 def test_an_sglang_the_plugin_refuses_still_refuses_drafts(
@@ -406,30 +433,34 @@ def _rank(rank: int, version: str, port: int, drafts: dict[str, str], scratch: s
     sglang_swap._output_type = lambda: output  # type: ignore[assignment]
     shapes = _Shapes(wheel)
     worker = shapes.serving(Path(drafts["en"]))
-    object.__setattr__(
-        worker.draft_runner.server_args, "speculative_draft_model_path", drafts["en"]
-    )
+    object.__setattr__(worker.runner.server_args, "speculative_draft_model_path", drafts["en"])
     manager = shapes.manager(worker)
     manager.tp_cpu_group = dist.group.WORLD  # type: ignore[attr-defined]
-    before = worker.hot_token_id.clone()
+    before = worker.hot.clone()
     found: dict[str, Any] = {}
     real = sglang_swap._local_draft
     if rank == 1:  # 1: rank 1's copy of the new draft is corrupt on disk
         sglang_swap._local_draft = _corrupt_copy(real, Path(scratch))  # type: ignore[assignment]
     out = shapes.swap(_not_called, manager, shapes.request(model_path=drafts["ko"]))
-    found["corrupt"] = [out.success, out.message, torch.equal(worker.hot_token_id, before)]
+    found["corrupt"] = [out.success, out.message, torch.equal(worker.hot, before)]
     found["corrupt_loads"] = len(worker.loaded)
     sglang_swap._local_draft = real  # type: ignore[assignment]
     if rank == 1:  # 2: rank 1 cannot load it (rank 0 already has)
-        load = worker.draft_runner.update_weights_from_disk
+        load = worker.runner.update_weights_from_disk
 
         def failing(path: str, *args: Any, **kwargs: Any) -> tuple[bool, str]:
             return (False, "out of device memory") if "ko" in path else load(path, *args, **kwargs)
 
-        worker.draft_runner.update_weights_from_disk = failing  # type: ignore[method-assign]
+        worker.runner.update_weights_from_disk = failing  # type: ignore[method-assign]
     out = shapes.swap(_not_called, manager, shapes.request(model_path=drafts["ko"]))
-    found["load"] = [out.success, out.message, torch.equal(worker.hot_token_id, before)]
+    found["load"] = [out.success, out.message, torch.equal(worker.hot, before)]
     found["load_paths"] = [Path(path).name for path, _, _ in worker.loaded]
+    found["flushed_before"] = manager.flushed  # no rank flushed for a swap that failed
+    if rank == 1:
+        worker.runner.update_weights_from_disk = load  # type: ignore[method-assign]
+    out = shapes.swap(_not_called, manager, shapes.request(model_path=drafts["ko"]))
+    found["swap"] = [out.success, out.message, torch.equal(worker.hot, before)]
+    found["flushed"] = manager.flushed
     (Path(scratch) / f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
 
@@ -457,6 +488,9 @@ def test_two_tp_ranks_agree_and_every_failure_is_named(
         success, message, kept = found["load"]
         assert not success and kept, message  # the old draft serves on both
         assert "loading the draft failed on 1 of 2 ranks (rank 1: out of device memory)" in message
-        assert "previous draft" in message and "was reloaded" in message
-    assert ranks[0]["load_paths"] == [Path(drafts["ko"]).name, Path(drafts["en"]).name]
-    assert ranks[1]["load_paths"] == [Path(drafts["en"]).name]
+        assert "every rank reloaded the draft it served before" in message
+        assert found["flushed_before"] == 0
+        success, message, kept = found["swap"]  # then a swap every rank can make
+        assert success and not kept and found["flushed"] == 1, message
+    en, ko = Path(drafts["en"]).name, Path(drafts["ko"]).name
+    assert ranks[0]["load_paths"] == [ko, en] and ranks[1]["load_paths"] == [en]

@@ -1,4 +1,4 @@
-"""Bearer-key auth with SGLang's semantics (0.5.14 and 0.5.23 alike; ``sglang/srt/utils/auth.py``).
+"""Bearer-key auth with SGLang's semantics (``sglang/srt/utils/auth.py``, 0.5.14 and 0.5.23).
 
 The reference engine answers exactly as an SGLang server started with
 ``--api-key`` / ``--admin-api-key`` does, so the fleet client is tested against

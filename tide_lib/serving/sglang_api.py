@@ -174,8 +174,6 @@ class SGLangApi:
     flush_reports: bool
     """``flush_cache_after_weight_update(recv_req, success, message) -> (success, message)``
     (else ``(recv_req)``, asserting on failure)"""
-    msgspec_requests: bool
-    """request types are keyword-only ``msgspec`` Structs (else dataclasses)"""
     records_weight_version: bool
     """the manager records the loaded version (``record_weight_version_after_update``)"""
 
@@ -215,9 +213,11 @@ _NEEDS = [
         UPDATER, "SchedulerWeightUpdaterManager", "update_weights_from_disk", ["self", "recv_req"]
     ),
     _Need(
-        "SchedulerWeightUpdaterManager fields tp_worker and draft_worker",
+        "SchedulerWeightUpdaterManager fields tp_worker, draft_worker and tp_cpu_group (the "
+        "group TP ranks agree on a swap over)",
         lambda t: (
-            {"tp_worker", "draft_worker"} <= t.fields(UPDATER, "SchedulerWeightUpdaterManager")
+            {"tp_worker", "draft_worker", "tp_cpu_group"}
+            <= t.fields(UPDATER, "SchedulerWeightUpdaterManager")
         ),
     ),
     _Need(
@@ -321,7 +321,6 @@ def detect(tree: SourceTree) -> SGLangApi:
         version=version,
         draft_load=draft_load,
         flush_reports=flush_reports,
-        msgspec_requests="msgspec.Struct" in tree.bases(IO, "BaseReq"),
         records_weight_version=tree.method(
             UPDATER, "SchedulerWeightUpdaterManager", "record_weight_version_after_update"
         )

@@ -68,8 +68,11 @@ def with_segment(request: Any, segment: str) -> Any:
     if dataclasses.is_dataclass(request):
         setattr(request, SEGMENT_ATTRIBUTE, segment)
         return request
-    if not _pickled_ipc():
-        logger.debug("msgpack IPC: request %s goes unlabelled", getattr(request, "rid", "?"))
+    if not _pickled_ipc() or type(request) is not _base():
+        # msgpack IPC refuses unknown tags; a type SGLang derived itself would not pickle
+        # by our name: the request is served, its record goes unlabelled
+        logger.debug("request %s goes unlabelled", getattr(request, "rid", "?"))
         return request
-    fields = {name: getattr(request, name) for name in request.__struct_fields__}
+    names: tuple[str, ...] = getattr(type(request), "__struct_fields__", ())
+    fields = {name: getattr(request, name) for name in names}
     return labelled_type(type(request))(**fields, **{SEGMENT_ATTRIBUTE: segment})

@@ -86,7 +86,6 @@ from tide_lib.serving.capture import sampled, serves_well
 from tide_lib.serving.sglang_api import (
     SUPPORTED_SGLANG_VERSIONS,
     SourceTree,
-    UnsupportedSGLangError,
     detect,
 )
 from tide_lib.serving.sglang_labels import SEGMENT_ATTRIBUTE, with_segment
@@ -741,7 +740,7 @@ def register() -> None:
         ) from error
     try:
         api = detect(SourceTree.installed())
-    except UnsupportedSGLangError as error:
+    except Exception as error:  # unsupported, or TIDE's own failure: fail closed
         logger.error(
             "TIDE's SGLang plugin refuses to load: %s. Draft swaps are refused; "
             "capture is off; serving is otherwise unaffected",

@@ -100,10 +100,17 @@ def _draft_target(manager: Any) -> Any:
 
 
 def _startup_draft(manager: Any) -> str | None:
-    worker = getattr(manager, "draft_worker", None)
-    draft = getattr(worker, "_draft_worker", worker)
-    args = getattr(getattr(draft, "draft_runner", None), "server_args", None)
-    path = getattr(args, "speculative_draft_model_path", None)
+    """The draft the server was launched with: the resolved value where SGLang keeps one
+    (0.5.23's runtime context; its ``server_args`` hold the operator's raw input)."""
+    try:
+        from sglang.srt.runtime_context import get_context  # noqa: PLC0415
+
+        path = get_context().config_leaf("speculative_draft_model_path")
+    except Exception:  # 0.5.14 (no runtime context), or nothing published
+        worker = getattr(manager, "draft_worker", None)
+        draft = getattr(worker, "_draft_worker", worker)
+        args = getattr(getattr(draft, "draft_runner", None), "server_args", None)
+        path = getattr(args, "speculative_draft_model_path", None)
     return str(path) if path else None
 
 
@@ -190,15 +197,26 @@ def _check_swappable(manager: Any, local: Path) -> None:
 
 
 def _swap(api: SGLangApi, manager: Any, recv_req: Any, local: Path) -> tuple[bool, str]:
+    """Load ``local`` into this rank's draft and refresh its token map (nothing shared
+    yet: the cache and the weight version follow once every rank loaded)."""
     worker = manager.draft_worker
     success, message = _load_draft(api, worker, recv_req, local)
-    if not success:
-        return False, message
-    _refresh_hot_tokens(worker)
-    flushed, flush_message = _flush(api, manager, recv_req)
+    if success:
+        _refresh_hot_tokens(worker)
+    return success, message
+
+
+def _settle(api: SGLangApi, manager: Any, recv_req: Any, message: str) -> str:
+    """Every rank loaded: flush the cache the old draft filled and record the version.
+    A refused flush leaves the new draft serving (stale draft entries only cost
+    acceptance until they age out); the reply says so."""
     if api.records_weight_version and recv_req.weight_version is not None:
         manager.record_weight_version_after_update(recv_req.weight_version)
-    return flushed, message if flushed else flush_message
+    flushed, flush_message = _flush(api, manager, recv_req)
+    if flushed:
+        return message
+    logger.warning("draft swapped in, cache not flushed: %s", flush_message)
+    return f"{message} (the cache was not flushed: {flush_message})"
 
 
 def keep_target_model_info(
@@ -250,7 +268,12 @@ class DraftSwap:
         self, original: Any, manager: Any, recv_req: Any, *args: Any, **kwargs: Any
     ) -> Any:
         path = str(recv_req.model_path)
-        if not is_draft_reference(path):
+        try:
+            draft = _agreed_draft_reference(getattr(manager, "tp_cpu_group", None), path)
+        except DraftSwapError as error:
+            logger.error("update to %s refused: %s", path, error)
+            return self._output(False, f"TIDE refused {path}: {error}")
+        if not draft:
             return original(manager, recv_req, *args, **kwargs)
         try:
             message = self._fetch_validate_swap(manager, recv_req, path)
@@ -267,7 +290,10 @@ class DraftSwap:
         self._serving = (path, str(recv_req.weight_version or path))
         logger.info("serving draft %s (%s); the target was not touched", path, version)
         if self.on_swapped is not None:
-            self.on_swapped(version)
+            try:
+                self.on_swapped(version)
+            except Exception:  # capture's bookkeeping never fails a swap that happened
+                logger.exception("noting draft version %s failed", version)
         return self._output(True, message)
 
     def _fetch_validate_swap(self, manager: Any, recv_req: Any, path: str) -> str:
@@ -293,27 +319,32 @@ class DraftSwap:
             try:
                 _agree(group, problem, "loading the draft")
             except DraftSwapError as failed:
-                restored = self._restore(manager, recv_req)
+                problem = self._restore(manager, recv_req)
+                try:
+                    _agree(group, problem, "reloading the previous draft")
+                    restored = "every rank reloaded the draft it served before"
+                except DraftSwapError as unrestored:
+                    restored = f"{unrestored}: restart those servers"
                 raise _LoadFailedError(f"{failed}; {restored}") from failed  # drops the download
-        return message
+        return _settle(self.api, manager, recv_req, message)
 
-    def _restore(self, manager: Any, recv_req: Any) -> str:
+    def _restore(self, manager: Any, recv_req: Any) -> str | None:
         """Reload the draft this rank served before a failed load (SGLang's own recovery
-        may re-read the bad checkpoint); what happened, for the reply."""
-        previous = self._serving or (_startup_draft(manager) or "", "")
-        path, version = previous
+        may re-read the bad checkpoint); None when it serves again, else why not."""
+        path, version = self._serving or (_startup_draft(manager) or "", "")
         if not path:
-            return "no previous draft is known on this rank: restart it"
+            return "no previous draft is known"
         try:
             with _local_draft(manager, path, version or path) as local:
                 success, message = _load_draft(self.api, manager.draft_worker, recv_req, local)
             if success:
                 _refresh_hot_tokens(manager.draft_worker)
-                return f"the previous draft {path} was reloaded"
+                logger.info("reloaded the previous draft %s", path)
+                return None
         except Exception as error:
             message = _reason(error)
         logger.error("reloading the previous draft %s failed: %s", path, message)
-        return f"reloading the previous draft {path} failed ({message}): restart this server"
+        return f"{path}: {message}"
 
 
 def _reason(error: BaseException) -> str:
@@ -326,6 +357,25 @@ def _reason(error: BaseException) -> str:
         logger.exception("draft swap failed inside TIDE's plugin")
         return repr(error)
     return str(error)
+
+
+def _agreed_draft_reference(group: Any, path: str) -> bool:
+    """Is ``path`` a draft, as every TP rank sees it? A rank that cannot see a local
+    draft directory would run SGLang's own load while the others wait on TIDE's."""
+    draft = is_draft_reference(path)
+    if group is None:
+        return draft
+    import torch.distributed as dist  # noqa: PLC0415
+
+    seen: list[bool | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, draft, group=group)
+    if len(set(seen)) > 1:
+        drafts = [rank for rank, value in enumerate(seen) if value]
+        raise DraftSwapError(
+            f"only ranks {drafts} of {len(seen)} see a draft at {path}: every TP rank must "
+            "see the same path (a URI, or a directory on every node)"
+        )
+    return draft
 
 
 def _agree(group: Any, problem: str | None, step: str) -> None:
