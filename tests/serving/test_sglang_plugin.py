@@ -451,12 +451,15 @@ def test_the_plugin_loads_on_each_release_and_refuses_one_lacking_a_feature(
 
 
 def test_capture_finds_its_rank_and_dp_attention_where_the_release_keeps_them(
-    stack: TideConfig, lake_config: LakeConfig, monkeypatch: pytest.MonkeyPatch
+    sglang: Any, lake_config: LakeConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """0.5.14's worker has ``tp_rank``; 0.5.23's has not (the parallel state does), and
-    DP attention asked for by an attention DP size shows only in SGLang's own check."""
+    """A worker shaped as each wheel's ``EAGLEWorkerV2`` (the attributes its source sets):
+    0.5.14's has ``tp_rank``, 0.5.23's has not (the parallel state has it); DP attention
+    asked for by an attention DP size shows only in SGLang's own check."""
     import sys
     import types
+
+    from tide_lib.serving.sglang_api import WORKER
 
     state = {"rank": 1, "dp": False}
     parallel = types.ModuleType("sglang.srt.distributed.parallel_state")
@@ -468,10 +471,23 @@ def test_capture_finds_its_rank_and_dp_attention_where_the_release_keeps_them(
     monkeypatch.setattr(sglang_plugin._Process, "capture", None)
     monkeypatch.setenv("TIDE_LAKE__SPOOL_DIR", str(lake_config.spool_dir))
     args = SimpleNamespace(enable_dp_attention=False, model_path="/m", tokenizer_path=None)
-    latest = SimpleNamespace(topk=1, server_args=args, speculative_num_steps=NUM_STEPS)
-    assert sglang_plugin._start_capture(latest) is None  # rank 1 of the parallel state
-    assert sglang_plugin._tp_rank(SimpleNamespace(tp_rank=0)) == 0  # 0.5.14's worker
+    wheel = sglang.self_attributes(WORKER, "EAGLEWorkerV2")
+    read = {"topk", "server_args", "speculative_num_steps", "speculative_num_draft_tokens"}
+    assert read <= wheel, read - wheel  # what capture reads of the worker
+    shaped = {
+        "topk": 1,
+        "server_args": args,
+        "speculative_num_steps": NUM_STEPS,
+        "speculative_num_draft_tokens": DRAFT_TOKENS,
+        "tp_rank": 1,
+    }
+    worker = SimpleNamespace(**{name: value for name, value in shaped.items() if name in wheel})
+    assert hasattr(worker, "tp_rank") is (sglang.version == "0.5.14")
+    assert sglang_plugin._tp_rank(worker) == 1
+    assert sglang_plugin._start_capture(worker) is None  # rank 1 never captures
     state.update(rank=0, dp=True)
+    if hasattr(worker, "tp_rank"):
+        worker.tp_rank = 0
     monkeypatch.setenv(ENABLE_ENV, "1")
-    assert sglang_plugin._start_capture(latest) is None  # DP attention: capture refused
+    assert sglang_plugin._start_capture(worker) is None  # DP attention: capture refused
     assert os.environ[ENABLE_ENV] == "0"
