@@ -270,7 +270,7 @@ class DraftSwap:
         path = str(recv_req.model_path)
         try:
             draft = _agreed_draft_reference(getattr(manager, "tp_cpu_group", None), path)
-        except DraftSwapError as error:
+        except Exception as error:  # ranks disagree, or their group failed: nothing loads
             logger.error("update to %s refused: %s", path, error)
             return self._output(False, f"TIDE refused {path}: {error}")
         if not draft:
